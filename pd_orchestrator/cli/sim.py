@@ -1,0 +1,85 @@
+"""``pd-orchestrator sim``: run one simulated vLLM instance."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import anyio
+
+from pd_orchestrator.sim.options import SimOptions
+from pd_orchestrator.sim.profiles import PROFILES
+
+__all__ = ["add_parser", "options_from_args", "run"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "sim",
+        help="run a simulated vLLM instance",
+        description="A vLLM-faithful simulated instance: prefix caching, the cache-hit "
+        "threshold, NIXL-style KV hand-over, continuous batching with preemption, and "
+        "the H200/MI325X latency model.",
+    )
+    add = parser.add_argument
+    add("--host", default="127.0.0.1")
+    add("--port", type=int, default=8100, help="0 picks a free port (announced on stdout)")
+    add("--model", default=None, help="served model name (default: the profile's model)")
+    add("--profile", default="h200-llama3-8b", choices=sorted(PROFILES))
+    add("--time-scale", type=float, default=1.0, help="1 is real time, 0 removes delays")
+    add("--block-size", type=int, default=16)
+    add("--num-kv-blocks", type=int, default=None, help="default: profile capacity")
+    add("--max-num-seqs", type=int, default=256)
+    add("--max-num-batched-tokens", type=int, default=8192)
+    add("--max-model-len", type=int, default=131_072)
+    add("--global-cache-hit-threshold", type=float, default=0.0)
+    add("--kv-connector", choices=["nixl", "example", "none"], default="none")
+    add("--engine-id", default=None)
+    add("--seed", type=int, default=0, help="generation seed")
+    add("--hash-seed", default="0", help="prefix-cache hash seed (vLLM's PYTHONHASHSEED)")
+    add("--lease-seconds", type=float, default=30.0, help="how long produced KV is held")
+    add("--kv-shared-dir", type=Path, default=None, help="storage of the example connector")
+    add("--kv-load-failure-policy", choices=["fail", "recompute"], default="fail")
+    add("--side-channel-host", default=None, help="host advertised in kv_transfer_params")
+    add("--failure-rate", type=float, default=0.0, help="fraction of requests answered 500")
+    add("--drop-after-tokens", type=int, default=None, help="drop streams after N tokens")
+    add("--kv-events-endpoint", default=None, help="ZMQ endpoint to publish KV events on")
+    parser.set_defaults(handler=run)
+
+
+def options_from_args(args: argparse.Namespace) -> SimOptions:
+    return SimOptions(
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        profile=args.profile,
+        time_scale=args.time_scale,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        global_cache_hit_threshold=args.global_cache_hit_threshold,
+        kv_connector=args.kv_connector,
+        engine_id=args.engine_id,
+        seed=args.seed,
+        hash_seed=args.hash_seed,
+        lease_seconds=args.lease_seconds,
+        kv_shared_dir=args.kv_shared_dir,
+        kv_load_failure_policy=args.kv_load_failure_policy,
+        side_channel_host=args.side_channel_host,
+        failure_rate=args.failure_rate,
+        drop_after_tokens=args.drop_after_tokens,
+        kv_events_endpoint=args.kv_events_endpoint,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from pd_orchestrator.sim.server import serve
+
+    try:
+        options = options_from_args(args)
+    except (ValueError, KeyError) as exc:
+        raise SystemExit(f"pd-orchestrator sim: {exc}") from None
+    anyio.run(serve, options)
+    return 0

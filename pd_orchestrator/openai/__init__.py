@@ -1,0 +1,1 @@
+"""OpenAI/vLLM wire formats shared by the simulator and the gateway."""

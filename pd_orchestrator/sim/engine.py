@@ -1,0 +1,580 @@
+"""The simulator's engine: one vLLM instance as a pure state machine.
+
+No I/O and no clock of its own: a driver calls :meth:`Engine.step` with the current
+time, waits ``StepResult.duration`` (real or virtual seconds), then delivers the
+step's outputs. The HTTP server drives it in real time; a fleet simulator can drive
+many engines in virtual time.
+
+Scheduling follows vLLM's v1 scheduler:
+
+1. Running requests first, in admission order: a decoding request needs one token,
+   a prefilling one the rest of its prompt up to the step's token budget
+   (``max_num_batched_tokens``, chunked prefill). When no block can be allocated,
+   the most recently admitted running request is preempted: its blocks are freed
+   (their cached hashes stay until evicted), ``num_computed`` drops to 0 and it
+   goes back to the head of the waiting queue with the tokens it generated.
+2. Then, if nothing was preempted, waiting requests in FCFS order while fewer than
+   ``max_num_seqs`` run. For each: local hit = longest cached prefix of full blocks
+   (capped at ``num_tokens - 1``); external hit = tokens the KV connector can load
+   beyond it. The cache-hit threshold (RFC 24256) is checked here, before any
+   allocation: ``(local + external) / num_tokens < threshold`` finishes the request
+   with ``cache_threshold`` (a resumed request returns what it generated so far).
+   The check runs at every admission attempt: a request blocked on memory is
+   checked again next step. A request that then does not fit stays waiting.
+3. Scheduled tokens are computed; newly full blocks enter the prefix cache (decode
+   blocks too); a request whose every token is computed samples its next token.
+
+Threshold resolution: per-request value, else the engine's global value; ignored
+(treated as 0) for producer requests (``do_remote_decode``). An empty token
+sequence has hit ratio 1.0 (nothing to compute), so it is never rejected.
+
+A finished producer request that ended by length keeps its blocks referenced under
+a lease until :meth:`Engine.release` (a consumer pulled them) or expiry.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pd_orchestrator.sim.blocks import BlockHasher, BlockPool
+from pd_orchestrator.sim.generation import advance, advance_all, initial_state, next_token
+from pd_orchestrator.sim.profiles import LatencyProfile
+from pd_orchestrator.sim.tokenizer import EOS_TOKEN_ID
+
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "EngineRequest",
+    "EngineStats",
+    "ExternalKV",
+    "FinishReason",
+    "HeldTransfer",
+    "RequestOutput",
+    "SamplingSpec",
+    "StepResult",
+    "hit_ratio",
+]
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request finished (the OpenAI ``finish_reason`` strings)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    CACHE_THRESHOLD = "cache_threshold"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSpec:
+    """The sampling fields the simulator honours (output is always deterministic)."""
+
+    max_tokens: int
+    min_tokens: int = 0
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One request as the engine sees it.
+
+    ``external_tokens`` is what a pull-based connector (NIXL) already fetched for
+    this request: the number of leading prompt tokens whose KV is loadable.
+    """
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    sampling: SamplingSpec
+    cache_hit_threshold: float | None = None
+    do_remote_decode: bool = False
+    external_tokens: int = 0
+    force_reject: bool = False
+    extra_keys: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HeldTransfer:
+    """KV blocks a producer holds for a consumer to pull."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[bytes, ...]
+    num_tokens: int
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_external_tokens: int
+    num_output_tokens: int
+    transfer: HeldTransfer | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """A step's duration in (unscaled) seconds and its outputs."""
+
+    duration: float
+    outputs: tuple[RequestOutput, ...]
+    progressed: bool
+
+
+class ExternalKV(Protocol):
+    """A KV connector's view for the engine: what can be loaded, what to save."""
+
+    def loadable_tokens(self, request: EngineRequest, block_hashes: Sequence[bytes]) -> int:
+        """Leading tokens of ``request`` whose KV the connector can load."""
+        ...
+
+    def save(self, request: EngineRequest, block_hashes: Sequence[bytes]) -> None:
+        """Called once a request's prompt is fully computed."""
+        ...
+
+
+class _PulledOnly:
+    """Connector view for NIXL-style pulls: only what the driver already fetched."""
+
+    def loadable_tokens(self, request: EngineRequest, block_hashes: Sequence[bytes]) -> int:
+        return request.external_tokens
+
+    def save(self, request: EngineRequest, block_hashes: Sequence[bytes]) -> None:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Static engine settings."""
+
+    profile: LatencyProfile
+    model: str
+    block_size: int = 16
+    num_kv_blocks: int = 4096
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    global_cache_hit_threshold: float = 0.0
+    seed: int = 0
+    hash_seed: str = "0"
+    lease_seconds: float = 30.0
+    record_events: bool = False
+    kv_connector: str | None = None
+
+
+@dataclass
+class EngineStats:
+    """Monotonic counters, read by the metrics exporter."""
+
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    external_queries: int = 0
+    external_hits: int = 0
+    preemptions: int = 0
+    threshold_rejections_admission: int = 0
+    threshold_rejections_preemption: int = 0
+    prompt_tokens: int = 0
+    prefill_computed_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+
+
+class _Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+
+
+@dataclass(eq=False)
+class _Req:
+    spec: EngineRequest
+    tokens: list[int]
+    num_prompt: int
+    state: int
+    hashes: list[bytes]
+    admit_seq: int = -1
+    status: _Status = _Status.WAITING
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_cached_blocks: int = 0
+    cached_tokens: int | None = None
+    external_tokens: int = 0
+    prompt_saved: bool = False
+    load_seconds: float = 0.0
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    @property
+    def decoding(self) -> bool:
+        return self.num_output > 0 and self.num_computed == len(self.tokens) - 1
+
+
+def hit_ratio(hit_tokens: int, num_tokens: int) -> float:
+    """Cache-hit ratio; an empty sequence counts as fully cached (ratio 1.0)."""
+    if num_tokens <= 0:
+        return 1.0
+    return hit_tokens / num_tokens
+
+
+class Engine:
+    """A simulated vLLM engine; see the module docstring for the rules."""
+
+    def __init__(self, config: EngineConfig, external: ExternalKV | None = None) -> None:
+        self.config = config
+        self.hasher = BlockHasher(config.block_size, config.hash_seed)
+        self.pool = BlockPool(config.num_kv_blocks, config.block_size, config.record_events)
+        self.external: ExternalKV = external or _PulledOnly()
+        self.stats = EngineStats()
+        self._root_state = initial_state(config.seed, config.model)
+        self._requests: dict[str, _Req] = {}
+        self._waiting: deque[_Req] = deque()
+        self._running: list[_Req] = []
+        self._held: dict[str, HeldTransfer] = {}
+        self._admissions = itertools.count()
+
+    # -- queries -------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def has_work(self) -> bool:
+        """Whether a step could make progress or change state."""
+        return bool(self._running or self._waiting)
+
+    def next_deadline(self) -> float | None:
+        """Earliest lease expiry, if any block is held for a transfer."""
+        return min((held.deadline for held in self._held.values()), default=None)
+
+    def capacity_tokens(self) -> int:
+        return self.config.num_kv_blocks * self.config.block_size
+
+    def prompt_hashes(
+        self, token_ids: Sequence[int], extra_keys: tuple[str, ...] | None
+    ) -> list[bytes]:
+        """Chained hashes of the full blocks of ``token_ids``."""
+        return self.hasher.extend([], token_ids, extra_keys)
+
+    def local_hit_tokens(
+        self, token_ids: Sequence[int], extra_keys: tuple[str, ...] | None = None
+    ) -> int:
+        """Tokens of ``token_ids`` the local prefix cache holds now (capped like admission)."""
+        hashes = self.prompt_hashes(token_ids, extra_keys)
+        return self._local_hit_blocks_count(hashes, len(token_ids)) * self.config.block_size
+
+    # -- request lifecycle ---------------------------------------------------------
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue ``request``; ``ValueError`` if its id is in use or it cannot ever fit."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        needed = len(request.prompt_token_ids) + request.sampling.max_tokens
+        if needed > self.capacity_tokens():
+            raise ValueError(
+                f"prompt plus max_tokens is {needed} tokens, more than this instance's "
+                f"KV capacity of {self.capacity_tokens()} tokens"
+            )
+        tokens = list(request.prompt_token_ids)
+        req = _Req(
+            spec=request,
+            tokens=tokens,
+            num_prompt=len(tokens),
+            state=advance_all(self._root_state, tokens),
+            hashes=self.prompt_hashes(tokens, request.extra_keys),
+        )
+        self._requests[request.request_id] = req
+        self._waiting.append(req)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a waiting or running request and free its blocks; False if unknown."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        if req in self._running:
+            self._running.remove(req)
+        elif req in self._waiting:
+            self._waiting.remove(req)
+        self.pool.free(req.blocks)
+        req.blocks = []
+        self._count_finish(FinishReason.ABORT)
+        return True
+
+    def release(self, request_id: str) -> HeldTransfer | None:
+        """Hand over (and free) the blocks a producer holds for ``request_id``."""
+        held = self._held.pop(request_id, None)
+        if held is not None:
+            self.pool.free(held.block_ids)
+        return held
+
+    def reset_prefix_cache(self) -> bool:
+        """Clear the prefix cache if no block is in use (vLLM's ``/reset_prefix_cache``)."""
+        return self.pool.reset()
+
+    # -- the step -----------------------------------------------------------------
+    def step(self, now: float) -> StepResult:
+        """Schedule and run one step starting at ``now``; see the module docstring."""
+        self._expire_leases(now)
+        outputs: list[RequestOutput] = []
+        budget = self.config.max_num_batched_tokens
+        scheduled, budget, preempted = self._schedule_running(budget)
+        if not preempted:
+            scheduled += self._schedule_waiting(budget, outputs)
+        duration = self._step_seconds(scheduled)
+        for req, count in scheduled:
+            output = self._compute(req, count, now + duration)
+            if output is not None:
+                outputs.append(output)
+        return StepResult(duration, tuple(outputs), bool(scheduled or outputs or preempted))
+
+    def _schedule_running(self, budget: int) -> tuple[list[tuple[_Req, int]], int, bool]:
+        scheduled: list[tuple[_Req, int]] = []
+        preempted = False
+        index = 0
+        while index < len(self._running):
+            req = self._running[index]
+            count = 1 if req.decoding else min(len(req.tokens) - req.num_computed, budget)
+            if count <= 0:
+                index += 1
+                continue
+            while not self._grow(req, count):
+                victim = self._running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    return scheduled, budget, preempted
+            scheduled.append((req, count))
+            budget -= count
+            index += 1
+        return scheduled, budget, preempted
+
+    def _schedule_waiting(
+        self, budget: int, outputs: list[RequestOutput]
+    ) -> list[tuple[_Req, int]]:
+        scheduled: list[tuple[_Req, int]] = []
+        while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
+            req = self._waiting[0]
+            admitted = self._try_admit(req, budget, outputs)
+            if admitted is None:
+                break
+            self._waiting.popleft()
+            if admitted > 0:
+                scheduled.append((req, admitted))
+                budget -= admitted
+        return scheduled
+
+    def _try_admit(self, req: _Req, budget: int, outputs: list[RequestOutput]) -> int | None:
+        """Admit, reject (returns 0) or leave waiting (returns None) the head request."""
+        num_tokens = len(req.tokens)
+        hit_blocks = self.pool.longest_hit(req.hashes, self._max_hit_blocks(num_tokens))
+        local = len(hit_blocks) * self.config.block_size
+        external = self._external_beyond(req, local, num_tokens)
+        if self._rejects(req, local + external, num_tokens):
+            self._count_queries(req, local, external)
+            if req.status is _Status.PREEMPTED:
+                self.stats.threshold_rejections_preemption += 1
+            else:
+                self.stats.threshold_rejections_admission += 1
+            outputs.append(self._finish(req, FinishReason.CACHE_THRESHOLD, ()))
+            return 0
+        computed = local + external
+        count = min(num_tokens - computed, budget)
+        needed = self._blocks_for(computed + count) - len(hit_blocks)
+        reusable_free = sum(1 for b in hit_blocks if self.pool.is_free(b))
+        if needed > self.pool.num_free - reusable_free:
+            return None
+        self._count_queries(req, local, external)
+        self.pool.touch(hit_blocks)
+        req.blocks = hit_blocks + self.pool.allocate(needed)
+        req.num_cached_blocks = len(hit_blocks)
+        req.num_computed = computed
+        self._cache_full_blocks(req)
+        if external and not req.spec.external_tokens:
+            req.load_seconds = self.config.profile.transfer_seconds(external)
+        if req.cached_tokens is None:
+            self.stats.prompt_tokens += req.num_prompt
+            req.cached_tokens = computed
+            req.external_tokens = external
+        req.status = _Status.RUNNING
+        req.admit_seq = next(self._admissions)
+        self._running.append(req)
+        return count
+
+    def _rejects(self, req: _Req, hit: int, num_tokens: int) -> bool:
+        spec = req.spec
+        if spec.do_remote_decode:
+            return False
+        if spec.force_reject:
+            return True
+        threshold = spec.cache_hit_threshold
+        if threshold is None:
+            threshold = self.config.global_cache_hit_threshold
+        if req.status is _Status.PREEMPTED and threshold <= 0.0:
+            return False
+        return threshold > 0.0 and hit_ratio(hit, num_tokens) < threshold
+
+    def _external_beyond(self, req: _Req, local: int, num_tokens: int) -> int:
+        if num_tokens == 0:
+            return 0
+        loadable = self.external.loadable_tokens(req.spec, req.hashes)
+        return max(0, min(loadable, num_tokens - 1) - local)
+
+    def _count_queries(self, req: _Req, local: int, external: int) -> None:
+        stats = self.stats
+        stats.prefix_queries += len(req.tokens)
+        stats.prefix_hits += local
+        if self.config.kv_connector is not None:
+            stats.external_queries += len(req.tokens) - local
+            stats.external_hits += external
+
+    def _max_hit_blocks(self, num_tokens: int) -> int:
+        return max(0, num_tokens - 1) // self.config.block_size
+
+    def _local_hit_blocks_count(self, hashes: Sequence[bytes], num_tokens: int) -> int:
+        return len(self.pool.longest_hit(hashes, self._max_hit_blocks(num_tokens)))
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.config.block_size)
+
+    def _grow(self, req: _Req, count: int) -> bool:
+        """Allocate blocks so ``req`` can compute ``count`` more tokens."""
+        needed = self._blocks_for(req.num_computed + count) - len(req.blocks)
+        if needed <= 0:
+            return True
+        if needed > self.pool.num_free:
+            return False
+        req.blocks += self.pool.allocate(needed)
+        return True
+
+    def _preempt(self, req: _Req) -> None:
+        self.pool.free(req.blocks)
+        req.blocks = []
+        req.num_computed = 0
+        req.num_cached_blocks = 0
+        req.status = _Status.PREEMPTED
+        self._waiting.appendleft(req)
+        self.stats.preemptions += 1
+
+    def _step_seconds(self, scheduled: Sequence[tuple[_Req, int]]) -> float:
+        profile = self.config.profile
+        context = 0
+        decoding = 0
+        prefill = 0.0
+        for req, count in scheduled:
+            prefill += req.load_seconds
+            req.load_seconds = 0.0
+            if req.decoding:
+                decoding += 1
+                context += req.num_computed + 1
+            else:
+                prefill += profile.prefill_seconds(count, req.num_computed)
+        return profile.step_seconds(context, decoding, prefill)
+
+    def _compute(self, req: _Req, count: int, finish_time: float) -> RequestOutput | None:
+        was_decoding = req.decoding
+        req.num_computed += count
+        if not was_decoding:
+            self.stats.prefill_computed_tokens += count
+        self._cache_full_blocks(req)
+        if req.num_computed < len(req.tokens):
+            return None
+        if not req.prompt_saved and req.num_computed >= req.num_prompt:
+            req.prompt_saved = True
+            self.external.save(req.spec, req.hashes[: req.num_prompt // self.config.block_size])
+        return self._sample(req, finish_time)
+
+    def _sample(self, req: _Req, finish_time: float) -> RequestOutput:
+        sampling = req.spec.sampling
+        allow_eos = not sampling.ignore_eos and req.num_output >= sampling.min_tokens
+        token = next_token(req.state, allow_eos=allow_eos)
+        req.tokens.append(token)
+        req.state = advance(req.state, token)
+        self.hasher.extend(req.hashes, req.tokens, req.spec.extra_keys)
+        self.stats.generation_tokens += 1
+        if token == EOS_TOKEN_ID:
+            return self._finish(req, FinishReason.STOP, (token,))
+        if req.num_output >= sampling.max_tokens:
+            return self._finish(req, FinishReason.LENGTH, (token,), finish_time)
+        return self._output(req, (token,), None)
+
+    def _cache_full_blocks(self, req: _Req) -> None:
+        full = min(req.num_computed // self.config.block_size, len(req.hashes), len(req.blocks))
+        if full > req.num_cached_blocks:
+            self.pool.cache_blocks(req.blocks, req.hashes, req.num_cached_blocks, full, req.tokens)
+            req.num_cached_blocks = full
+
+    def _finish(
+        self,
+        req: _Req,
+        reason: FinishReason,
+        new_tokens: tuple[int, ...],
+        now: float | None = None,
+    ) -> RequestOutput:
+        if req in self._running:
+            self._running.remove(req)
+        del self._requests[req.spec.request_id]
+        transfer = None
+        if req.spec.do_remote_decode and reason is FinishReason.LENGTH and now is not None:
+            transfer = self._hold(req, now)
+        else:
+            self.pool.free(req.blocks)
+        req.blocks = []
+        self._count_finish(reason)
+        return self._output(req, new_tokens, reason, transfer)
+
+    def _hold(self, req: _Req, now: float) -> HeldTransfer:
+        held = HeldTransfer(
+            request_id=req.spec.request_id,
+            block_ids=tuple(req.blocks),
+            block_hashes=tuple(req.hashes[: req.num_prompt // self.config.block_size]),
+            num_tokens=req.num_prompt,
+            deadline=now + self.config.lease_seconds,
+        )
+        self._held[held.request_id] = held
+        return held
+
+    def _expire_leases(self, now: float) -> None:
+        for request_id in [rid for rid, held in self._held.items() if held.deadline <= now]:
+            self.release(request_id)
+
+    def _count_finish(self, reason: FinishReason) -> None:
+        finished = self.stats.finished
+        finished[reason.value] = finished.get(reason.value, 0) + 1
+
+    def _output(
+        self,
+        req: _Req,
+        new_tokens: tuple[int, ...],
+        reason: FinishReason | None,
+        transfer: HeldTransfer | None = None,
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.spec.request_id,
+            new_token_ids=new_tokens,
+            finish_reason=reason,
+            num_prompt_tokens=req.num_prompt,
+            num_cached_tokens=req.cached_tokens or 0,
+            num_external_tokens=req.external_tokens,
+            num_output_tokens=req.num_output,
+            transfer=transfer,
+        )

@@ -1,0 +1,604 @@
+"""HTTP front of a simulated vLLM instance (vLLM's OpenAI server surface).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or SSE),
+``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``GET /version``,
+``POST /tokenize``, ``POST /detokenize``, ``POST /reset_prefix_cache`` and, with
+``--kv-connector nixl``, the side channel ``POST /nixl/pull`` that a consumer
+calls to pull the KV blocks a producer holds.
+
+Test hooks (as llm-d's inference simulator has them):
+
+* ``X-Return-Error: <status>`` answers that error at once;
+* ``X-Cache-Threshold-Finish-Reason: true`` forces a ``cache_threshold`` rejection;
+* ``X-Drop-After-Tokens: <n>`` (or ``--drop-after-tokens``) drops a stream's
+  connection after ``n`` tokens;
+* ``--failure-rate`` answers a seeded random fraction of requests with 500.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import uvicorn
+from anyio.streams.memory import MemoryObjectReceiveStream
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from pd_orchestrator import __version__
+from pd_orchestrator.openai.errors import error_body
+from pd_orchestrator.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    OpenAIRequest,
+    RequestError,
+    parse_request,
+    render_chat,
+)
+from pd_orchestrator.openai.responses import (
+    Kind,
+    Usage,
+    completion_body,
+    stream_chunk,
+    usage_chunk,
+)
+from pd_orchestrator.openai.sse import DONE, encode_event
+from pd_orchestrator.sim.engine import (
+    Engine,
+    EngineConfig,
+    EngineRequest,
+    ExternalKV,
+    HeldTransfer,
+    RequestOutput,
+    SamplingSpec,
+)
+from pd_orchestrator.sim.kvstore import DirectoryKeys, SharedKVStore
+from pd_orchestrator.sim.metrics import SimMetrics
+from pd_orchestrator.sim.options import SimOptions
+from pd_orchestrator.sim.runner import EngineRunner
+from pd_orchestrator.sim.tokenizer import SimTokenizer
+
+__all__ = ["SimServer", "bind_socket", "serve"]
+
+_PULL_TIMEOUT = httpx.Timeout(10.0)
+
+
+class HTTPFailure(Exception):
+    """An error answer: HTTP status, message, and the offending parameter if any."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.status, param=self.param), self.status)
+
+
+class _DroppedConnection(Exception):
+    """Raised inside a stream to make the server drop the connection (fault injection)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """One accepted generation request."""
+
+    kind: Kind
+    request: OpenAIRequest
+    request_id: str
+    prompt_ids: list[int]
+    arrival: float
+    drop_after: int | None
+
+
+def _default_store(options: SimOptions) -> ExternalKV | None:
+    if options.kv_connector != "example":
+        return None
+    directory = options.kv_shared_dir or Path(tempfile.gettempdir()) / "pd-orchestrator-kv"
+    return SharedKVStore(DirectoryKeys(directory), options.block_size)
+
+
+class SimServer:
+    """One simulated vLLM instance: engine, real-time runner, metrics and routes."""
+
+    def __init__(self, options: SimOptions, clock: Callable[[], float] = time.monotonic) -> None:
+        self.options = options
+        self.model = options.served_model
+        self.engine_id = options.engine_id or f"sim-{uuid.uuid4().hex[:12]}"
+        self.port = options.port
+        self.clock = clock
+        self.tokenizer = SimTokenizer()
+        self.engine = Engine(self._engine_config(), external=_default_store(options))
+        self.runner = EngineRunner(self.engine, options.time_scale, clock=clock)
+        self.metrics = SimMetrics(self.engine, self.model, self.engine_id)
+        self._rng = random.Random(options.seed)
+        self._client: httpx.AsyncClient | None = None
+        self.ready = anyio.Event()
+
+    def _engine_config(self) -> EngineConfig:
+        options = self.options
+        connector = None if options.kv_connector == "none" else options.kv_connector
+        return EngineConfig(
+            profile=options.latency,
+            model=self.model,
+            block_size=options.block_size,
+            num_kv_blocks=options.kv_blocks,
+            max_num_seqs=options.max_num_seqs,
+            max_num_batched_tokens=options.max_num_batched_tokens,
+            global_cache_hit_threshold=options.global_cache_hit_threshold,
+            seed=options.seed,
+            hash_seed=options.hash_seed,
+            lease_seconds=options.lease_seconds,
+            record_events=options.kv_events_endpoint is not None,
+            kv_connector=connector,
+        )
+
+    # -- application ----------------------------------------------------------------
+    def app(self) -> Starlette:
+        """The ASGI application; its lifespan runs the engine loop."""
+        routes = [
+            Route("/v1/completions", self._wrap(self.completions), methods=["POST"]),
+            Route("/v1/chat/completions", self._wrap(self.chat_completions), methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics_endpoint, methods=["GET"]),
+            Route("/version", self.version, methods=["GET"]),
+            Route("/tokenize", self._wrap(self.tokenize), methods=["POST"]),
+            Route("/detokenize", self._wrap(self.detokenize), methods=["POST"]),
+            Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
+            Route("/nixl/pull", self._wrap(self.nixl_pull), methods=["POST"]),
+        ]
+        return Starlette(routes=routes, lifespan=self._lifespan)
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        async with (
+            httpx.AsyncClient(timeout=_PULL_TIMEOUT) as client,
+            anyio.create_task_group() as tg,
+        ):
+            self._client = client
+            await tg.start(self.runner.run)
+            self.ready.set()
+            yield
+            tg.cancel_scope.cancel()
+
+    @staticmethod
+    def _wrap(
+        handler: Callable[[Request], Awaitable[Response]],
+    ) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except HTTPFailure as failure:
+                return failure.response()
+
+        return endpoint
+
+    # -- simple routes ----------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": f"pd-orchestrator-sim {__version__}"})
+
+    async def models(self, request: Request) -> Response:
+        card = {
+            "id": self.model,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "vllm",
+            "root": self.model,
+            "parent": None,
+            "max_model_len": self.options.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        if not self.engine.reset_prefix_cache():
+            return JSONResponse(error_body("blocks are in use", 409), 409)
+        return Response(status_code=200)
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await _json_object(request)
+        if "messages" in body:
+            messages = [ChatMessage.model_validate(m) for m in _list_field(body, "messages")]
+            text = render_chat(messages, bool(body.get("add_generation_prompt", True)))
+        elif isinstance(body.get("prompt"), str):
+            text = body["prompt"]
+        else:
+            raise HTTPFailure(400, "prompt: a string is required", "prompt")
+        tokens = self.tokenizer.encode(text)
+        return JSONResponse(
+            {
+                "count": len(tokens),
+                "max_model_len": self.options.max_model_len,
+                "tokens": tokens,
+                "token_strs": None,
+            }
+        )
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await _json_object(request)
+        tokens = _list_field(body, "tokens")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise HTTPFailure(400, "tokens: a list of integers is required", "tokens")
+        self._check_vocab(tokens)
+        return JSONResponse({"prompt": self.tokenizer.decode(tokens)})
+
+    # -- NIXL side channel (producer side) -------------------------------------------
+    async def nixl_pull(self, request: Request) -> Response:
+        body = await _json_object(request)
+        if body.get("remote_engine_id") != self.engine_id:
+            raise HTTPFailure(409, f"engine id mismatch: this is {self.engine_id!r}")
+        if body.get("block_size") not in (None, self.options.block_size):
+            raise HTTPFailure(409, "block size mismatch")
+        request_id = body.get("remote_request_id")
+        held = self.runner.release(str(request_id)) if request_id else None
+        if held is None:
+            raise HTTPFailure(404, f"no KV blocks held for request {request_id!r}")
+        return JSONResponse(
+            {
+                "block_hashes": [h.hex() for h in held.block_hashes],
+                "num_tokens": held.num_tokens,
+                "block_size": self.options.block_size,
+            }
+        )
+
+    # -- generation -------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completion")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, http_request: Request, kind: Kind) -> Response:
+        self._inject_faults(http_request)
+        job = await self._accept(http_request, kind)
+        external = await self._pull_external(job)
+        receive = self._submit(job, external, http_request)
+        headers = {"x-request-id": job.request_id}
+        if job.request.stream:
+            return StreamingResponse(
+                self._stream(job, receive), media_type="text/event-stream", headers=headers
+            )
+        return JSONResponse(await self._collect(job, receive), headers=headers)
+
+    def _inject_faults(self, request: Request) -> None:
+        forced = request.headers.get("x-return-error")
+        if forced is not None:
+            status = int(forced) if forced.isdigit() else 500
+            raise HTTPFailure(status, f"injected error {status} (X-Return-Error)")
+        if self.options.failure_rate and self._rng.random() < self.options.failure_rate:
+            raise HTTPFailure(500, "injected failure (--failure-rate)")
+
+    async def _accept(self, http_request: Request, kind: Kind) -> _Job:
+        body = await _json_object(http_request)
+        try:
+            request: OpenAIRequest = (
+                parse_request(CompletionRequest, body)
+                if kind == "completion"
+                else parse_request(ChatCompletionRequest, body)
+            )
+        except RequestError as exc:
+            raise HTTPFailure(400, str(exc), exc.param) from None
+        if request.model != self.model:
+            raise HTTPFailure(404, f"The model `{request.model}` does not exist.", "model")
+        prompt_ids = self._prompt_ids(request)
+        base = http_request.headers.get("x-request-id") or uuid.uuid4().hex
+        prefix = "cmpl" if kind == "completion" else "chatcmpl"
+        drop = http_request.headers.get("x-drop-after-tokens")
+        return _Job(
+            kind=kind,
+            request=request,
+            request_id=f"{prefix}-{base}-{uuid.uuid4().hex[:8]}",
+            prompt_ids=prompt_ids,
+            arrival=self.clock(),
+            drop_after=int(drop) if drop and drop.isdigit() else self.options.drop_after_tokens,
+        )
+
+    def _prompt_ids(self, request: OpenAIRequest) -> list[int]:
+        if isinstance(request, ChatCompletionRequest):
+            ids = self.tokenizer.encode(
+                render_chat(request.messages, request.add_generation_prompt)
+            )
+        elif isinstance(request.prompt, str):
+            ids = self.tokenizer.encode(request.prompt)
+        else:
+            ids = list(request.prompt)
+            self._check_vocab(ids)
+        if not ids:
+            raise HTTPFailure(400, "The decoder prompt cannot be empty", "prompt")
+        if len(ids) >= self.options.max_model_len:
+            raise HTTPFailure(
+                400,
+                f"This model's maximum context length is {self.options.max_model_len} tokens; "
+                f"the prompt has {len(ids)} tokens.",
+                "prompt",
+            )
+        return ids
+
+    def _check_vocab(self, ids: list[int]) -> None:
+        try:
+            self.tokenizer.validate(ids)
+        except ValueError as exc:
+            raise HTTPFailure(400, str(exc), "prompt") from None
+
+    def _sampling(self, job: _Job) -> SamplingSpec:
+        request = job.request
+        limit = request.output_limit()
+        room = min(self.options.max_model_len, self.engine.capacity_tokens()) - len(job.prompt_ids)
+        if limit is None:
+            limit = 16 if job.kind == "completion" else max(1, room)
+        if request.min_tokens > limit:
+            raise HTTPFailure(
+                400, "min_tokens must be less than or equal to max_tokens", "min_tokens"
+            )
+        return SamplingSpec(
+            max_tokens=limit, min_tokens=request.min_tokens, ignore_eos=request.ignore_eos
+        )
+
+    def _submit(
+        self, job: _Job, external: int, http_request: Request
+    ) -> MemoryObjectReceiveStream[RequestOutput]:
+        params = job.request.kv_transfer_params or {}
+        forced = http_request.headers.get("x-cache-threshold-finish-reason", "").lower() == "true"
+        engine_request = EngineRequest(
+            request_id=job.request_id,
+            prompt_token_ids=job.prompt_ids,
+            sampling=self._sampling(job),
+            cache_hit_threshold=job.request.cache_hit_threshold,
+            do_remote_decode=bool(params.get("do_remote_decode")),
+            external_tokens=external,
+            force_reject=forced,
+        )
+        try:
+            return self.runner.submit(engine_request)
+        except ValueError as exc:
+            raise HTTPFailure(400, str(exc)) from None
+
+    # -- NIXL pull (consumer side) ------------------------------------------------------
+    async def _pull_external(self, job: _Job) -> int:
+        params = job.request.kv_transfer_params or {}
+        if not params.get("do_remote_prefill") or self.options.kv_connector != "nixl":
+            return 0
+        try:
+            held = await self._pull(params)
+        except (httpx.HTTPError, HTTPFailure, KeyError, ValueError) as exc:
+            if self.options.kv_load_failure_policy == "recompute":
+                return 0
+            raise HTTPFailure(500, f"KV transfer failed: {exc}") from None
+        external = self._matched_tokens(job.prompt_ids, held)
+        moved = max(0, external - self.engine.local_hit_tokens(job.prompt_ids))
+        seconds = self.options.latency.transfer_seconds(moved)
+        await anyio.sleep(self.runner.scaled(seconds))
+        self.metrics.observe_transfer(seconds, moved * self.options.latency.kv_bytes_per_token)
+        return external
+
+    async def _pull(self, params: dict[str, Any]) -> HeldTransfer:
+        assert self._client is not None
+        url = f"http://{params['remote_host']}:{int(params['remote_port'])}/nixl/pull"
+        payload = {
+            "remote_request_id": params["remote_request_id"],
+            "remote_engine_id": params["remote_engine_id"],
+            "remote_block_ids": params.get("remote_block_ids"),
+            "block_size": self.options.block_size,
+        }
+        response = await self._client.post(url, json=payload)
+        if response.status_code != 200:
+            raise HTTPFailure(response.status_code, f"side channel answered {response.status_code}")
+        data = response.json()
+        return HeldTransfer(
+            request_id=str(params["remote_request_id"]),
+            block_ids=tuple(params.get("remote_block_ids") or ()),
+            block_hashes=tuple(bytes.fromhex(h) for h in data["block_hashes"]),
+            num_tokens=int(data["num_tokens"]),
+            deadline=0.0,
+        )
+
+    def _matched_tokens(self, prompt_ids: list[int], held: HeldTransfer) -> int:
+        own = self.engine.prompt_hashes(prompt_ids, None)
+        matched = 0
+        for mine, theirs in zip(own, held.block_hashes, strict=False):
+            if mine != theirs:
+                break
+            matched += 1
+        if matched == len(own) and held.num_tokens == len(prompt_ids):
+            return len(prompt_ids)
+        return matched * self.options.block_size
+
+    def _transfer_params(self, held: HeldTransfer, cached: int) -> dict[str, Any]:
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": list(held.block_ids),
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": held.request_id,
+            "remote_host": self.options.side_channel_host or self.options.host,
+            "remote_port": self.port,
+            "tp_size": 1,
+            "transfer_mode": "pull",
+            "remote_prefill_cached_tokens": cached,
+        }
+
+    # -- answers ------------------------------------------------------------------------
+    def _usage(self, job: _Job, last: RequestOutput | None) -> Usage:
+        if last is None:
+            return Usage(len(job.prompt_ids), 0)
+        return Usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
+
+    def _observe(self, job: _Job, first_token_at: float | None) -> None:
+        now = self.clock()
+        if first_token_at is not None:
+            self.metrics.observe_ttft(first_token_at - job.arrival)
+        self.metrics.observe_e2e(now - job.arrival)
+
+    async def _collect(
+        self, job: _Job, receive: MemoryObjectReceiveStream[RequestOutput]
+    ) -> dict[str, Any]:
+        tokens: list[int] = []
+        last: RequestOutput | None = None
+        first_at: float | None = None
+        try:
+            async with receive:
+                async for output in receive:
+                    if output.new_token_ids and first_at is None:
+                        first_at = self.clock()
+                    tokens += output.new_token_ids
+                    last = output
+        finally:
+            self.runner.abort(job.request_id)
+        self._observe(job, first_at)
+        transfer = last.transfer if last is not None else None
+        request = job.request
+        return completion_body(
+            kind=job.kind,
+            response_id=job.request_id,
+            model=self.model,
+            text=self.tokenizer.decode(tokens),
+            finish_reason=last.finish_reason.value if last and last.finish_reason else "abort",
+            usage=self._usage(job, last),
+            token_ids=tokens if request.return_token_ids else None,
+            prompt_token_ids=job.prompt_ids if request.return_token_ids else None,
+            kv_transfer_params=(
+                self._transfer_params(transfer, last.num_cached_tokens)
+                if transfer is not None and last is not None
+                else None
+            ),
+        )
+
+    async def _stream(
+        self, job: _Job, receive: MemoryObjectReceiveStream[RequestOutput]
+    ) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        request = job.request
+        want_ids = request.return_token_ids
+        prompt_ids: list[int] | None = job.prompt_ids if want_ids else None
+
+        def chunk(text: str | None, **fields: Any) -> bytes:
+            return encode_event(
+                stream_chunk(
+                    kind=job.kind,
+                    response_id=job.request_id,
+                    model=self.model,
+                    created=created,
+                    text=text,
+                    **fields,
+                )
+            )
+
+        last: RequestOutput | None = None
+        first_at: float | None = None
+        sent = 0
+        try:
+            if job.kind == "chat":
+                yield chunk(None, role=True, prompt_token_ids=prompt_ids)
+                prompt_ids = None
+            async with receive:
+                async for output in receive:
+                    last = output
+                    if output.new_token_ids and first_at is None:
+                        first_at = self.clock()
+                    reason = output.finish_reason.value if output.finish_reason else None
+                    text = self.tokenizer.decode(output.new_token_ids)
+                    if job.kind == "chat" and not output.new_token_ids:
+                        text_or_none: str | None = None
+                    else:
+                        text_or_none = text
+                    yield chunk(
+                        text_or_none,
+                        finish_reason=reason,
+                        token_ids=list(output.new_token_ids) if want_ids else None,
+                        prompt_token_ids=prompt_ids,
+                    )
+                    prompt_ids = None
+                    sent += len(output.new_token_ids)
+                    if (
+                        job.drop_after is not None
+                        and sent >= job.drop_after
+                        and not output.finished
+                    ):
+                        raise _DroppedConnection(f"dropping the stream after {sent} tokens")
+            self._observe(job, first_at)
+            if request.include_usage:
+                usage = self._usage(job, last)
+                yield encode_event(
+                    usage_chunk(
+                        kind=job.kind,
+                        response_id=job.request_id,
+                        model=self.model,
+                        created=created,
+                        usage=usage,
+                    )
+                )
+            yield DONE
+        finally:
+            self.runner.abort(job.request_id)
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise HTTPFailure(400, f"malformed JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise HTTPFailure(400, "the request body must be a JSON object")
+    return body
+
+
+def _list_field(body: dict[str, Any], name: str) -> list[Any]:
+    value = body.get(name)
+    if not isinstance(value, list):
+        raise HTTPFailure(400, f"{name}: a list is required", name)
+    return value
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (``port`` 0 picks a free one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+async def serve(options: SimOptions, *, announce: bool = True) -> None:
+    """Run a simulated instance until cancelled.
+
+    The socket is bound first so ``port`` 0 works; with ``announce`` the line
+    ``READY http://HOST:PORT`` goes to stdout once the server accepts requests.
+    """
+    sock = bind_socket(options.host, options.port)
+    sim = SimServer(options)
+    sim.port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        sim.app(), log_level="warning", lifespan="on", timeout_graceful_shutdown=2
+    )
+    server = uvicorn.Server(config)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(server.serve, [sock])
+        await sim.ready.wait()
+        if announce:
+            print(f"READY http://{options.host}:{sim.port}", flush=True, file=sys.stdout)
