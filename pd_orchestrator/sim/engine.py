@@ -28,6 +28,9 @@ Threshold resolution: per-request value, else the engine's global value; ignored
 (treated as 0) for producer requests (``do_remote_decode``). An empty token
 sequence has hit ratio 1.0 (nothing to compute), so it is never rejected.
 
+KV pulled from a producer (``external_tokens``) serves the first admission only; a
+preempted request that re-enters counts its local hits (and shared storage) alone.
+
 A finished producer request that ended by length keeps its blocks referenced under
 a lease until :meth:`Engine.release` (a consumer pulled them) or expiry.
 """
@@ -289,6 +292,8 @@ class Engine:
         """Queue ``request``; ``ValueError`` if its id is in use or it cannot ever fit."""
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if not request.prompt_token_ids:
+            raise ValueError("the prompt must not be empty")
         needed = len(request.prompt_token_ids) + request.sampling.max_tokens
         if needed > self.capacity_tokens():
             raise ValueError(
@@ -334,7 +339,7 @@ class Engine:
     # -- the step -----------------------------------------------------------------
     def step(self, now: float) -> StepResult:
         """Schedule and run one step starting at ``now``; see the module docstring."""
-        self._expire_leases(now)
+        self.expire_leases(now)
         outputs: list[RequestOutput] = []
         budget = self.config.max_num_batched_tokens
         scheduled, budget, preempted = self._schedule_running(budget)
@@ -434,8 +439,8 @@ class Engine:
         return threshold > 0.0 and hit_ratio(hit, num_tokens) < threshold
 
     def _external_beyond(self, req: _Req, local: int, num_tokens: int) -> int:
-        if num_tokens == 0:
-            return 0
+        if num_tokens == 0 or (req.status is _Status.PREEMPTED and req.spec.external_tokens):
+            return 0  # pulled KV is consumed by the first admission
         loadable = self.external.loadable_tokens(req.spec, req.hashes)
         return max(0, min(loadable, num_tokens - 1) - local)
 
@@ -534,13 +539,18 @@ class Engine:
             self._running.remove(req)
         del self._requests[req.spec.request_id]
         transfer = None
-        if req.spec.do_remote_decode and reason is FinishReason.LENGTH and now is not None:
+        if self._holds_for_transfer(req, reason) and now is not None:
             transfer = self._hold(req, now)
         else:
             self.pool.free(req.blocks)
         req.blocks = []
         self._count_finish(reason)
         return self._output(req, new_tokens, reason, transfer)
+
+    def _holds_for_transfer(self, req: _Req, reason: FinishReason) -> bool:
+        """Pull-based connectors keep a producer's blocks when it ended by length."""
+        pull_based = self.config.kv_connector == "nixl"
+        return pull_based and req.spec.do_remote_decode and reason is FinishReason.LENGTH
 
     def _hold(self, req: _Req, now: float) -> HeldTransfer:
         held = HeldTransfer(
@@ -553,7 +563,8 @@ class Engine:
         self._held[held.request_id] = held
         return held
 
-    def _expire_leases(self, now: float) -> None:
+    def expire_leases(self, now: float) -> None:
+        """Free the blocks of every lease whose deadline is ``now`` or earlier."""
         for request_id in [rid for rid, held in self._held.items() if held.deadline <= now]:
             self.release(request_id)
 

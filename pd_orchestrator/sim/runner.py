@@ -85,6 +85,7 @@ class EngineRunner:
         target: float | None = None
         while True:
             if not self.engine.has_work():
+                self.engine.expire_leases(self.clock())
                 await self._idle()
                 target = None
                 continue
