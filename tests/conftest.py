@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from pd_orchestrator.children import Child, python_command, start_child, stop_child
 
@@ -46,3 +49,59 @@ def module_sims() -> Iterator[SimFactory]:
     """Like ``sim_factory``, shared by the tests of one module."""
     with _sims() as start:
         yield start
+
+
+GatewayFactory = Callable[..., Child]
+
+
+@contextlib.contextmanager
+def _gateways(directory: Path) -> Iterator[GatewayFactory]:
+    children: list[Child] = []
+
+    def start(config: dict[str, Any], name: str = "gateway") -> Child:
+        path = directory / f"{name}-{len(children)}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        argv = python_command("serve", "--config", str(path), "--port", "0")
+        child = start_child(name, argv, timeout=30)
+        children.append(child)
+        return child
+
+    try:
+        yield start
+    finally:
+        for child in children:
+            stop_child(child)
+
+
+@pytest.fixture
+def gateway_factory(tmp_path: Path) -> Iterator[GatewayFactory]:
+    """Start ``pd-orchestrator serve`` on a config dict; stop it after the test."""
+    with _gateways(tmp_path) as start:
+        yield start
+
+
+@pytest.fixture(scope="module")
+def module_gateways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayFactory]:
+    with _gateways(tmp_path_factory.mktemp("gateways")) as start:
+        yield start
+
+
+def gateway_config(
+    decoders: list[Child],
+    prefillers: list[Child],
+    **overrides: Any,
+) -> dict[str, Any]:
+    """A gateway config dict over running simulators (model: the instant profile's)."""
+    config: dict[str, Any] = {
+        "decoders": [
+            {"name": f"decode-{i}", "url": c.url, "hardware": "h200", "model": "sim-model"}
+            for i, c in enumerate(decoders)
+        ],
+        "prefillers": [
+            {"name": f"prefill-{i}", "url": c.url, "hardware": "h200", "model": "sim-model"}
+            for i, c in enumerate(prefillers)
+        ],
+        "health": {"interval": 0.5},
+    }
+    config.update(overrides)
+    return config

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -281,7 +281,8 @@ class SimServer:
             return StreamingResponse(
                 self._stream(job, receive), media_type="text/event-stream", headers=headers
             )
-        return JSONResponse(await self._collect(job, receive), headers=headers)
+        body = await _until_disconnect(http_request, self._collect(job, receive))
+        return JSONResponse(body or {}, headers=headers)
 
     def _inject_faults(self, request: Request) -> None:
         forced = request.headers.get("x-return-error")
@@ -553,6 +554,24 @@ class SimServer:
             yield DONE
         finally:
             self.runner.abort(job.request_id)
+
+
+async def _until_disconnect(
+    request: Request, work: Coroutine[Any, Any, dict[str, Any]]
+) -> dict[str, Any] | None:
+    """Run ``work`` unless the client disconnects first (vLLM aborts such requests)."""
+    result: dict[str, Any] | None = None
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        result = await work
+        tg.cancel_scope.cancel()
+    return result
 
 
 async def _json_object(request: Request) -> dict[str, Any]:

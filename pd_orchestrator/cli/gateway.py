@@ -1,0 +1,207 @@
+"""``serve``, ``check-config`` and ``up``: the gateway daemon and the embedded demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+
+import anyio
+import uvicorn
+from rich.console import Console
+from rich.table import Table
+
+from pd_orchestrator.children import Child, python_command, start_child, stop_child
+from pd_orchestrator.config import ConfigError, EndpointConfig, GatewayConfig, load_config
+from pd_orchestrator.sim.profiles import get_profile
+from pd_orchestrator.sim.server import bind_socket
+
+__all__ = ["add_parsers", "resolve_simulated", "serve_gateway"]
+
+DEFAULT_CONFIG = Path("configs/local.yaml")
+
+
+def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    serve = subparsers.add_parser("serve", help="run the gateway daemon")
+    serve.add_argument("--config", type=Path, required=True, help="YAML configuration file")
+    serve.add_argument("--host", default=None, help="listen address (overrides the config)")
+    serve.add_argument("--port", type=int, default=None, help="listen port (overrides the config)")
+    serve.set_defaults(handler=run_serve)
+
+    check = subparsers.add_parser("check-config", help="validate a configuration file")
+    check.add_argument("config", type=Path)
+    check.set_defaults(handler=run_check_config)
+
+    up = subparsers.add_parser(
+        "up", help="start the simulated endpoints a config declares and the gateway"
+    )
+    up.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    up.add_argument("--port", type=int, default=None, help="gateway port (overrides the config)")
+    up.add_argument("--host", default=None, help="gateway address (overrides the config)")
+    up.set_defaults(handler=run_up)
+
+
+def _load(path: Path, console: Console) -> GatewayConfig | None:
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        return None
+
+
+def _listen(config: GatewayConfig, host: str | None, port: int | None) -> GatewayConfig:
+    listen = config.listen.model_copy(
+        update={k: v for k, v in (("host", host), ("port", port)) if v is not None}
+    )
+    return config.model_copy(update={"listen": listen})
+
+
+def serve_gateway(config: GatewayConfig, on_ready: Callable[[str], None] | None = None) -> None:
+    """Run the gateway until SIGINT/SIGTERM.
+
+    ``on_ready(url)`` runs once the socket is bound and the app has started; by
+    default it prints ``READY <url>`` (what :mod:`pd_orchestrator.children` waits for).
+    """
+    from pd_orchestrator.gateway import Gateway
+
+    sock = bind_socket(config.listen.host, config.listen.port)
+    url = f"http://{config.listen.host}:{sock.getsockname()[1]}"
+    gateway = Gateway(config)
+    server = uvicorn.Server(
+        uvicorn.Config(gateway.app(), log_level="warning", timeout_graceful_shutdown=5)
+    )
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(server.serve, [sock])
+            while not server.started:  # noqa: ASYNC110 - uvicorn exposes no event
+                await anyio.sleep(0.02)
+            (on_ready or _announce)(url)
+
+    anyio.run(main)
+
+
+def _announce(url: str) -> None:
+    print(f"READY {url}", flush=True)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    console = Console(stderr=True)
+    config = _load(args.config, console)
+    if config is None:
+        return 2
+    missing = [e.name for e in config.endpoints() if e.url is None]
+    if missing:
+        console.print(f"[bold red]error:[/] endpoints without a url: {', '.join(missing)}")
+        return 2
+    serve_gateway(_listen(config, args.host, args.port))
+    return 0
+
+
+def run_check_config(args: argparse.Namespace) -> int:
+    console = Console()
+    config = _load(args.config, Console(stderr=True))
+    if config is None:
+        return 2
+    console.print(_endpoint_table(config, title=f"{args.config}: valid"))
+    rest = {k: v for k, v in config.public_dict().items() if k not in ("decoders", "prefillers")}
+    console.print_json(json.dumps(rest))
+    return 0
+
+
+def _endpoint_table(config: GatewayConfig, title: str) -> Table:
+    table = Table(title=title)
+    for column in ("role", "name", "hardware", "model", "url"):
+        table.add_column(column)
+    for role, endpoints in (("decode", config.decoders), ("prefill", config.prefillers)):
+        for e in endpoints:
+            url = e.url or f"(simulated: {e.sim.profile if e.sim else '?'})"
+            table.add_row(role, e.name, e.hardware, e.model or "-", url)
+    return table
+
+
+# -- up ----------------------------------------------------------------------------------------
+def _sim_argv(endpoint: EndpointConfig, config: GatewayConfig, shared_dir: Path) -> list[str]:
+    spec = endpoint.sim
+    assert spec is not None
+    argv = python_command(
+        "sim",
+        "--host", "127.0.0.1",
+        "--port", str(spec.port),
+        "--profile", spec.profile,
+        "--time-scale", str(spec.time_scale),
+        "--block-size", str(spec.block_size),
+        "--max-num-seqs", str(spec.max_num_seqs),
+        "--seed", str(spec.seed),
+        "--kv-connector", config.connector,
+        "--engine-id", endpoint.name,
+        "--model", endpoint.model or get_profile(spec.profile).model,
+    )  # fmt: skip
+    if spec.num_kv_blocks is not None:
+        argv += ["--num-kv-blocks", str(spec.num_kv_blocks)]
+    if config.connector == "example":
+        argv += ["--kv-shared-dir", str(shared_dir)]
+    return argv + spec.extra_args
+
+
+def resolve_simulated(
+    config: GatewayConfig, stack: ExitStack, shared_dir: Path
+) -> tuple[GatewayConfig, list[Child]]:
+    """Start a simulator for every endpoint without a URL; return the config with URLs.
+
+    Children are stopped when ``stack`` closes.
+    """
+    children: list[Child] = []
+
+    def resolve(endpoint: EndpointConfig) -> EndpointConfig:
+        if endpoint.url is not None:
+            return endpoint
+        child = start_child(endpoint.name, _sim_argv(endpoint, config, shared_dir))
+        stack.callback(stop_child, child)
+        children.append(child)
+        assert endpoint.sim is not None
+        model = endpoint.model or get_profile(endpoint.sim.profile).model
+        return endpoint.model_copy(update={"url": child.url, "model": model})
+
+    resolved = config.model_copy(
+        update={
+            "decoders": [resolve(e) for e in config.decoders],
+            "prefillers": [resolve(e) for e in config.prefillers],
+        }
+    )
+    return resolved, children
+
+
+def _curl(url: str, model: str) -> str:
+    body = json.dumps(
+        {"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}
+    )
+    return f"curl -s {url}/v1/chat/completions -H 'content-type: application/json' -d '{body}'"
+
+
+def run_up(args: argparse.Namespace) -> int:
+    console = Console()
+    config = _load(args.config, Console(stderr=True))
+    if config is None:
+        return 2
+    config = _listen(config, args.host, args.port)
+    with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="pdo-kv-") as shared:
+        try:
+            config, _children = resolve_simulated(config, stack, Path(shared))
+        except Exception as exc:  # a child that fails to start stops the whole demo
+            console.print(f"[bold red]error:[/] {exc}", highlight=False)
+            return 1
+        models = config.models()
+
+        def ready(url: str) -> None:
+            console.print(_endpoint_table(config, title="pd-orchestrator up"))
+            example = _curl(url, models[0] if models else "MODEL")
+            console.print(f"gateway on [bold]{url}[/] (Ctrl-C stops everything); try:")
+            console.print(example, highlight=False, soft_wrap=True)
+            _announce(url)
+
+        serve_gateway(config, ready)
+    return 0

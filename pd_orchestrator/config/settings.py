@@ -1,0 +1,231 @@
+"""The configuration schema (version 1).
+
+Every model forbids unknown keys, so a typo is an error that names the key.
+Values come from the YAML file first, then ``PDO_`` environment variables
+(nested keys joined with ``__``, e.g. ``PDO_THRESHOLD__POLICY__VALUE=0.8``;
+lists as JSON) override them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Self
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+__all__ = [
+    "EndpointConfig",
+    "GatewayConfig",
+    "HandbackConfig",
+    "HealthConfig",
+    "ListenConfig",
+    "SidecarConfig",
+    "SimSpec",
+    "StaticPolicyConfig",
+    "ThresholdConfig",
+    "TimeoutConfig",
+    "UpstreamConfig",
+]
+
+Ratio = Annotated[float, Field(ge=0.0, le=1.0)]
+Seconds = Annotated[float, Field(gt=0.0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ListenConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8000
+
+
+class SimSpec(_Strict):
+    """How ``pd-orchestrator up`` simulates an endpoint that has no URL."""
+
+    profile: str = "h200-llama3-8b"
+    time_scale: Annotated[float, Field(ge=0.0)] = 1.0
+    block_size: Annotated[int, Field(ge=1)] = 16
+    num_kv_blocks: Annotated[int, Field(ge=1)] | None = None
+    max_num_seqs: Annotated[int, Field(ge=1)] = 256
+    port: Annotated[int, Field(ge=0, le=65535)] = 0
+    seed: int = 0
+    extra_args: list[str] = Field(default_factory=list)
+
+    @field_validator("profile")
+    @classmethod
+    def _known_profile(cls, value: str) -> str:
+        from pd_orchestrator.sim.profiles import get_profile
+
+        try:
+            get_profile(value)
+        except KeyError as exc:
+            raise ValueError(str(exc.args[0])) from None
+        return value
+
+
+class EndpointConfig(_Strict):
+    """One vLLM instance. ``url`` may be omitted when ``sim`` says how to simulate it."""
+
+    name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    url: str | None = None
+    hardware: str = "unknown"
+    model: str | None = None
+    sim: SimSpec | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{value!r} is not an http(s) URL with a host")
+        return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _url_or_sim(self) -> Self:
+        if self.url is None and self.sim is None:
+            raise ValueError(f"endpoint {self.name!r} needs a url (or a sim block for `up`)")
+        return self
+
+
+class StaticPolicyConfig(_Strict):
+    """A fixed threshold for every request."""
+
+    type: Literal["static"] = "static"
+    value: Ratio = 0.7
+
+
+class ThresholdConfig(_Strict):
+    """The cache-hit threshold sent on decode attempts."""
+
+    policy: StaticPolicyConfig = Field(default_factory=StaticPolicyConfig)
+    honour_client: bool = Field(
+        default=True,
+        description="use a client-supplied cache_hit_threshold instead of the policy's",
+    )
+
+
+class TimeoutConfig(_Strict):
+    """Per-phase upstream timeouts, in seconds."""
+
+    connect: Seconds = 2.0
+    decode_attempt: Seconds = Field(
+        default=30.0, description="until the decoder's first decisive answer"
+    )
+    prefill: Seconds = 60.0
+    decode: Seconds = Field(default=120.0, description="between two chunks of a decode leg")
+    pool: Seconds = 5.0
+
+
+class HandbackConfig(_Strict):
+    """Preempted requests handed back mid-generation (RFC 24256 phase 2)."""
+
+    max_handbacks: Annotated[int, Field(ge=0)] = 2
+    leg_threshold: Ratio = Field(
+        default=0.0,
+        description="threshold sent on decode legs that follow a prefill; 0 lets the "
+        "decoder recompute after a preemption instead of handing back again",
+    )
+    max_recoveries: Annotated[int, Field(ge=0)] = Field(
+        default=1,
+        description="decode legs whose connection breaks mid-stream that are continued "
+        "on another decoder (prompt plus generated tokens) instead of failing the stream",
+    )
+
+
+class SidecarConfig(_Strict):
+    """Sidecar mode: one local decoder; the prefiller may come from a header."""
+
+    enabled: bool = False
+    prefiller_header: str = "x-prefiller-host-port"
+    allowed_prefillers: list[str] = Field(
+        default_factory=list, description="host:port values the header may name"
+    )
+
+    @field_validator("allowed_prefillers")
+    @classmethod
+    def _host_ports(cls, values: list[str]) -> list[str]:
+        for value in values:
+            host, sep, port = value.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"{value!r} is not host:port")
+        return values
+
+
+class UpstreamConfig(_Strict):
+    """The shared HTTP client towards vLLM instances."""
+
+    max_connections: Annotated[int, Field(ge=1)] = 1024
+    max_keepalive_connections: Annotated[int, Field(ge=0)] = 256
+    prefill_attempts: Annotated[int, Field(ge=1, le=10)] = 3
+    retry_backoff: Annotated[float, Field(ge=0.0)] = 0.05
+
+
+class HealthConfig(_Strict):
+    """Active health checks of every endpoint (``GET /health``)."""
+
+    interval: Seconds = 2.0
+    timeout: Seconds = 1.0
+    unhealthy_after: Annotated[int, Field(ge=1)] = 2
+
+
+class GatewayConfig(BaseSettings):
+    """The whole gateway configuration."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="PDO_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        frozen=True,
+    )
+
+    version: Literal[1] = 1
+    listen: ListenConfig = Field(default_factory=ListenConfig)
+    decoders: Annotated[list[EndpointConfig], Field(min_length=1)]
+    prefillers: list[EndpointConfig] = Field(default_factory=list)
+    connector: Literal["nixl", "example"] = "nixl"
+    threshold: ThresholdConfig = Field(default_factory=ThresholdConfig)
+    timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
+    handback: HandbackConfig = Field(default_factory=HandbackConfig)
+    sidecar: SidecarConfig = Field(default_factory=SidecarConfig)
+    upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The YAML document arrives as init values; the environment overrides it.
+        return env_settings, init_settings
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        names = [e.name for e in [*self.decoders, *self.prefillers]]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"endpoint names must be unique: {', '.join(duplicates)}")
+        if self.sidecar.enabled and len(self.decoders) != 1:
+            raise ValueError("sidecar mode serves exactly one local decoder")
+        if not self.prefillers and not self.sidecar.enabled:
+            raise ValueError("at least one prefiller is needed (or sidecar mode with the header)")
+        return self
+
+    def endpoints(self) -> list[EndpointConfig]:
+        """Decoders then prefillers."""
+        return [*self.decoders, *self.prefillers]
+
+    def models(self) -> list[str]:
+        """The model names the decoders serve (configured ones), sorted."""
+        return sorted({d.model for d in self.decoders if d.model})
+
+    def public_dict(self) -> dict[str, Any]:
+        """The effective configuration as plain data."""
+        return self.model_dump(mode="json")

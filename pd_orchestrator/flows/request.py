@@ -1,0 +1,98 @@
+"""The client's request as the flows see it: the raw body and a typed view of it."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from pd_orchestrator.openai.protocol import ChatCompletionRequest, OpenAIRequest, message_text
+from pd_orchestrator.openai.responses import Kind
+
+__all__ = ["CHAT_ONLY_FIELDS", "ClientRequest"]
+
+CHAT_ONLY_FIELDS = frozenset(
+    {
+        "messages",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "chat_template_kwargs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "response_format",
+        "documents",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "echo",
+        "suffix",
+        "mm_processor_kwargs",
+        "reasoning_effort",
+    }
+)
+"""Fields dropped when a request continues as a token prompt on ``/v1/completions``."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClientRequest:
+    """One client request: API kind and path, the body as sent, and its typed view."""
+
+    kind: Kind
+    path: str
+    body: dict[str, Any]
+    view: OpenAIRequest
+    request_id: str
+    arrival: float
+
+    @property
+    def stream(self) -> bool:
+        return self.view.stream
+
+    @property
+    def want_token_ids(self) -> bool:
+        return self.view.return_token_ids
+
+    @property
+    def include_usage(self) -> bool:
+        return self.view.include_usage
+
+    @property
+    def model(self) -> str:
+        return self.view.model
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.view.output_limit()
+
+    @property
+    def prompt_chars(self) -> int:
+        """Characters of the prompt (a token estimate without a tokenizer)."""
+        view = self.view
+        if isinstance(view, ChatCompletionRequest):
+            return sum(len(message_text(m)) + len(m.role) + 8 for m in view.messages)
+        if isinstance(view.prompt, str):
+            return len(view.prompt)
+        return 4 * len(view.prompt)
+
+    def affinity_key(self, limit: int = 4096) -> str:
+        """The start of the prompt: up to and including the first user message for chat.
+
+        Turns of one conversation share it, so routing by it keeps a conversation on
+        the decoder that holds its prefix.
+        """
+        view = self.view
+        if isinstance(view, ChatCompletionRequest):
+            parts: list[str] = []
+            for message in view.messages:
+                parts.append(f"{message.role}:{message_text(message)}")
+                if message.role == "user":
+                    break
+            return "\n".join(parts)[:limit]
+        if isinstance(view.prompt, str):
+            return view.prompt[:limit]
+        return ",".join(map(str, view.prompt[: limit // 4]))
+
+    def copy_body(self) -> dict[str, Any]:
+        return copy.deepcopy(self.body)

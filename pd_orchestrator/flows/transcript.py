@@ -1,0 +1,123 @@
+"""What the client has been told so far, across every leg (pure).
+
+A request may be served by several legs: the decoder's attempt, a decode leg after
+a prefill, continuations after hand-backs. The transcript records the original
+prompt, every generated token, the text, the finish and the usage figures, and
+builds the merged usage and the whole answer from them.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from pd_orchestrator.flows.chunks import ChunkView, Identity
+from pd_orchestrator.flows.request import ClientRequest
+from pd_orchestrator.openai.responses import Usage
+
+__all__ = ["Transcript"]
+
+Json = dict[str, Any]
+
+
+@dataclass
+class Transcript:
+    """Everything generated for one client request."""
+
+    request: ClientRequest
+    identity: Identity | None = None
+    prompt_ids: list[int] | None = None
+    generated: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int = 0
+    handbacks: int = 0
+    template: Json | None = None
+
+    @property
+    def remaining(self) -> int | None:
+        """Tokens the client still allows (None: no limit)."""
+        limit = self.request.max_tokens
+        return None if limit is None else limit - len(self.generated)
+
+    def continuation_prompt(self) -> list[int]:
+        """Original prompt ids then every generated id: what a continuation resubmits."""
+        if self.prompt_ids is None:
+            raise ValueError("the decoder did not return the prompt's token ids")
+        return [*self.prompt_ids, *self.generated]
+
+    def adopt_identity(self, raw: Json) -> Identity:
+        """Take the client-visible id, time and model from the first answer seen."""
+        if self.identity is None:
+            self.identity = Identity(
+                response_id=str(raw.get("id") or f"pdo-{self.request.request_id}"),
+                created=int(raw.get("created") or 0),
+                model=str(raw.get("model") or self.request.model),
+            )
+        return self.identity
+
+    def absorb(self, view: ChunkView, *, original_prompt: bool) -> None:
+        """Record a chunk's tokens, text and, for the original prompt's leg, its figures."""
+        if view.prompt_token_ids is not None and self.prompt_ids is None and original_prompt:
+            self.prompt_ids = list(view.prompt_token_ids)
+        if view.token_ids is not None:
+            self.generated.extend(view.token_ids)
+        if view.text:
+            self.text.append(view.text)
+        if view.finish_reason is not None:
+            self.finish_reason = view.finish_reason
+
+    def absorb_usage(self, usage: Json | None, *, original_prompt: bool, leg_tokens: int) -> None:
+        """Add one leg's usage: its completion tokens always, prompt figures once."""
+        reported = usage.get("completion_tokens") if usage else None
+        self.completion_tokens += reported if isinstance(reported, int) else leg_tokens
+        if not original_prompt or usage is None or self.prompt_tokens is not None:
+            return
+        prompt = usage.get("prompt_tokens")
+        self.prompt_tokens = prompt if isinstance(prompt, int) else None
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        self.cached_tokens = cached if isinstance(cached, int) else 0
+
+    def usage(self) -> Usage:
+        """Merged usage: the original prompt, every leg's completion tokens once."""
+        prompt = self.prompt_tokens
+        if prompt is None:
+            prompt = len(self.prompt_ids) if self.prompt_ids is not None else 0
+        cached = min(self.cached_tokens or 0, prompt)
+        return Usage(prompt, self.completion_tokens, cached or None)
+
+    def whole_answer(self) -> Json:
+        """The non-streamed answer: the first same-API answer with merged contents."""
+        if self.template is None:
+            raise ValueError("no answer was recorded")
+        answer = copy.deepcopy(self.template)
+        identity = self.identity
+        if identity is not None:
+            answer["id"], answer["created"] = identity.response_id, identity.created
+        choice = answer["choices"][0]
+        text = "".join(self.text)
+        if self.request.kind == "completion":
+            choice["text"] = text
+        else:
+            choice.setdefault("message", {"role": "assistant"})["content"] = text
+        choice["finish_reason"] = self.finish_reason
+        self._ids(answer, choice)
+        answer["usage"] = self.usage().as_dict()
+        answer["kv_transfer_params"] = None
+        return answer
+
+    def _ids(self, answer: Json, choice: Json) -> None:
+        if not self.request.want_token_ids:
+            choice.pop("token_ids", None)
+            choice.pop("prompt_token_ids", None)
+            answer.pop("prompt_token_ids", None)
+            return
+        choice["token_ids"] = list(self.generated)
+        if self.request.kind == "completion":
+            choice["prompt_token_ids"] = self.prompt_ids
+        else:
+            answer["prompt_token_ids"] = self.prompt_ids

@@ -1,0 +1,75 @@
+"""Prometheus metrics of the gateway (one registry per gateway instance).
+
+* ``pd_orchestrator_requests_total{endpoint,decision,code}`` -- answered requests by
+  API route, decision (``decode``, ``pd`` or ``error``) and HTTP status;
+* ``pd_orchestrator_decisions_total{decision}``;
+* ``pd_orchestrator_handbacks_total`` -- preempted requests resubmitted mid-generation;
+* ``pd_orchestrator_phase_seconds{phase}`` -- ``decode_attempt``, ``prefill``,
+  ``decode`` and ``total``;
+* ``pd_orchestrator_ttft_seconds`` -- arrival to the first content sent to the client;
+* ``pd_orchestrator_upstream_errors_total{endpoint,kind}``;
+* ``pd_orchestrator_in_flight_requests``;
+* ``pd_orchestrator_threshold`` -- thresholds applied to decode attempts.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["GatewayMetrics"]
+
+_SECONDS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_RATIOS = tuple(i / 20 for i in range(21))
+
+
+class GatewayMetrics:
+    """Every metric the gateway exports, on a private registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "pd_orchestrator_requests",
+            "Answered requests by API route, decision and HTTP status.",
+            ["endpoint", "decision", "code"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "pd_orchestrator_decisions", "Routing decisions.", ["decision"], registry=r
+        )
+        self.handbacks = Counter(
+            "pd_orchestrator_handbacks",
+            "Preempted requests handed back and resubmitted mid-generation.",
+            registry=r,
+        )
+        self.phase_seconds = Histogram(
+            "pd_orchestrator_phase_seconds",
+            "Duration of each phase of a request.",
+            ["phase"],
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "pd_orchestrator_ttft_seconds",
+            "Arrival to the first content sent to the client.",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "pd_orchestrator_upstream_errors",
+            "Failures talking to endpoints.",
+            ["endpoint", "kind"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "pd_orchestrator_in_flight_requests", "Client requests being served.", registry=r
+        )
+        self.threshold = Histogram(
+            "pd_orchestrator_threshold",
+            "Cache-hit thresholds applied to decode attempts.",
+            buckets=_RATIOS,
+            registry=r,
+        )

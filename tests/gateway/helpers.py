@@ -1,0 +1,100 @@
+"""HTTP helpers for gateway tests (real servers on loopback)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+MODEL = "sim-model"
+
+
+@dataclass
+class Answer:
+    """A client's view of one answer, streamed or not."""
+
+    status: int
+    headers: httpx.Headers
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    chunks: list[dict[str, Any]] = field(default_factory=list)
+    body: dict[str, Any] | None = None
+
+    @property
+    def decision(self) -> str | None:
+        return self.headers.get("x-pd-decision")
+
+
+def _choice_text(kind: str, choice: dict[str, Any], streamed: bool) -> str:
+    if kind == "completion":
+        return str(choice.get("text") or "")
+    part = choice.get("delta" if streamed else "message") or {}
+    return str(part.get("content") or "")
+
+
+async def call(
+    base_url: str, kind: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> Answer:
+    """POST to the completions or chat route; collects a stream into an :class:`Answer`."""
+    path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
+    async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+        if not body.get("stream"):
+            response = await client.post(path, json=body, headers=headers)
+            data = response.json()
+            answer = Answer(response.status_code, response.headers, body=data)
+            if response.status_code == 200:
+                choice = data["choices"][0]
+                answer.text = _choice_text(kind, choice, streamed=False)
+                answer.token_ids = choice.get("token_ids") or []
+                answer.finish_reason = choice["finish_reason"]
+                answer.usage = data["usage"]
+            return answer
+        async with client.stream("POST", path, json=body, headers=headers) as response:
+            answer = Answer(response.status_code, response.headers)
+            raw = (await response.aread()).decode()
+    if answer.status != 200:
+        answer.body = json.loads(raw)
+        return answer
+    events = [e[len("data: ") :] for e in raw.split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "[DONE]", events[-3:]
+    for event in events[:-1]:
+        chunk = json.loads(event)
+        answer.chunks.append(chunk)
+        if "error" in chunk:
+            answer.body = chunk
+            continue
+        if chunk.get("usage"):
+            answer.usage = chunk["usage"]
+        for choice in chunk.get("choices") or []:
+            answer.text += _choice_text(kind, choice, streamed=True)
+            answer.token_ids += choice.get("token_ids") or []
+            if choice.get("finish_reason"):
+                answer.finish_reason = choice["finish_reason"]
+    return answer
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    found = False
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        metric_name = line.split("{", 1)[0].split(" ", 1)[0]
+        if metric_name != name:
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+            found = True
+    if not found:
+        raise AssertionError(f"{name} {labels} not found")
+    return total
+
+
+async def metrics_text(base_url: str) -> str:
+    async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
+        return (await client.get("/metrics")).text
