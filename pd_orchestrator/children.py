@@ -85,22 +85,29 @@ def start_child(
 
 
 def _await_ready(child: Child, timeout: float) -> str:
+    """Read the child's stdout (raw, unbuffered) until its READY line."""
     stdout = child.process.stdout
     assert stdout is not None
+    fd = stdout.fileno()
+    pending = b""
     deadline = time.monotonic() + timeout
     with selectors.DefaultSelector() as selector:
-        selector.register(stdout, selectors.EVENT_READ)
+        selector.register(fd, selectors.EVENT_READ)
         while (left := deadline - time.monotonic()) > 0:
             if not selector.select(left):
                 continue
-            line = stdout.readline()
-            if line.startswith(_READY):
-                return line[len(_READY) :].strip()
-            if line == "" and child.process.poll() is not None:
+            data = os.read(fd, 65536)
+            if not data:
                 raise ChildStartError(
-                    f"{child.name} exited with {child.process.returncode} before it was ready:\n"
+                    f"{child.name} exited with {child.process.wait(5)} before it was ready:\n"
                     f"{child.log_tail()}"
                 )
+            pending += data
+            for line in pending.split(b"\n")[:-1]:
+                text = line.decode(errors="replace")
+                if text.startswith(_READY):
+                    return text[len(_READY) :].strip()
+            pending = pending.rsplit(b"\n", 1)[-1]
     raise ChildStartError(f"{child.name} was not ready after {timeout:.0f}s:\n{child.log_tail()}")
 
 

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pd_orchestrator.children import Child, python_command, start_child, stop_child
+from pd_orchestrator.cli.signals import exit_on_sigterm
 from pd_orchestrator.config import ConfigError, EndpointConfig, GatewayConfig, load_config
 from pd_orchestrator.sim.profiles import get_profile
 from pd_orchestrator.sim.server import bind_socket
@@ -41,6 +42,12 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     up.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     up.add_argument("--port", type=int, default=None, help="gateway port (overrides the config)")
     up.add_argument("--host", default=None, help="gateway address (overrides the config)")
+    up.add_argument(
+        "--state-file",
+        type=Path,
+        default=None,
+        help="write the started endpoints (name, role, url, pid) here as JSON",
+    )
     up.set_defaults(handler=run_up)
 
 
@@ -97,6 +104,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if missing:
         console.print(f"[bold red]error:[/] endpoints without a url: {', '.join(missing)}")
         return 2
+    exit_on_sigterm()
     serve_gateway(_listen(config, args.host, args.port))
     return 0
 
@@ -175,6 +183,16 @@ def resolve_simulated(
     return resolved, children
 
 
+def _write_state(path: Path, config: GatewayConfig, children: list[Child]) -> None:
+    pids = {child.name: child.process.pid for child in children}
+    endpoints = [
+        {"name": e.name, "role": role, "url": e.url, "pid": pids.get(e.name)}
+        for role, group in (("decode", config.decoders), ("prefill", config.prefillers))
+        for e in group
+    ]
+    path.write_text(json.dumps({"endpoints": endpoints}, indent=2))
+
+
 def _curl(url: str, model: str) -> str:
     body = json.dumps(
         {"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}
@@ -188,13 +206,16 @@ def run_up(args: argparse.Namespace) -> int:
     if config is None:
         return 2
     config = _listen(config, args.host, args.port)
+    exit_on_sigterm()
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="pdo-kv-") as shared:
         try:
-            config, _children = resolve_simulated(config, stack, Path(shared))
+            config, children = resolve_simulated(config, stack, Path(shared))
         except Exception as exc:  # a child that fails to start stops the whole demo
             console.print(f"[bold red]error:[/] {exc}", highlight=False)
             return 1
         models = config.models()
+        if args.state_file is not None:
+            _write_state(args.state_file, config, children)
 
         def ready(url: str) -> None:
             console.print(_endpoint_table(config, title="pd-orchestrator up"))

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import anyio
 
+from pd_orchestrator.cli.signals import exit_on_sigterm
 from pd_orchestrator.sim.options import SimOptions
 from pd_orchestrator.sim.profiles import PROFILES
 
@@ -81,5 +82,6 @@ def run(args: argparse.Namespace) -> int:
         options = options_from_args(args)
     except (ValueError, KeyError) as exc:
         raise SystemExit(f"pd-orchestrator sim: {exc}") from None
+    exit_on_sigterm()
     anyio.run(serve, options)
     return 0

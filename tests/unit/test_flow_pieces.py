@@ -1,0 +1,138 @@
+"""Pure pieces of the flows: bodies, chunk reading and writing, the transcript."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pd_orchestrator.flows.bodies import continuation_body, leg_body
+from pd_orchestrator.flows.chunks import (
+    Identity,
+    relay_chunk,
+    render_chunk,
+    view_answer,
+    view_chunk,
+)
+from pd_orchestrator.flows.request import ClientRequest
+from pd_orchestrator.flows.transcript import Transcript
+from pd_orchestrator.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+
+
+def _request(body: dict[str, Any], kind: str = "completion") -> ClientRequest:
+    if kind == "completion":
+        view: Any = parse_request(CompletionRequest, body)
+        path = "/v1/completions"
+    else:
+        view = parse_request(ChatCompletionRequest, body)
+        path = "/v1/chat/completions"
+    return ClientRequest(kind, path, body, view, "rid", 0.0)  # type: ignore[arg-type]
+
+
+CHAT = {
+    "model": "m",
+    "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+    "max_completion_tokens": 50,
+    "min_tokens": 20,
+    "stream": True,
+    "tools": [{"type": "function", "function": {"name": "f"}}],
+    "temperature": 0.0,
+    "logprobs": True,
+}
+
+
+def test_leg_body_adds_threshold_token_ids_and_usage_for_streams() -> None:
+    body = leg_body(_request(CHAT, "chat"), 0.6)
+    assert body["cache_hit_threshold"] == 0.6 and body["return_token_ids"] is True
+    assert body["stream_options"] == {"include_usage": True}
+    assert "cache_hit_threshold" not in CHAT
+
+
+def test_continuation_of_a_chat_request_is_a_token_prompt() -> None:
+    body = continuation_body(_request(CHAT, "chat"), [1, 2, 3, 9, 9], 30, 0.0)
+    assert body["prompt"] == [1, 2, 3, 9, 9]
+    assert body["max_tokens"] == 20 and body["min_tokens"] == 0
+    for dropped in ("messages", "tools", "logprobs", "max_completion_tokens"):
+        assert dropped not in body
+    assert body["temperature"] == 0.0 and body["cache_hit_threshold"] == 0.0
+
+
+def test_continuation_without_a_limit_has_none() -> None:
+    request = _request({"model": "m", "messages": [{"role": "user", "content": "x"}]}, "chat")
+    assert "max_tokens" not in continuation_body(request, [1], 5, 0.0)
+
+
+def test_chat_chunk_views() -> None:
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+    content = {"choices": [{"index": 0, "delta": {"content": " hi"}, "token_ids": [7]}]}
+    rejected = {"choices": [{"index": 0, "delta": {}, "finish_reason": "cache_threshold"}]}
+    usage = {"choices": [], "usage": {"completion_tokens": 3}}
+    assert not view_chunk(role, "chat").decisive
+    assert view_chunk(content, "chat").decisive and view_chunk(content, "chat").token_ids == (7,)
+    assert view_chunk(rejected, "chat").rejected and view_chunk(rejected, "chat").decisive
+    assert not view_chunk(usage, "chat").has_choice
+    assert view_chunk(usage, "chat").completion_tokens == 3
+
+
+def test_relay_chunk_rewrites_identity_and_strips_ids() -> None:
+    chunk = {
+        "id": "upstream",
+        "created": 5,
+        "prompt_token_ids": [1],
+        "usage": None,
+        "choices": [
+            {"index": 0, "delta": {"content": "x"}, "token_ids": [3], "logprobs": {"a": 1}}
+        ],
+    }
+    identity = Identity("client-id", 42, "m")
+    out = relay_chunk(chunk, identity, keep_ids=False, first=True)
+    assert out["id"] == "client-id" and out["created"] == 42
+    assert "prompt_token_ids" not in out and "token_ids" not in out["choices"][0]
+    assert out["choices"][0]["logprobs"] == {"a": 1} and "usage" not in out
+    kept = relay_chunk(chunk, identity, keep_ids=True, first=False)
+    assert kept["choices"][0]["token_ids"] == [3] and "prompt_token_ids" not in kept
+
+
+def test_completion_chunks_render_as_chat_chunks() -> None:
+    view = view_chunk({"choices": [{"index": 0, "text": " yo", "token_ids": [5]}]}, "completion")
+    out = render_chunk(view, Identity("c", 1, "m"), "chat", keep_ids=False, finish="length")
+    assert out["object"] == "chat.completion.chunk"
+    assert out["choices"][0]["delta"] == {"content": " yo"}
+    assert out["choices"][0]["finish_reason"] == "length"
+
+
+def test_transcript_merges_legs() -> None:
+    request = _request({"model": "m", "prompt": "p", "max_tokens": 10, "return_token_ids": True})
+    transcript = Transcript(request)
+    first = {
+        "id": "a",
+        "created": 1,
+        "model": "m",
+        "choices": [
+            {"index": 0, "text": " one", "token_ids": [11], "prompt_token_ids": [1, 2],
+             "finish_reason": "cache_threshold"}
+        ],
+        "usage": {"prompt_tokens": 2, "completion_tokens": 1,
+                  "prompt_tokens_details": {"cached_tokens": 1}},
+    }  # fmt: skip
+    second = {
+        "id": "b",
+        "choices": [{"index": 0, "text": " two", "token_ids": [12], "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1},
+    }
+    transcript.adopt_identity(first)
+    transcript.template = first
+    for answer, original in ((first, True), (second, False)):
+        view = view_answer(answer, "completion")
+        transcript.absorb(view, original_prompt=original)
+        transcript.absorb_usage(view.usage, original_prompt=original, leg_tokens=1)
+    assert transcript.continuation_prompt() == [1, 2, 11, 12]
+    assert transcript.remaining == 8
+    whole = transcript.whole_answer()
+    assert whole["id"] == "a" and whole["choices"][0]["text"] == " one two"
+    assert whole["choices"][0]["token_ids"] == [11, 12]
+    assert whole["choices"][0]["finish_reason"] == "length"
+    assert whole["usage"] == {
+        "prompt_tokens": 2,
+        "total_tokens": 4,
+        "completion_tokens": 2,
+        "prompt_tokens_details": {"cached_tokens": 1},
+    }
