@@ -160,6 +160,10 @@ class UpstreamConfig(_Strict):
 
     max_connections: Annotated[int, Field(ge=1)] = 1024
     max_keepalive_connections: Annotated[int, Field(ge=0)] = 256
+    pool_shards: Annotated[int, Field(ge=1, le=256)] = Field(
+        default=16,
+        description="connection pools sharing the limits; more keep each pool small",
+    )
     prefill_attempts: Annotated[int, Field(ge=1, le=10)] = 3
     retry_backoff: Annotated[float, Field(ge=0.0)] = 0.05
 

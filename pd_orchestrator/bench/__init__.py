@@ -1,0 +1,1 @@
+"""Benchmarks: load generation, workloads and reports."""
