@@ -6,7 +6,8 @@ turn. httpcore's pool checks each of its idle connections with a system call on
 every request, so one pool's cost per request grows with its size; measured here,
 one pool of 64 busy connections spent most of the gateway's CPU in those checks,
 16 shards of 4 do not. Every call names its phase, which picks the read timeout.
-httpx exceptions never leave this module: they are translated by :func:`_translate` into :mod:`~pd_orchestrator.upstream.errors`.
+httpx exceptions never leave this module: :func:`_translate` turns them into
+:mod:`~pd_orchestrator.upstream.errors`.
 Streams are opened with ``send(stream=True)`` and closed with :meth:`ChunkStream.aclose`
 (closing the connection is how vLLM learns to abort the request).
 """
