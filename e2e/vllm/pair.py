@@ -100,12 +100,17 @@ class PairConfig:
     startup_timeout: float = 240.0
     global_threshold: float | None = None
     small_decoder: bool = False
+    prefiller_args: tuple[str, ...] = ()
+    decoder_args: tuple[str, ...] = ()
     hash_seed: str = "0"
 
     def specs(self) -> tuple[ServerSpec, ServerSpec]:
         """Prefiller on core 0, decoder on core 1 (with the small KV cache if asked)."""
-        decoder_args = SMALL_DECODER_ARGS if self.small_decoder else ()
-        return ServerSpec("prefiller", cpu=0), ServerSpec("decoder", 1, decoder_args)
+        small = SMALL_DECODER_ARGS if self.small_decoder else ()
+        return (
+            ServerSpec("prefiller", cpu=0, extra_args=self.prefiller_args),
+            ServerSpec("decoder", cpu=1, extra_args=small + self.decoder_args),
+        )
 
 
 class VLLMServer:
@@ -321,6 +326,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="decoder with 24 KV blocks, max-model-len 512, max-num-seqs 8 (forces preemption)",
     )
+    parser.add_argument(
+        "--prefiller-arg", action="append", default=[], help="extra vLLM flag (repeatable)"
+    )
+    parser.add_argument(
+        "--decoder-arg", action="append", default=[], help="extra vLLM flag (repeatable)"
+    )
     parser.add_argument("--timeout", type=float, default=240.0, help="start-up timeout (s)")
     parser.add_argument("--hold", action="store_true", help="keep serving until interrupted")
     args = parser.parse_args(argv)
@@ -333,6 +344,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         startup_timeout=args.timeout,
         global_threshold=args.global_threshold,
         small_decoder=args.small_decoder,
+        prefiller_args=tuple(args.prefiller_arg),
+        decoder_args=tuple(args.decoder_arg),
     )
     with _sigterm_as_exit(), VLLMPair(config) as pair:
         for server in pair.servers:
