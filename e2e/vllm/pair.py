@@ -34,7 +34,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -296,9 +296,9 @@ class VLLMPair:
         self.stop()
 
 
-def _collect(wait: object, deadline: float, errors: list[BaseException]) -> None:
+def _collect(wait: Callable[[float], None], deadline: float, errors: list[BaseException]) -> None:
     try:
-        wait(deadline)  # type: ignore[operator]
+        wait(deadline)
     except BaseException as exc:
         errors.append(exc)
 

@@ -43,6 +43,7 @@ from pd_orchestrator.vllm_plugin.policy import (
     FINISH_REASON,
     InvalidThresholdError,
     Phase,
+    PluginContractError,
     parse_threshold,
     phase_of_stop_reason,
     request_threshold,
@@ -267,11 +268,18 @@ def _wrap_stream(
     method: str,
     keyed: bool,
     make_watch: Callable[[inspect.BoundArguments], _StreamWatch],
+    needs: tuple[str, ...],
 ) -> None:
     original = getattr(serving_cls, method)
     if _wrapped(original):
         return
     signature = inspect.signature(original)
+    missing = [name for name in needs if name not in signature.parameters]
+    if missing:
+        raise PluginContractError(
+            f"vLLM's {serving_cls.__name__}.{method}() has no parameter(s) {missing}; "
+            f"the cache-hit threshold plugin does not support this vLLM build"
+        )
 
     @functools.wraps(original)
     async def stream(*args: Any, **kwargs: Any) -> AsyncGenerator[str, None]:
@@ -361,8 +369,20 @@ def _install_streams() -> None:
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 
-    _wrap_stream(OpenAIServingCompletion, "completion_stream_generator", True, _completion_watch)
-    _wrap_stream(OpenAIServingChat, "chat_completion_stream_generator", False, _chat_watch)
+    _wrap_stream(
+        OpenAIServingCompletion,
+        "completion_stream_generator",
+        True,
+        _completion_watch,
+        ("request", "result_generator", "request_id", "created_time", "model_name"),
+    )
+    _wrap_stream(
+        OpenAIServingChat,
+        "chat_completion_stream_generator",
+        False,
+        _chat_watch,
+        ("request", "result_generator", "request_id", "model_name"),
+    )
 
 
 # --- metrics ------------------------------------------------------------------------

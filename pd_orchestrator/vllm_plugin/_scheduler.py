@@ -47,6 +47,7 @@ from pd_orchestrator.vllm_plugin.policy import (
     EXTRA_ARGS_KEY,
     InvalidThresholdError,
     Phase,
+    PluginContractError,
     below_threshold,
     global_threshold,
     is_remote_decode_prefill,
@@ -64,10 +65,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger("pd_orchestrator.vllm_plugin")
-
-
-class PluginContractError(RuntimeError):
-    """The installed vLLM's scheduler no longer has the shape the plugin relies on."""
 
 
 class ThresholdGate:

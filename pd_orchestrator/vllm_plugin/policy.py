@@ -33,6 +33,7 @@ __all__ = [
     "SUPPORTED_VLLM_VERSION",
     "InvalidThresholdError",
     "Phase",
+    "PluginContractError",
     "UnsupportedVLLMVersionError",
     "below_threshold",
     "check_vllm_version",
@@ -69,6 +70,10 @@ _STOP_REASON_PREFIX = FINISH_REASON + ":"
 
 class UnsupportedVLLMVersionError(RuntimeError):
     """The installed vLLM is not the release this plugin supports."""
+
+
+class PluginContractError(RuntimeError):
+    """The installed vLLM no longer has the shape the plugin's patches rely on."""
 
 
 class InvalidThresholdError(ValueError):
