@@ -1,0 +1,78 @@
+"""Fixtures for the end-to-end suites that need a real vLLM.
+
+They run from the project's venv. ``PDO_E2E_VLLM_PYTHON`` names the python of the
+cached vLLM CPU venv (``make vllm-env`` prints it) and ``PDO_E2E_VLLM_MODEL`` the
+tiny model folder (``make tiny-model``); without both, every test that needs them
+is skipped with that reason. ``make e2e-vllm`` sets both.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+_HERE = Path(__file__).resolve().parent
+
+
+def _load_pair_module() -> ModuleType:
+    # Loaded by path: the folder is named like the vllm package, so it must never be
+    # importable as "vllm".
+    spec = importlib.util.spec_from_file_location("pdo_e2e_vllm_pair", _HERE / "vllm" / "pair.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+pair_module = _load_pair_module()
+
+
+def _env_path(name: str) -> Path | None:
+    value = os.environ.get(name)
+    return Path(value) if value else None
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """The vLLM venv's python, or skip."""
+    python = _env_path("PDO_E2E_VLLM_PYTHON")
+    if python is None:
+        pytest.skip("PDO_E2E_VLLM_PYTHON is not set (run `make e2e-vllm`)")
+    if not python.exists():
+        pytest.fail(f"PDO_E2E_VLLM_PYTHON={python} does not exist")
+    return python
+
+
+@pytest.fixture(scope="session")
+def vllm_model(vllm_python: Path) -> Path:
+    """The tiny model folder, or skip."""
+    model = _env_path("PDO_E2E_VLLM_MODEL")
+    if model is None:
+        pytest.skip("PDO_E2E_VLLM_MODEL is not set (run `make e2e-vllm`)")
+    if not (model / "config.json").is_file():
+        pytest.fail(f"PDO_E2E_VLLM_MODEL={model} holds no config.json")
+    return model
+
+
+@pytest.fixture(scope="session")
+def vllm_pair(vllm_python: Path, vllm_model: Path) -> Iterator[object]:
+    """A prefiller (server default threshold 0.5) and a small-cache decoder (no default)."""
+    config = pair_module.PairConfig(
+        python=vllm_python,
+        model=vllm_model,
+        small_decoder=True,
+        prefiller_args=("--global-cache-hit-threshold", "0.5"),
+    )
+    with pair_module.VLLMPair(config) as pair:
+        sys.stderr.write(
+            f"\nvLLM pair up in {pair.startup_seconds:.1f} s: prefiller {pair.prefiller.url} "
+            f"decoder {pair.decoder.url}, vLLM {pair.decoder.version}\n"
+        )
+        yield pair

@@ -1,0 +1,252 @@
+"""Engine-core side: the cache-hit threshold mixed into vLLM's v1 scheduler.
+
+Imported only inside vLLM (by :func:`pd_orchestrator.vllm_plugin.register`).
+
+How it hooks in (vLLM 0.32):
+
+* ``SchedulerConfig.get_scheduler_cls`` is wrapped: whatever class vLLM picked
+  (``AsyncScheduler`` on GPU, ``Scheduler`` on CPU, or a ``--scheduler-cls``) is
+  returned as a subclass built by :func:`threshold_scheduler`, so no flag is needed.
+* Admission: ``Scheduler.schedule()`` calls ``_ec_transfer_pending(request,
+  num_computed_tokens)`` for a waiting request once the local prefix-cache hit and
+  the KV connector's loadable tokens are summed into ``num_computed_tokens`` and
+  before any block is allocated; returning True makes ``schedule()`` skip the
+  request for this step. The subclass answers True for a request below its
+  threshold and records it. This is a private method meant for encoder transfers:
+  :func:`check_contract` verifies the shape of ``schedule()`` when the class is
+  built, and the e2e suite runs it too.
+* After ``schedule()`` returns, recorded requests (back in the waiting queue) are
+  finished with ``FINISHED_ABORTED`` and a stop reason naming the phase
+  (``cache_threshold:admission`` or ``cache_threshold:preemption``); their outputs
+  (no new tokens) ride on the next ``update_from_output``. The API-server side
+  (:mod:`._frontend`) turns that stop reason into ``finish_reason:
+  "cache_threshold"``: vLLM's ``FinishReason`` is an IntEnum checked across the
+  process boundary, so no new value can be added.
+* Preemption: ``_preempt_request`` puts the request back in ``waiting`` with
+  ``num_computed_tokens = 0`` and status ``PREEMPTED``, so resuming goes through
+  the same hook, with prompt + output tokens as the denominator. The output tokens
+  already produced stay with the request and are returned with the rejection.
+
+Semantics: the check runs at every scheduling attempt of a request that has
+nothing computed yet (as the project's simulator does), so a request that waits
+for memory while other requests evict its cached blocks can be rejected later.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+from typing import Any
+
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.request import RequestStatus
+
+from pd_orchestrator.vllm_plugin.policy import (
+    EXTRA_ARGS_KEY,
+    InvalidThresholdError,
+    Phase,
+    PluginContractError,
+    below_threshold,
+    global_threshold,
+    is_remote_decode_prefill,
+    parse_threshold,
+    resolve_threshold,
+    stop_reason_for,
+)
+
+__all__ = [
+    "PluginContractError",
+    "ThresholdGate",
+    "check_contract",
+    "install",
+    "threshold_scheduler",
+]
+
+_log = logging.getLogger("pd_orchestrator.vllm_plugin")
+
+
+class ThresholdGate:
+    """Per-scheduler threshold state: the server default and the requests to reject."""
+
+    def __init__(self, default_threshold: float) -> None:
+        self.default_threshold = default_threshold
+        self._rejected: dict[str, Phase] = {}
+
+    def threshold_for(self, request: Any) -> float:
+        """The threshold of one engine request (see :func:`policy.resolve_threshold`)."""
+        params = getattr(request, "sampling_params", None)
+        extra = getattr(params, "extra_args", None) or {}
+        try:
+            own = parse_threshold(extra.get(EXTRA_ARGS_KEY), EXTRA_ARGS_KEY)
+        except InvalidThresholdError as exc:
+            _log.warning("request %s: %s; using the server default", request.request_id, exc)
+            own = None
+        return resolve_threshold(
+            own,
+            self.default_threshold,
+            remote_decode_prefill=is_remote_decode_prefill(request.kv_transfer_params),
+        )
+
+    def rejects(self, request: Any, num_cached_tokens: int) -> bool:
+        """Whether ``request`` (nothing computed yet) is below its threshold; records it."""
+        threshold = self.threshold_for(request)
+        if not below_threshold(num_cached_tokens, request.num_tokens, threshold):
+            return False
+        resumed = request.status == RequestStatus.PREEMPTED
+        self._rejected[request.request_id] = Phase.PREEMPTION if resumed else Phase.ADMISSION
+        _log.debug(
+            "request %s rejected (%s): %d/%d cached, threshold %.3f",
+            request.request_id,
+            self._rejected[request.request_id].value,
+            num_cached_tokens,
+            request.num_tokens,
+            threshold,
+        )
+        return True
+
+    def take_rejected(self) -> dict[str, Phase]:
+        """The requests recorded since the last call."""
+        rejected, self._rejected = self._rejected, {}
+        return rejected
+
+
+def _finish_rejected(scheduler: Any) -> None:
+    """Finish the requests the gate recorded during ``schedule()``; stash their outputs."""
+    rejected = scheduler._pdo_gate.take_rejected()
+    if not rejected:
+        return
+    finished = scheduler.finish_requests(list(rejected), RequestStatus.FINISHED_ABORTED)
+    for request in finished:
+        scheduler._pdo_outputs.append(
+            (
+                request.client_index,
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason=request.get_finished_reason(),
+                    stop_reason=stop_reason_for(rejected[request.request_id]),
+                    events=request.take_events(),
+                    trace_headers=request.trace_headers,
+                ),
+            )
+        )
+
+
+def _merge_outputs(outputs: dict[int, Any], stashed: list[tuple[int, Any]]) -> dict[int, Any]:
+    for client_index, output in stashed:
+        per_client = outputs.get(client_index)
+        if per_client is None:
+            outputs[client_index] = EngineCoreOutputs(outputs=[output])
+        else:
+            per_client.outputs.append(output)
+    return outputs
+
+
+@functools.cache
+def threshold_scheduler(base: type[Any]) -> type[Any]:
+    """A subclass of the scheduler class ``base`` with the cache-hit threshold."""
+    check_contract()
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        base.__init__(self, *args, **kwargs)
+        default = global_threshold(self.vllm_config.additional_config, os.environ)
+        self._pdo_gate = ThresholdGate(default)
+        self._pdo_outputs = []
+        _log.info("cache-hit threshold active; server default %.3f", default)
+
+    def _ec_transfer_pending(self: Any, request: Any, num_computed_tokens: int) -> bool:
+        if request.num_computed_tokens == 0 and self._pdo_gate.rejects(
+            request, num_computed_tokens
+        ):
+            return True
+        return bool(base._ec_transfer_pending(self, request, num_computed_tokens))
+
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        output = base.schedule(self, *args, **kwargs)
+        _finish_rejected(self)
+        return output
+
+    def update_from_output(self: Any, *args: Any, **kwargs: Any) -> Any:
+        outputs = base.update_from_output(self, *args, **kwargs)
+        stashed, self._pdo_outputs = self._pdo_outputs, []
+        return _merge_outputs(outputs, stashed) if stashed else outputs
+
+    members = {
+        "__init__": __init__,
+        "__module__": __name__,
+        "__doc__": f"{base.__name__} with the RFC 24256 cache-hit threshold.",
+        "_ec_transfer_pending": _ec_transfer_pending,
+        "schedule": schedule,
+        "update_from_output": update_from_output,
+    }
+    return type(f"CacheThreshold{base.__name__}", (base,), members)
+
+
+def _require_in_order(source: str, markers: tuple[str, ...], where: str) -> None:
+    position = 0
+    for marker in markers:
+        found = source.find(marker, position)
+        if found < 0:
+            raise PluginContractError(
+                f"vLLM's {where} no longer contains {marker!r} where the cache-hit "
+                f"threshold plugin expects it (after {markers[: markers.index(marker)]!r}); "
+                f"the plugin does not support this vLLM build"
+            )
+        position = found + len(marker)
+
+
+def check_contract() -> None:
+    """Raise :class:`PluginContractError` unless vLLM's scheduler has the expected shape.
+
+    Checked: in ``Scheduler.schedule()``, for a waiting request with nothing
+    computed, the local hit lookup, then the connector's matched tokens, then their
+    sum, then the ``_ec_transfer_pending(request, num_computed_tokens)`` hook
+    whose True answer skips the request, all before the waiting request's
+    ``allocate_slots``; skipped requests are put back in ``waiting``;
+    ``_preempt_request`` resets ``num_computed_tokens`` and marks ``PREEMPTED``;
+    ``finish_requests`` and ``update_from_output`` exist.
+    """
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    schedule = inspect.getsource(Scheduler.schedule)
+    _require_in_order(
+        schedule,
+        (
+            "if request.num_computed_tokens == 0:",
+            "self._get_local_prefix_cache_hit(request)",
+            "self.connector.get_num_new_matched_tokens(",
+            "num_new_local_computed_tokens + num_external_computed_tokens",
+            "if self._ec_transfer_pending(request, num_computed_tokens):",
+            "skip_request(request_queue)",
+            "self.kv_cache_manager.allocate_slots(",
+            "self.waiting.prepend_requests(step_skipped_waiting)",
+        ),
+        "Scheduler.schedule()",
+    )
+    preempt = inspect.getsource(Scheduler._preempt_request)
+    _require_in_order(
+        preempt,
+        ("request.status = RequestStatus.PREEMPTED", "request.num_computed_tokens = 0"),
+        "Scheduler._preempt_request()",
+    )
+    for name in ("finish_requests", "update_from_output", "_ec_transfer_pending"):
+        if not callable(getattr(Scheduler, name, None)):
+            raise PluginContractError(f"vLLM's Scheduler has no method {name}()")
+
+
+def install() -> None:
+    """Wrap ``SchedulerConfig.get_scheduler_cls`` (idempotent)."""
+    from vllm.config.scheduler import SchedulerConfig
+
+    original = SchedulerConfig.get_scheduler_cls
+    if getattr(original, "_pdo_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def get_scheduler_cls(self: Any) -> type[Any]:
+        return threshold_scheduler(original(self))
+
+    get_scheduler_cls._pdo_wrapped = True  # type: ignore[attr-defined]
+    SchedulerConfig.get_scheduler_cls = get_scheduler_cls
