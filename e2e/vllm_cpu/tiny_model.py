@@ -2,7 +2,7 @@
 
 Run with the vLLM venv's python (it needs torch, transformers and tokenizers):
 
-    python e2e/vllm/tiny_model.py [--cache-dir DIR]
+    python e2e/vllm_cpu/tiny_model.py [--cache-dir DIR]
 
 Prints the model folder on stdout. The folder is
 ``<cache>/tiny-llama-<hash of this file>``; it is built in a temporary folder and
