@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PORT ?= 8000
 
-.PHONY: run test lint format unit lock clean vllm-env tiny-model e2e-vllm
+.PHONY: run test lint format unit e2e lock clean vllm-env tiny-model e2e-vllm
 
 $(STAMP): requirements/lock.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,12 +23,16 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-## unit: the pytest suite
+## unit: the unit and integration tests (simulator processes on loopback)
 unit: $(STAMP)
 	$(BIN)/pytest
 
-## test: lint and the whole suite
-test: lint unit
+## e2e: the end-to-end suite against a simulated pair (the real-vLLM tests skip here)
+e2e: $(STAMP)
+	$(BIN)/pytest e2e
+
+## test: everything -- lint, unit, e2e on the simulator, e2e on a real vLLM CPU pair
+test: lint unit e2e e2e-vllm
 
 format: $(STAMP)
 	$(BIN)/ruff format .
@@ -50,11 +54,12 @@ vllm-env:
 tiny-model:
 	"$$(bash e2e/vllm_cpu/build-env.sh)" e2e/vllm_cpu/tiny_model.py
 
-## e2e-vllm: the plugin against a real vLLM prefiller/decoder pair on CPU (cached venv and model)
+## e2e-vllm: the e2e suite on a real vLLM prefiller/decoder pair on CPU (cached venv and model)
 e2e-vllm: $(STAMP)
 	VLLM_PY="$$(bash e2e/vllm_cpu/build-env.sh)" && \
 	MODEL_DIR="$$("$$VLLM_PY" e2e/vllm_cpu/tiny_model.py)" && \
-	PDO_E2E_VLLM_PYTHON="$$VLLM_PY" PDO_E2E_VLLM_MODEL="$$MODEL_DIR" $(BIN)/pytest e2e -v
+	PDO_E2E_TARGET=vllm PDO_E2E_VLLM_PYTHON="$$VLLM_PY" PDO_E2E_VLLM_MODEL="$$MODEL_DIR" \
+	$(BIN)/pytest e2e -v
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache build *.egg-info

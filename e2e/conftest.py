@@ -77,3 +77,32 @@ def vllm_pair(vllm_python: Path, vllm_model: Path) -> Iterator[object]:
             f"decoder {pair.decoder.url}, vLLM {pair.decoder.version}\n"
         )
         yield pair
+
+
+# --- the gateway suite's targets ------------------------------------------------------
+from targets import Target, gateway_for, live_target, sim_target, vllm_target  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def target(request: pytest.FixtureRequest) -> Iterator[Target]:
+    """The target named by ``PDO_E2E_TARGET`` (``sim`` by default)."""
+    name = os.environ.get("PDO_E2E_TARGET", "sim")
+    if name == "sim":
+        with sim_target() as simulated:
+            yield simulated
+    elif name == "vllm":
+        yield vllm_target(request.getfixturevalue("vllm_pair"))
+    elif name == "live":
+        live = live_target()
+        if live is None:
+            pytest.skip("PDO_E2E_DECODE_URLS, PDO_E2E_PREFILL_URLS and PDO_E2E_MODEL are not set")
+        yield live
+    else:
+        pytest.fail(f"PDO_E2E_TARGET={name!r}: expected sim, vllm or live")
+
+
+@pytest.fixture(scope="session")
+def gateway(target: Target, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The gateway's URL, in front of the target."""
+    with gateway_for(target, tmp_path_factory.mktemp("gateway")) as child:
+        yield child.url

@@ -1,0 +1,126 @@
+"""The three targets of the end-to-end suite, and the gateway in front of them.
+
+``PDO_E2E_TARGET`` picks one:
+
+* ``sim`` (default): simulator processes on loopback -- a NIXL prefiller, a decoder
+  with a small KV cache (so preemption can be forced) and a reference instance;
+* ``vllm``: a real vLLM CPU pair with the plugin (``make e2e-vllm`` sets it up);
+  the prefiller doubles as the single-instance reference;
+* ``live``: GPU pairs named by ``PDO_E2E_DECODE_URLS`` and ``PDO_E2E_PREFILL_URLS``
+  (comma lists) serving ``PDO_E2E_MODEL``; tests are skipped when they are unset.
+  ``PDO_E2E_REFERENCE_URL`` (default: the first prefiller) answers the reference
+  requests, ``PDO_E2E_CONNECTOR`` picks the connector (default ``nixl``) and
+  ``PDO_E2E_PREEMPTION=1`` runs the preemption test (it needs a decoder whose KV
+  cache the test can fill).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pd_orchestrator.children import Child, python_command, start_child, stop_child
+
+SIM_MODEL = "sim-model"
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the suite sends traffic."""
+
+    name: str
+    model: str
+    decoders: tuple[str, ...]
+    prefillers: tuple[str, ...]
+    reference: str
+    connector: str = "nixl"
+    preemption: bool = True
+    block_size: int = 16
+
+    def gateway_config(self, **overrides: Any) -> dict[str, Any]:
+        config: dict[str, Any] = {
+            "connector": self.connector,
+            "decoders": [
+                {"name": f"decode-{i}", "url": url, "model": self.model}
+                for i, url in enumerate(self.decoders)
+            ],
+            "prefillers": [
+                {"name": f"prefill-{i}", "url": url, "model": self.model}
+                for i, url in enumerate(self.prefillers)
+            ],
+            "threshold": {"policy": {"type": "static", "value": 0.5}},
+            "timeouts": {"decode_attempt": 120, "prefill": 120, "decode": 120},
+            "health": {"interval": 1.0},
+        }
+        config.update(overrides)
+        return config
+
+
+def _sim(stack: ExitStack, name: str, *args: str) -> Child:
+    argv = python_command("sim", "--host", "127.0.0.1", "--port", "0", *args)
+    child = start_child(name, argv, timeout=30)
+    stack.callback(stop_child, child)
+    return child
+
+
+@contextmanager
+def sim_target() -> Iterator[Target]:
+    """A simulated pair: instant prefiller, small real-time-ish decoder, reference."""
+    with ExitStack() as stack:
+        nixl = ("--kv-connector", "nixl", "--model", SIM_MODEL)
+        prefiller = _sim(stack, "prefiller", "--profile", "instant", *nixl)
+        decoder = _sim(
+            stack, "decoder", "--profile", "h200-llama3-8b", "--time-scale", "0.3",
+            "--num-kv-blocks", "64", "--max-num-seqs", "8", *nixl,
+        )  # fmt: skip
+        reference = _sim(stack, "reference", "--profile", "instant", "--model", SIM_MODEL)
+        yield Target("sim", SIM_MODEL, (decoder.url,), (prefiller.url,), reference.url)
+
+
+def vllm_target(pair: Any) -> Target:
+    """The real vLLM CPU pair (its prefiller is the greedy single-instance reference)."""
+    return Target(
+        "vllm",
+        pair.config.served_model_name,
+        (pair.decoder.url,),
+        (pair.prefiller.url,),
+        pair.prefiller.url,
+        block_size=pair.config.block_size,
+    )
+
+
+def live_target() -> Target | None:
+    """GPU pairs from the environment, or None when they are not named."""
+    decoders = [u.strip() for u in os.environ.get("PDO_E2E_DECODE_URLS", "").split(",") if u]
+    prefillers = [u.strip() for u in os.environ.get("PDO_E2E_PREFILL_URLS", "").split(",") if u]
+    model = os.environ.get("PDO_E2E_MODEL")
+    if not decoders or not prefillers or not model:
+        return None
+    return Target(
+        "live",
+        model,
+        tuple(decoders),
+        tuple(prefillers),
+        os.environ.get("PDO_E2E_REFERENCE_URL", prefillers[0]),
+        connector=os.environ.get("PDO_E2E_CONNECTOR", "nixl"),
+        preemption=os.environ.get("PDO_E2E_PREEMPTION") == "1",
+        block_size=int(os.environ.get("PDO_E2E_BLOCK_SIZE", "16")),
+    )
+
+
+@contextmanager
+def gateway_for(target: Target, workdir: Path, **overrides: Any) -> Iterator[Child]:
+    """``pd-orchestrator serve`` in front of ``target``; stopped on exit."""
+    path = workdir / f"gateway-{target.name}.yaml"
+    path.write_text(yaml.safe_dump(target.gateway_config(**overrides)))
+    child = start_child("gateway", python_command("serve", "--config", str(path), "--port", "0"))
+    try:
+        yield child
+    finally:
+        stop_child(child)
