@@ -17,6 +17,7 @@ from rich.table import Table
 from pd_orchestrator.children import Child, python_command, start_child, stop_child
 from pd_orchestrator.cli.signals import exit_on_sigterm
 from pd_orchestrator.config import ConfigError, EndpointConfig, GatewayConfig, load_config
+from pd_orchestrator.config.settings import FleetEndpoint
 from pd_orchestrator.sim.profiles import get_profile
 from pd_orchestrator.sim.server import bind_socket
 
@@ -122,17 +123,16 @@ def run_check_config(args: argparse.Namespace) -> int:
 
 def _endpoint_table(config: GatewayConfig, title: str) -> Table:
     table = Table(title=title)
-    for column in ("role", "name", "hardware", "model", "url"):
+    for column in ("pool", "role", "name", "hardware", "group", "model", "url"):
         table.add_column(column)
-    for role, endpoints in (("decode", config.decoders), ("prefill", config.prefillers)):
-        for e in endpoints:
-            url = e.url or f"(simulated: {e.sim.profile if e.sim else '?'})"
-            table.add_row(role, e.name, e.hardware, e.model or "-", url)
+    for e in config.fleet():
+        url = e.url or f"(simulated: {e.sim.profile if e.sim else '?'})"
+        table.add_row(e.pool, e.role, e.name, e.hardware, e.group, e.model or "-", url)
     return table
 
 
 # -- up ----------------------------------------------------------------------------------------
-def _sim_argv(endpoint: EndpointConfig, config: GatewayConfig, shared_dir: Path) -> list[str]:
+def _sim_argv(endpoint: FleetEndpoint, shared_dir: Path) -> list[str]:
     spec = endpoint.sim
     assert spec is not None
     argv = python_command(
@@ -144,13 +144,13 @@ def _sim_argv(endpoint: EndpointConfig, config: GatewayConfig, shared_dir: Path)
         "--block-size", str(spec.block_size),
         "--max-num-seqs", str(spec.max_num_seqs),
         "--seed", str(spec.seed),
-        "--kv-connector", config.connector,
+        "--kv-connector", endpoint.connector,
         "--engine-id", endpoint.name,
         "--model", endpoint.model or get_profile(spec.profile).model,
     )  # fmt: skip
     if spec.num_kv_blocks is not None:
         argv += ["--num-kv-blocks", str(spec.num_kv_blocks)]
-    if config.connector == "example":
+    if endpoint.connector == "example":
         argv += ["--kv-shared-dir", str(shared_dir)]
     return argv + spec.extra_args
 
@@ -163,32 +163,30 @@ def resolve_simulated(
     Children are stopped when ``stack`` closes.
     """
     children: list[Child] = []
+    resolved = {e.name: e for e in config.fleet()}
 
     def resolve(endpoint: EndpointConfig) -> EndpointConfig:
-        if endpoint.url is not None:
+        fleet = resolved[endpoint.name]
+        if endpoint.url is not None or fleet.sim is None:
             return endpoint
-        child = start_child(endpoint.name, _sim_argv(endpoint, config, shared_dir))
+        child = start_child(endpoint.name, _sim_argv(fleet, shared_dir))
         stack.callback(stop_child, child)
         children.append(child)
-        assert endpoint.sim is not None
-        model = endpoint.model or get_profile(endpoint.sim.profile).model
+        model = fleet.model or get_profile(fleet.sim.profile).model
         return endpoint.model_copy(update={"url": child.url, "model": model})
 
-    resolved = config.model_copy(
-        update={
-            "decoders": [resolve(e) for e in config.decoders],
-            "prefillers": [resolve(e) for e in config.prefillers],
-        }
-    )
-    return resolved, children
+    pools = [
+        pool.model_copy(update={"endpoints": [resolve(e) for e in pool.endpoints]})
+        for pool in config.pools
+    ]
+    return config.model_copy(update={"pools": pools}), children
 
 
 def _write_state(path: Path, config: GatewayConfig, children: list[Child]) -> None:
     pids = {child.name: child.process.pid for child in children}
     endpoints = [
-        {"name": e.name, "role": role, "url": e.url, "pid": pids.get(e.name)}
-        for role, group in (("decode", config.decoders), ("prefill", config.prefillers))
-        for e in group
+        {"name": e.name, "role": e.role, "pool": e.pool, "url": e.url, "pid": pids.get(e.name)}
+        for e in config.fleet()
     ]
     path.write_text(json.dumps({"endpoints": endpoints}, indent=2))
 

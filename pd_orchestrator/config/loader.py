@@ -22,10 +22,31 @@ class ConfigError(ValueError):
     """A configuration that cannot be used; the message says where and why."""
 
 
-def _describe(exc: ValidationError) -> str:
+def _legacy_names(data: dict[str, Any]) -> dict[int, str]:
+    """Pool index -> the v1 list it was made from (``decoders`` / ``prefillers``)."""
+    index = len(data.get("pools") or [])
+    names: dict[int, str] = {}
+    for key in ("decoders", "prefillers"):
+        if data.get(key):
+            names[index] = key
+            index += 1
+    return names
+
+
+def _location(loc: tuple[int | str, ...], legacy: dict[int, str]) -> str:
+    parts = [str(part) for part in loc]
+    if len(parts) >= 3 and parts[0] == "pools" and parts[2] == "endpoints":
+        name = legacy.get(int(parts[1]))
+        if name is not None:
+            parts = [name, *parts[3:]]
+    return ".".join(parts) or "(top level)"
+
+
+def _describe(exc: ValidationError, data: dict[str, Any]) -> str:
+    legacy = _legacy_names(data)
     lines = []
     for error in exc.errors():
-        where = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        where = _location(error["loc"], legacy)
         message = "unknown key" if error["type"] == "extra_forbidden" else error["msg"]
         lines.append(f"  {where}: {message}")
     return "\n".join(lines)
@@ -40,7 +61,7 @@ def parse_config(data: Any, source: str = "config") -> GatewayConfig:
     try:
         return GatewayConfig(**data)
     except ValidationError as exc:
-        raise ConfigError(f"{source} is invalid:\n{_describe(exc)}") from None
+        raise ConfigError(f"{source} is invalid:\n{_describe(exc, data)}") from None
 
 
 def load_config(path: Path) -> GatewayConfig:

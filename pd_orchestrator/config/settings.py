@@ -8,6 +8,7 @@ lists as JSON) override them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Self
 from urllib.parse import urlsplit
 
@@ -15,11 +16,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 __all__ = [
+    "CompatibilityConfig",
     "EndpointConfig",
+    "FleetEndpoint",
     "GatewayConfig",
     "HandbackConfig",
     "HealthConfig",
+    "HostStagedPair",
     "ListenConfig",
+    "PoolConfig",
     "SidecarConfig",
     "SimSpec",
     "StaticPolicyConfig",
@@ -65,12 +70,19 @@ class SimSpec(_Strict):
         return value
 
 
-class EndpointConfig(_Strict):
-    """One vLLM instance. ``url`` may be omitted when ``sim`` says how to simulate it."""
+Name = Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")]
+RoleName = Literal["decode", "prefill", "both"]
+ConnectorName = Literal["nixl", "example"]
 
-    name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")]
+
+class EndpointConfig(_Strict):
+    """One vLLM instance of a pool. ``url`` may be omitted when a ``sim`` block (its
+    own or the pool's) says how ``pd-orchestrator up`` simulates it. ``hardware``
+    and ``model`` default to the pool's."""
+
+    name: Name
     url: str | None = None
-    hardware: str = "unknown"
+    hardware: str | None = None
     model: str | None = None
     sim: SimSpec | None = None
 
@@ -84,11 +96,89 @@ class EndpointConfig(_Strict):
             raise ValueError(f"{value!r} is not an http(s) URL with a host")
         return value.rstrip("/")
 
+
+class PoolConfig(_Strict):
+    """Endpoints of one hardware kind and role, and the compatibility group their KV
+    belongs to (default: the hardware label). KV moves only between a prefiller and
+    a decoder of one group that use the same connector, unless the pair of groups is
+    declared host-staged."""
+
+    name: Name
+    hardware: str = "unknown"
+    role: RoleName
+    model: str | None = None
+    connector: ConnectorName | None = Field(
+        default=None, description="default: the top-level connector"
+    )
+    group: str | None = Field(default=None, description="default: the hardware label")
+    sim: SimSpec | None = Field(default=None, description="default sim block of the endpoints")
+    endpoints: Annotated[list[EndpointConfig], Field(min_length=1)]
+
     @model_validator(mode="after")
     def _url_or_sim(self) -> Self:
-        if self.url is None and self.sim is None:
-            raise ValueError(f"endpoint {self.name!r} needs a url (or a sim block for `up`)")
+        for endpoint in self.endpoints:
+            if endpoint.url is None and endpoint.sim is None and self.sim is None:
+                raise ValueError(
+                    f"endpoint {endpoint.name!r} needs a url (or a sim block for `up`)"
+                )
         return self
+
+    @property
+    def compatibility_group(self) -> str:
+        return self.group or self.hardware
+
+
+class HostStagedPair(_Strict):
+    """A prefill group whose KV may reach a decode group by staging through host memory."""
+
+    prefill_group: str
+    decode_group: str
+
+
+class CompatibilityConfig(_Strict):
+    host_staged: list[HostStagedPair] = Field(default_factory=list)
+
+    def allows(self, prefill_group: str, decode_group: str) -> bool:
+        """Whether KV may move from a prefiller of one group to a decoder of another."""
+        return prefill_group == decode_group or any(
+            p.prefill_group == prefill_group and p.decode_group == decode_group
+            for p in self.host_staged
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class FleetEndpoint:
+    """An endpoint with everything its pool says about it (resolved defaults)."""
+
+    name: str
+    url: str | None
+    role: RoleName
+    hardware: str
+    model: str | None
+    pool: str
+    group: str
+    connector: ConnectorName
+    sim: SimSpec | None
+
+    @property
+    def decodes(self) -> bool:
+        return self.role in ("decode", "both")
+
+    @property
+    def prefills(self) -> bool:
+        return self.role in ("prefill", "both")
+
+
+def _legacy_pools(data: dict[str, Any]) -> dict[str, Any]:
+    """Turn the v1 ``decoders``/``prefillers`` lists into pools of the same names."""
+    pools = list(data.get("pools") or [])
+    for key, role in (("decoders", "decode"), ("prefillers", "prefill")):
+        endpoints = data.pop(key, None)
+        if endpoints:
+            pools.append({"name": key, "role": role, "group": "default", "endpoints": endpoints})
+    if pools:
+        data["pools"] = pools
+    return data
 
 
 class StaticPolicyConfig(_Strict):
@@ -188,9 +278,9 @@ class GatewayConfig(BaseSettings):
 
     version: Literal[1] = 1
     listen: ListenConfig = Field(default_factory=ListenConfig)
-    decoders: Annotated[list[EndpointConfig], Field(min_length=1)]
-    prefillers: list[EndpointConfig] = Field(default_factory=list)
-    connector: Literal["nixl", "example"] = "nixl"
+    pools: list[PoolConfig] = Field(default_factory=list)
+    compatibility: CompatibilityConfig = Field(default_factory=CompatibilityConfig)
+    connector: ConnectorName = "nixl"
     threshold: ThresholdConfig = Field(default_factory=ThresholdConfig)
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
     handback: HandbackConfig = Field(default_factory=HandbackConfig)
@@ -210,25 +300,73 @@ class GatewayConfig(BaseSettings):
         # The YAML document arrives as init values; the environment overrides it.
         return env_settings, init_settings
 
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_v1_lists(cls, data: Any) -> Any:
+        return _legacy_pools(dict(data)) if isinstance(data, dict) else data
+
     @model_validator(mode="after")
     def _consistent(self) -> Self:
-        names = [e.name for e in [*self.decoders, *self.prefillers]]
+        endpoints = self.fleet()
+        names = [e.name for e in endpoints]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"endpoint names must be unique: {', '.join(duplicates)}")
-        if self.sidecar.enabled and len(self.decoders) != 1:
-            raise ValueError("sidecar mode serves exactly one local decoder")
-        if not self.prefillers and not self.sidecar.enabled:
-            raise ValueError("at least one prefiller is needed (or sidecar mode with the header)")
+        pools = [p.name for p in self.pools]
+        if len(set(pools)) != len(pools):
+            raise ValueError("pool names must be unique")
+        decoders = [e for e in endpoints if e.decodes]
+        if not decoders:
+            raise ValueError("at least one decoder is needed (a pool with role decode or both)")
+        if self.sidecar.enabled:
+            if len(decoders) != 1:
+                raise ValueError("sidecar mode serves exactly one local decoder")
+            return self
+        orphans = [d for d in decoders if not self.compatible_prefillers(d)]
+        if orphans:
+            named = ", ".join(
+                f"{o.name} (group {o.group}, connector {o.connector})" for o in orphans
+            )
+            raise ValueError(f"decoders without a compatible prefiller: {named}")
         return self
 
-    def endpoints(self) -> list[EndpointConfig]:
-        """Decoders then prefillers."""
-        return [*self.decoders, *self.prefillers]
+    def fleet(self) -> list[FleetEndpoint]:
+        """Every endpoint of every pool, with pool defaults applied, in config order."""
+        return [
+            FleetEndpoint(
+                name=e.name,
+                url=e.url,
+                role=pool.role,
+                hardware=e.hardware or pool.hardware,
+                model=e.model or pool.model,
+                pool=pool.name,
+                group=pool.compatibility_group,
+                connector=pool.connector or self.connector,
+                sim=e.sim or pool.sim,
+            )
+            for pool in self.pools
+            for e in pool.endpoints
+        ]
+
+    def compatible_prefillers(self, decoder: FleetEndpoint) -> list[FleetEndpoint]:
+        """Prefillers whose KV may reach ``decoder`` (group and connector rules)."""
+        return [
+            p
+            for p in self.fleet()
+            if p.prefills
+            and p.name != decoder.name
+            and p.connector == decoder.connector
+            and self.compatibility.allows(p.group, decoder.group)
+        ]
+
+    def endpoints(self) -> list[FleetEndpoint]:
+        """Decode-capable endpoints first, then prefill-only ones."""
+        fleet = self.fleet()
+        return [e for e in fleet if e.decodes] + [e for e in fleet if not e.decodes]
 
     def models(self) -> list[str]:
         """The model names the decoders serve (configured ones), sorted."""
-        return sorted({d.model for d in self.decoders if d.model})
+        return sorted({e.model for e in self.fleet() if e.decodes and e.model})
 
     def public_dict(self) -> dict[str, Any]:
         """The effective configuration as plain data."""

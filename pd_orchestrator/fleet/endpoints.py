@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from pd_orchestrator.config.settings import EndpointConfig, GatewayConfig
+from pd_orchestrator.config.settings import FleetEndpoint, GatewayConfig
 
 __all__ = ["Endpoint", "Role", "endpoints_from_config"]
 
@@ -14,6 +14,15 @@ __all__ = ["Endpoint", "Role", "endpoints_from_config"]
 class Role(enum.StrEnum):
     DECODE = "decode"
     PREFILL = "prefill"
+    BOTH = "both"
+
+    @property
+    def decodes(self) -> bool:
+        return self is not Role.PREFILL
+
+    @property
+    def prefills(self) -> bool:
+        return self is not Role.DECODE
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +37,7 @@ class Endpoint:
     model: str | None = None
     pool: str = "default"
     group: str = "default"
+    connector: str = "nixl"
 
     @property
     def host_port(self) -> str:
@@ -37,14 +47,21 @@ class Endpoint:
         return f"{parts.hostname}:{port}"
 
 
-def _endpoint(config: EndpointConfig, role: Role) -> Endpoint:
+def _endpoint(config: FleetEndpoint) -> Endpoint:
     if config.url is None:
         raise ValueError(f"endpoint {config.name!r} has no url (start it with `up`)")
-    return Endpoint(config.name, config.url, role, config.hardware, config.model)
+    return Endpoint(
+        name=config.name,
+        url=config.url,
+        role=Role(config.role),
+        hardware=config.hardware,
+        model=config.model,
+        pool=config.pool,
+        group=config.group,
+        connector=config.connector,
+    )
 
 
 def endpoints_from_config(config: GatewayConfig) -> list[Endpoint]:
-    """Every configured endpoint, decoders first."""
-    return [_endpoint(c, Role.DECODE) for c in config.decoders] + [
-        _endpoint(c, Role.PREFILL) for c in config.prefillers
-    ]
+    """Every configured endpoint, decode-capable ones first."""
+    return [_endpoint(e) for e in config.endpoints()]

@@ -36,7 +36,8 @@ class FleetState:
         self.checked_once = False
 
     def endpoints(self, role: Role | None = None) -> list[Endpoint]:
-        return [e for e in self._endpoints.values() if role is None or e.role is role]
+        """Endpoints able to play ``role`` (``both`` endpoints count for either)."""
+        return [e for e in self._endpoints.values() if _plays(e, role)]
 
     def get(self, name: str) -> Endpoint:
         return self._endpoints[name]
@@ -87,3 +88,9 @@ class FleetState:
 
     def any_decoder_healthy(self) -> bool:
         return any(self._healthy[e.name] for e in self.endpoints(Role.DECODE))
+
+
+def _plays(endpoint: Endpoint, role: Role | None) -> bool:
+    if role is None or role is Role.BOTH:
+        return True
+    return endpoint.role.decodes if role is Role.DECODE else endpoint.role.prefills

@@ -19,7 +19,7 @@ BASE: dict[str, Any] = {
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_every_shipped_config_loads(path: Path) -> None:
     config = load_config(path)
-    assert config.decoders
+    assert any(e.decodes for e in config.fleet())
 
 
 def test_configs_directory_is_not_empty() -> None:
@@ -36,12 +36,12 @@ def test_configs_directory_is_not_empty() -> None:
             "threshold.policy.value",
         ),
         (BASE | {"connector": "carrier-pigeon"}, "connector"),
-        (BASE | {"decoders": []}, "decoders"),
+        (BASE | {"decoders": []}, "at least one decoder"),
         (BASE | {"decoders": [{"name": "d0"}]}, "needs a url"),
         (BASE | {"decoders": [{"name": "d0", "url": "ftp://x"}]}, "http(s) URL"),
         (BASE | {"prefillers": [{"name": "d0", "url": "http://h:1"}]}, "unique: d0"),
         (BASE | {"sidecar": {"allowed_prefillers": ["nohost"]}}, "host:port"),
-        ({"decoders": BASE["decoders"]}, "at least one prefiller"),
+        ({"decoders": BASE["decoders"]}, "decoders without a compatible prefiller: d0"),
         (BASE | {"decoders": [{"name": "d", "sim": {"profile": "tpu"}}]}, "unknown profile"),
     ],
     ids=[
@@ -80,3 +80,60 @@ def test_unreadable_and_invalid_yaml(tmp_path: Path) -> None:
     bad.write_text("decoders: [")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+def _pool(name: str, role: str, group: str, *endpoints: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "role": role,
+        "group": group,
+        "endpoints": [
+            {"name": e, "url": f"http://127.0.0.1:{9000 + i}"} for i, e in enumerate(endpoints)
+        ],
+    } | extra
+
+
+def test_pools_resolve_defaults_and_groups() -> None:
+    config = parse_config(
+        {
+            "pools": [
+                _pool("h-d", "decode", "nvidia", "hd0", hardware="h200", model="m"),
+                _pool("h-p", "prefill", "nvidia", "hp0", hardware="h200"),
+                _pool(
+                    "a-both", "both", "amd", "ab0", "ab1", hardware="mi325x", connector="example"
+                ),
+            ]
+        }
+    )
+    fleet = {e.name: e for e in config.fleet()}
+    assert fleet["hd0"].model == "m" and fleet["hd0"].hardware == "h200"
+    assert fleet["ab0"].decodes and fleet["ab0"].prefills and fleet["ab0"].connector == "example"
+    assert [p.name for p in config.compatible_prefillers(fleet["hd0"])] == ["hp0"]
+    assert [p.name for p in config.compatible_prefillers(fleet["ab0"])] == ["ab1"]
+    assert config.models() == ["m"]
+
+
+def test_decoders_without_a_compatible_prefiller_are_named() -> None:
+    data = {
+        "pools": [
+            _pool("h-d", "decode", "nvidia", "hd0"),
+            _pool("a-d", "decode", "amd", "ad0", "ad1"),
+            _pool("h-p", "prefill", "nvidia", "hp0"),
+        ]
+    }
+    with pytest.raises(ConfigError) as error:
+        parse_config(data)
+    message = str(error.value)
+    assert "ad0 (group amd" in message and "ad1 (group amd" in message and "hd0" not in message
+    staged = data | {
+        "compatibility": {"host_staged": [{"prefill_group": "nvidia", "decode_group": "amd"}]}
+    }
+    config = parse_config(staged)
+    ad0 = next(e for e in config.fleet() if e.name == "ad0")
+    assert [p.name for p in config.compatible_prefillers(ad0)] == ["hp0"]
+
+
+def test_v1_lists_and_pools_mix() -> None:
+    config = parse_config(BASE | {"pools": [_pool("extra", "decode", "default", "d9")]})
+    assert [e.name for e in config.endpoints()] == ["d9", "d0", "p0"]
+    assert {e.pool for e in config.fleet()} == {"extra", "decoders", "prefillers"}
