@@ -12,8 +12,11 @@ __all__ = ["Endpoint", "Role", "endpoints_from_config"]
 
 
 class Role(enum.StrEnum):
+    """What an endpoint serves; ``BOTH`` serves decode and prefill requests."""
+
     DECODE = "decode"
     PREFILL = "prefill"
+    BOTH = "both"
 
 
 @dataclass(frozen=True, slots=True)
