@@ -3,7 +3,7 @@ configuration through a registry of plugin types.
 
 Typical use::
 
-    profiles = build_profiles(config.routing, registry)
+    profiles = build_profiles(config.routing, builtin_registry())
     result = profiles.decode.run(request, candidates)
     if result.empty:
         ...  # 503: result.describe_drops() says which filters removed whom
@@ -18,6 +18,7 @@ from pd_orchestrator.config.routing import (
     RoutingConfig,
     ScorerSpec,
 )
+from pd_orchestrator.routing.builtins import BUILTIN_TYPES, builtin_registry
 from pd_orchestrator.routing.engine import (
     PluginContractError,
     Profile,
@@ -46,6 +47,7 @@ from pd_orchestrator.routing.types import (
 )
 
 __all__ = [
+    "BUILTIN_TYPES",
     "FILTER",
     "PICKER",
     "SCORER",
@@ -76,5 +78,6 @@ __all__ = [
     "WeightedScorer",
     "build_profile",
     "build_profiles",
+    "builtin_registry",
     "clamp",
 ]
