@@ -12,6 +12,8 @@ __all__ = ["Endpoint", "Role", "endpoints_from_config"]
 
 
 class Role(enum.StrEnum):
+    """What an endpoint serves; ``BOTH`` serves decode and prefill requests."""
+
     DECODE = "decode"
     PREFILL = "prefill"
     BOTH = "both"

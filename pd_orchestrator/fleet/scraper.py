@@ -1,0 +1,322 @@
+"""Load polling: ``GET /metrics`` on every endpoint at a fixed interval.
+
+Parsing is pure: :func:`parse_metrics` turns vLLM's Prometheus text into a
+:class:`MetricsReading` (raw gauges and counters) and :func:`load_snapshot` turns a
+reading, and the previous one of the same endpoint, into a
+:class:`~pd_orchestrator.routing.types.LoadSnapshot` (counters become rates over
+the window between the two).
+
+:class:`LoadScraper` polls (through :class:`~pd_orchestrator.upstream.client.Upstream`)
+and keeps, per endpoint, the latest snapshot and its own count of failed polls.
+A snapshot older than ``stale_after`` counts as absent. ``unhealthy_after`` failed
+polls in a row (no answer within ``timeout``, or a status other than 200) mark the
+endpoint unresponsive; one answered poll marks it responsive again. This verdict
+is kept here rather than in :class:`~pd_orchestrator.fleet.state.FleetState`,
+whose failure streak belongs to the ``/health`` monitor (a success of one would
+reset the other's streak); :meth:`LoadScraper.candidates` combines both. A poll
+answered with text that has no vLLM load series keeps the endpoint responsive but
+leaves it without a reading.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import anyio
+from anyio.abc import TaskStatus
+from prometheus_client.parser import text_string_to_metric_families
+
+from pd_orchestrator.config.load import LoadConfig
+from pd_orchestrator.fleet.endpoints import Endpoint
+from pd_orchestrator.fleet.state import EndpointStatus, FleetState
+from pd_orchestrator.routing.types import Candidate, LoadSnapshot
+from pd_orchestrator.upstream.client import Upstream
+from pd_orchestrator.upstream.errors import UpstreamError
+
+__all__ = [
+    "LoadConfig",
+    "LoadScraper",
+    "MetricsError",
+    "MetricsReading",
+    "load_snapshot",
+    "parse_metrics",
+]
+
+logger = logging.getLogger("pd_orchestrator.fleet")
+
+# Sample names, current vLLM name first, then older ones.
+_RUNNING = ("vllm:num_requests_running",)
+_WAITING = ("vllm:num_requests_waiting",)
+_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+_PREFIX_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
+_PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
+_HIT_RATE_GAUGE = ("vllm:gpu_prefix_cache_hit_rate",)
+_PREEMPTIONS = ("vllm:num_preemptions_total",)
+_WANTED = frozenset(
+    [
+        *_RUNNING,
+        *_WAITING,
+        *_KV_USAGE,
+        *_PREFIX_QUERIES,
+        *_PREFIX_HITS,
+        *_HIT_RATE_GAUGE,
+        *_PREEMPTIONS,
+    ]
+)
+
+
+class MetricsError(ValueError):
+    """Metrics text that is not Prometheus text or lacks the load series."""
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsReading:
+    """Load series of one scrape, summed over the label sets read.
+
+    ``kv_usage`` is the mean over label sets (one per engine of a data-parallel
+    server), clamped to [0, 1]; counters are cumulative; ``prefix_hit_rate_gauge``
+    is the hit-rate gauge older vLLM servers export. None: series absent.
+    """
+
+    running: float
+    waiting: float
+    kv_usage: float
+    prefix_queries: float | None = None
+    prefix_hits: float | None = None
+    prefix_hit_rate_gauge: float | None = None
+    preemptions: float | None = None
+
+
+def _samples(text: str) -> list[tuple[str, str | None, float]]:
+    """``(name, model_name label, value)`` of every wanted sample."""
+    try:
+        return [
+            (sample.name, sample.labels.get("model_name"), float(sample.value))
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name in _WANTED
+        ]
+    except ValueError as exc:
+        raise MetricsError(f"not Prometheus text: {exc}") from None
+
+
+def _by_name(text: str, model: str | None) -> dict[str, list[float]]:
+    """Values per sample name, of ``model``'s label sets when the text has any."""
+    samples = _samples(text)
+    if model is not None and any(label == model for _, label, _ in samples):
+        samples = [s for s in samples if s[1] in (model, None)]
+    values: defaultdict[str, list[float]] = defaultdict(list)
+    for name, _, value in samples:
+        if not math.isfinite(value):
+            raise MetricsError(f"{name} is {value}")
+        values[name].append(value)
+    return values
+
+
+def _first(values: dict[str, list[float]], names: tuple[str, ...]) -> list[float] | None:
+    return next((values[n] for n in names if values.get(n)), None)
+
+
+def _sum(values: dict[str, list[float]], names: tuple[str, ...]) -> float | None:
+    found = _first(values, names)
+    return None if found is None else sum(found)
+
+
+def _required(
+    values: dict[str, list[float]], names: tuple[str, ...], model: str | None
+) -> list[float]:
+    found = _first(values, names)
+    if found is None:
+        of = f" for model {model!r}" if model is not None else ""
+        raise MetricsError(f"no {names[0]} sample{of}")
+    return found
+
+
+def _ratio(value: float) -> float:
+    return min(1.0, max(0.0, value))
+
+
+def parse_metrics(text: str, model: str | None = None) -> MetricsReading:
+    """The load series in ``text`` (Prometheus text format, vLLM names).
+
+    With ``model``, only label sets whose ``model_name`` is ``model`` (or that have
+    no ``model_name``) are read, unless no label set names ``model`` (vLLM serves
+    one model per process, possibly under another name): then all are. Raises
+    :class:`MetricsError` when the text does not parse, a load series is not a
+    finite number, or running, waiting or KV usage is missing.
+    """
+    values = _by_name(text, model)
+    running = sum(_required(values, _RUNNING, model))
+    waiting = sum(_required(values, _WAITING, model))
+    kv_usages = _required(values, _KV_USAGE, model)
+    gauge = _first(values, _HIT_RATE_GAUGE)
+    return MetricsReading(
+        running=max(0.0, running),
+        waiting=max(0.0, waiting),
+        kv_usage=_ratio(sum(kv_usages) / len(kv_usages)),
+        prefix_queries=_sum(values, _PREFIX_QUERIES),
+        prefix_hits=_sum(values, _PREFIX_HITS),
+        prefix_hit_rate_gauge=None if gauge is None else _ratio(gauge[0]),
+        preemptions=_sum(values, _PREEMPTIONS),
+    )
+
+
+def _increase(current: float | None, before: float | None) -> float | None:
+    """A counter's increase since ``before``; its whole value after a reset."""
+    if current is None or before is None:
+        return None
+    return current if current < before else current - before
+
+
+def _hit_rate(reading: MetricsReading, previous: MetricsReading | None) -> float | None:
+    queries, hits = reading.prefix_queries, reading.prefix_hits
+    if queries is not None and hits is not None:
+        if previous is not None:
+            window_queries = _increase(queries, previous.prefix_queries)
+            window_hits = _increase(hits, previous.prefix_hits)
+            if window_queries and window_hits is not None:
+                return _ratio(window_hits / window_queries)
+        if queries > 0:
+            return _ratio(hits / queries)
+    return reading.prefix_hit_rate_gauge
+
+
+def load_snapshot(
+    reading: MetricsReading, observed_at: float, previous: MetricsReading | None = None
+) -> LoadSnapshot:
+    """The snapshot of ``reading``, taken at ``observed_at``.
+
+    ``previous`` is the endpoint's reading before this one. The prefix hit rate is
+    hits over queries in the window between the two; when the window saw no
+    queries (or there is no previous reading), since the server started; else the
+    older servers' gauge; else None. Preemptions count the window (0 without a
+    previous reading).
+    """
+    before = previous.preemptions if previous is not None else None
+    preempted = _increase(reading.preemptions, before) or 0.0
+    return LoadSnapshot(
+        running=round(reading.running),
+        waiting=round(reading.waiting),
+        kv_usage=reading.kv_usage,
+        observed_at=observed_at,
+        prefix_hit_rate=_hit_rate(reading, previous),
+        preemptions=round(preempted),
+    )
+
+
+class LoadScraper:
+    """Polls every endpoint of ``fleet`` until cancelled; see the module docstring.
+
+    ``clock`` stamps readings; requests must carry ``now`` from the same clock.
+    """
+
+    def __init__(
+        self,
+        fleet: FleetState,
+        upstream: Upstream,
+        config: LoadConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.fleet = fleet
+        self.upstream = upstream
+        self.config = config
+        self.clock = clock
+        self.polled_once = False
+        self._readings: dict[str, MetricsReading] = {}
+        self._snapshots: dict[str, LoadSnapshot] = {}
+        self._failures: dict[str, int] = {}
+        self._unreadable_names: set[str] = set()
+
+    async def poll(self, endpoint: Endpoint) -> LoadSnapshot | None:
+        """One poll of one endpoint; records and returns its snapshot (None: no reading)."""
+        try:
+            response = await self.upstream.get(endpoint, "/metrics", limit=self.config.timeout)
+        except UpstreamError as exc:
+            self._failed(endpoint.name, str(exc))
+            return None
+        if response.status_code != 200:
+            self._failed(endpoint.name, f"/metrics answered {response.status_code}")
+            return None
+        self._answered(endpoint.name)
+        try:
+            reading = parse_metrics(response.text, endpoint.model)
+        except MetricsError as exc:
+            self._unreadable(endpoint.name, str(exc))
+            return None
+        self._unreadable_names.discard(endpoint.name)
+        snapshot = load_snapshot(reading, self.clock(), self._readings.get(endpoint.name))
+        self._readings[endpoint.name] = reading
+        self._snapshots[endpoint.name] = snapshot
+        return snapshot
+
+    async def poll_all(self) -> None:
+        """Poll every endpoint of the fleet, concurrently."""
+        async with anyio.create_task_group() as tg:
+            for endpoint in self.fleet.endpoints():
+                tg.start_soon(self.poll, endpoint)
+        self.polled_once = True
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Poll now, report started, then poll every ``interval`` seconds."""
+        await self.poll_all()
+        task_status.started()
+        while True:
+            await anyio.sleep(self.config.interval)
+            await self.poll_all()
+
+    def _failed(self, name: str, why: str) -> None:
+        failures = self._failures.get(name, 0) + 1
+        self._failures[name] = failures
+        if failures == self.config.unhealthy_after:
+            logger.warning("%s unresponsive after %d failed load polls: %s", name, failures, why)
+
+    def _unreadable(self, name: str, why: str) -> None:
+        """An answer without a reading: forget the last one (it must not look fresh)."""
+        self._readings.pop(name, None)
+        self._snapshots.pop(name, None)
+        if name not in self._unreadable_names:
+            self._unreadable_names.add(name)
+            logger.warning("no load reading from %s: %s", name, why)
+
+    def _answered(self, name: str) -> None:
+        if not self.is_responsive(name):
+            logger.info("%s answers load polls again", name)
+        self._failures[name] = 0
+
+    def failures(self, name: str) -> int:
+        """Failed polls of ``name`` in a row."""
+        return self._failures.get(name, 0)
+
+    def is_responsive(self, name: str) -> bool:
+        """False once ``unhealthy_after`` polls in a row failed, until one is answered."""
+        return self.failures(name) < self.config.unhealthy_after
+
+    def snapshot(self, name: str, now: float | None = None) -> LoadSnapshot | None:
+        """The latest snapshot of ``name`` unless older than ``stale_after`` at ``now``
+        (default: the clock's now)."""
+        snapshot = self._snapshots.get(name)
+        if snapshot is None:
+            return None
+        now = self.clock() if now is None else now
+        return None if snapshot.age(now) > self.config.stale_after else snapshot
+
+    def candidates(
+        self, statuses: Iterable[EndpointStatus], now: float | None = None
+    ) -> tuple[Candidate, ...]:
+        """Routing candidates for ``statuses`` (a fleet snapshot): healthy when both the
+        health checks and the load polls say so, with the fresh snapshot if any."""
+        now = self.clock() if now is None else now
+        return tuple(
+            Candidate.from_status(
+                status,
+                self.snapshot(status.endpoint.name, now),
+                responsive=self.is_responsive(status.endpoint.name),
+            )
+            for status in statuses
+        )

@@ -1,0 +1,83 @@
+"""Routing (pure): profiles of filters -> weighted scorers -> picker, built from
+configuration through a registry of plugin types.
+
+Typical use::
+
+    profiles = build_profiles(config.routing, builtin_registry())
+    result = profiles.decode.run(request, candidates)
+    if result.empty:
+        ...  # 503: result.describe_drops() says which filters removed whom
+    decoder = result.endpoints[0]
+"""
+
+from pd_orchestrator.config.routing import (
+    DecodeProfileConfig,
+    PluginSpec,
+    PrefillProfileConfig,
+    ProfileConfig,
+    RoutingConfig,
+    ScorerSpec,
+)
+from pd_orchestrator.routing.builtins import BUILTIN_TYPES, builtin_registry
+from pd_orchestrator.routing.engine import (
+    PluginContractError,
+    Profile,
+    Stage,
+    WeightedScorer,
+    clamp,
+)
+from pd_orchestrator.routing.interfaces import Filter, Picker, PluginContext, Scorer
+from pd_orchestrator.routing.profiles import RoutingProfiles, build_profile, build_profiles
+from pd_orchestrator.routing.registry import (
+    FILTER,
+    PICKER,
+    SCORER,
+    NoParams,
+    PluginKind,
+    PluginType,
+    Registry,
+    RoutingConfigError,
+)
+from pd_orchestrator.routing.types import (
+    Candidate,
+    LoadSnapshot,
+    RoutingRequest,
+    RoutingResult,
+    ScoredCandidate,
+)
+
+__all__ = [
+    "BUILTIN_TYPES",
+    "FILTER",
+    "PICKER",
+    "SCORER",
+    "Candidate",
+    "DecodeProfileConfig",
+    "Filter",
+    "LoadSnapshot",
+    "NoParams",
+    "Picker",
+    "PluginContext",
+    "PluginContractError",
+    "PluginKind",
+    "PluginSpec",
+    "PluginType",
+    "PrefillProfileConfig",
+    "Profile",
+    "ProfileConfig",
+    "Registry",
+    "RoutingConfig",
+    "RoutingConfigError",
+    "RoutingProfiles",
+    "RoutingRequest",
+    "RoutingResult",
+    "ScoredCandidate",
+    "Scorer",
+    "ScorerSpec",
+    "Stage",
+    "WeightedScorer",
+    "build_profile",
+    "build_profiles",
+    "builtin_registry",
+    "clamp",
+]

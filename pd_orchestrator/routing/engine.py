@@ -1,0 +1,132 @@
+"""A profile run: filters, then weighted scorers, then the picker.
+
+1. Each filter in order keeps a subset of the candidates; when none are left the
+   run stops and returns an empty result (the caller answers 503).
+2. Each scorer gives one raw score per remaining candidate. The engine clamps
+   every score to [0, 1] (NaN counts as 0) and adds ``weight * score`` to the
+   candidate's total.
+3. The picker chooses one candidate. The result lists it first, then the others
+   by descending total, ties in input order.
+
+The run is a pure function of the request, the candidates and the plugins'
+parameters. A plugin that breaks its contract (a filter that adds candidates, a
+scorer that returns the wrong number of scores, a picker that returns an index
+out of range) raises :class:`PluginContractError` naming it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from pd_orchestrator.routing.interfaces import Filter, Picker, Scorer
+from pd_orchestrator.routing.types import (
+    Candidate,
+    RoutingRequest,
+    RoutingResult,
+    ScoredCandidate,
+)
+
+__all__ = ["PluginContractError", "Profile", "Stage", "WeightedScorer", "clamp"]
+
+PluginT = TypeVar("PluginT")
+
+
+class PluginContractError(RuntimeError):
+    """A plugin returned something its interface does not allow."""
+
+
+def clamp(score: float) -> float:
+    """``score`` limited to [0, 1]; NaN becomes 0."""
+    if math.isnan(score):
+        return 0.0
+    return min(1.0, max(0.0, score))
+
+
+@dataclass(frozen=True, slots=True)
+class Stage(Generic[PluginT]):
+    """A named plugin instance of a profile."""
+
+    name: str
+    type: str
+    plugin: PluginT
+
+
+@dataclass(frozen=True, slots=True)
+class WeightedScorer:
+    """A named scorer instance and the weight of its clamped score."""
+
+    name: str
+    type: str
+    weight: float
+    plugin: Scorer
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """A built pipeline; :meth:`run` routes one request."""
+
+    name: str
+    filters: tuple[Stage[Filter], ...]
+    scorers: tuple[WeightedScorer, ...]
+    picker: Stage[Picker]
+
+    def run(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> RoutingResult:
+        """Rank ``candidates`` for ``request``; see the module docstring."""
+        kept, dropped = self._filter(request, tuple(candidates))
+        if not kept:
+            return RoutingResult(self.name, (), dropped)
+        scored = self._score(request, kept)
+        chosen = self.picker.plugin.pick(request, scored)
+        if not 0 <= chosen < len(scored):
+            raise PluginContractError(
+                f"picker {self.picker.name!r} returned index {chosen} of {len(scored)}"
+            )
+        return RoutingResult(self.name, _ranked(scored, chosen), dropped)
+
+    def _filter(
+        self, request: RoutingRequest, candidates: tuple[Candidate, ...]
+    ) -> tuple[tuple[Candidate, ...], dict[str, int]]:
+        dropped: dict[str, int] = {}
+        for stage in self.filters:
+            if not candidates:
+                break
+            kept = tuple(stage.plugin.filter(request, candidates))
+            offered = {id(c) for c in candidates}
+            if any(id(c) not in offered for c in kept):
+                raise PluginContractError(f"filter {stage.name!r} returned a new candidate")
+            dropped[stage.name] = len(candidates) - len(kept)
+            candidates = kept
+        return candidates, dropped
+
+    def _score(
+        self, request: RoutingRequest, candidates: tuple[Candidate, ...]
+    ) -> tuple[ScoredCandidate, ...]:
+        columns = [self._clamped(scorer, request, candidates) for scorer in self.scorers]
+        return tuple(
+            ScoredCandidate(
+                candidate,
+                sum(s.weight * column[i] for s, column in zip(self.scorers, columns, strict=True)),
+                {s.name: column[i] for s, column in zip(self.scorers, columns, strict=True)},
+            )
+            for i, candidate in enumerate(candidates)
+        )
+
+    @staticmethod
+    def _clamped(
+        scorer: WeightedScorer, request: RoutingRequest, candidates: tuple[Candidate, ...]
+    ) -> tuple[float, ...]:
+        raw = scorer.plugin.score(request, candidates)
+        if len(raw) != len(candidates):
+            raise PluginContractError(
+                f"scorer {scorer.name!r} returned {len(raw)} scores for {len(candidates)} "
+                "candidates"
+            )
+        return tuple(clamp(float(value)) for value in raw)
+
+
+def _ranked(scored: tuple[ScoredCandidate, ...], chosen: int) -> tuple[ScoredCandidate, ...]:
+    rest = sorted((i for i in range(len(scored)) if i != chosen), key=lambda i: -scored[i].total)
+    return (scored[chosen], *(scored[i] for i in rest))

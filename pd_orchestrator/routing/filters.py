@@ -1,0 +1,157 @@
+"""Built-in filters: ``healthy``, ``model``, ``role`` and ``compatibility``.
+
+Each keeps a subset of the candidates in their input order and never reorders.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Annotated
+
+from pydantic import Field
+
+from pd_orchestrator.fleet.endpoints import Role
+from pd_orchestrator.routing.interfaces import PluginContext
+from pd_orchestrator.routing.registry import FILTER, NoParams, PluginType
+from pd_orchestrator.routing.types import Candidate, RoutingRequest
+
+__all__ = [
+    "COMPATIBILITY",
+    "HEALTHY",
+    "MODEL",
+    "ROLE",
+    "CompatibilityFilter",
+    "CompatibilityParams",
+    "GroupPair",
+    "HealthyFilter",
+    "HealthyParams",
+    "ModelFilter",
+    "RoleFilter",
+]
+
+
+class HealthyParams(NoParams):
+    """``require_load`` (default false): also drop candidates without a load reading
+    (stale or never read). ``max_load_age`` (seconds, default none): with
+    ``require_load``, a reading older than this at ``request.now`` counts as absent."""
+
+    require_load: bool = False
+    max_load_age: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HealthyFilter:
+    """``healthy``: keeps candidates marked healthy (health checks and load polls).
+
+    By default health is all that counts; see :class:`HealthyParams` to also
+    require a fresh load reading.
+    """
+
+    params: HealthyParams
+
+    def filter(
+        self, request: RoutingRequest, candidates: Sequence[Candidate]
+    ) -> Sequence[Candidate]:
+        return [c for c in candidates if c.healthy and self._load_ok(c, request.now)]
+
+    def _load_ok(self, candidate: Candidate, now: float) -> bool:
+        if not self.params.require_load:
+            return True
+        if candidate.load is None:
+            return False
+        max_age = self.params.max_load_age
+        return max_age is None or candidate.load.age(now) <= max_age
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFilter:
+    """``model``: keeps endpoints that serve ``request.model``.
+
+    An endpoint without a configured model serves anything; a request without a
+    model keeps every candidate. No parameters.
+    """
+
+    def filter(
+        self, request: RoutingRequest, candidates: Sequence[Candidate]
+    ) -> Sequence[Candidate]:
+        wanted = request.model
+        return [c for c in candidates if wanted is None or c.endpoint.model in (None, wanted)]
+
+
+@dataclass(frozen=True, slots=True)
+class RoleFilter:
+    """``role``: keeps endpoints whose role is ``request.role`` or ``both``.
+
+    A request for role ``both`` keeps every candidate. No parameters.
+    """
+
+    def filter(
+        self, request: RoutingRequest, candidates: Sequence[Candidate]
+    ) -> Sequence[Candidate]:
+        if request.role is Role.BOTH:
+            return list(candidates)
+        return [c for c in candidates if c.endpoint.role in (request.role, Role.BOTH)]
+
+
+class GroupPair(NoParams):
+    """A prefill group whose KV may go to a decode group (e.g. host-staged transfers)."""
+
+    prefill: Annotated[str, Field(min_length=1)]
+    decode: Annotated[str, Field(min_length=1)]
+
+
+class CompatibilityParams(NoParams):
+    """``pairs`` (default empty): cross-group ``{prefill, decode}`` pairs allowed for
+    every request; a request adds its own in ``allowed_pairs``."""
+
+    pairs: list[GroupPair] = Field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class CompatibilityFilter:
+    """``compatibility``: for prefill routing, keeps prefillers whose KV can reach
+    ``request.decoder``.
+
+    A candidate is kept when its group is the decoder's group, or when the
+    directed pair ``(candidate group, decoder group)`` is in ``pairs`` or in
+    ``request.allowed_pairs``. Without a decoder on the request there is nothing
+    to be compatible with and every candidate is kept.
+    """
+
+    pairs: frozenset[tuple[str, str]]
+
+    def filter(
+        self, request: RoutingRequest, candidates: Sequence[Candidate]
+    ) -> Sequence[Candidate]:
+        decoder = request.decoder
+        if decoder is None:
+            return list(candidates)
+        allowed = self.pairs | request.allowed_pairs
+        return [
+            c
+            for c in candidates
+            if c.endpoint.group == decoder.group or (c.endpoint.group, decoder.group) in allowed
+        ]
+
+
+def _healthy(params: HealthyParams, context: PluginContext) -> HealthyFilter:
+    return HealthyFilter(params)
+
+
+def _model(params: NoParams, context: PluginContext) -> ModelFilter:
+    return ModelFilter()
+
+
+def _role(params: NoParams, context: PluginContext) -> RoleFilter:
+    return RoleFilter()
+
+
+def _compatibility(params: CompatibilityParams, context: PluginContext) -> CompatibilityFilter:
+    return CompatibilityFilter(frozenset((p.prefill, p.decode) for p in params.pairs))
+
+
+HEALTHY = PluginType("healthy", FILTER, HealthyParams, _healthy)
+MODEL = PluginType("model", FILTER, NoParams, _model)
+ROLE = PluginType("role", FILTER, NoParams, _role)
+COMPATIBILITY = PluginType("compatibility", FILTER, CompatibilityParams, _compatibility)

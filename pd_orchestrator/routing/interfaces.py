@@ -1,0 +1,51 @@
+"""The plugin interfaces of a routing profile, all synchronous and pure.
+
+A profile run is ``filters -> weighted scorers -> picker``:
+
+- a :class:`Filter` returns the candidates it keeps (a subset, in input order);
+- a :class:`Scorer` returns one raw score per candidate (same order); the engine,
+  not the scorer, clamps each score to [0, 1] (NaN counts as 0) and weights it;
+- a :class:`Picker` returns the index of the chosen candidate among the scored ones.
+
+Plugins read only their arguments and their own immutable parameters: no I/O, no
+clock other than ``request.now``, no hidden randomness. Factories receive a
+:class:`PluginContext` that says where the instance lives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from pd_orchestrator.routing.types import Candidate, RoutingRequest, ScoredCandidate
+
+__all__ = ["Filter", "Picker", "PluginContext", "Scorer"]
+
+
+@dataclass(frozen=True, slots=True)
+class PluginContext:
+    """Where a plugin instance is built: its profile and its instance name."""
+
+    profile: str
+    name: str
+
+
+class Filter(Protocol):
+    def filter(
+        self, request: RoutingRequest, candidates: Sequence[Candidate]
+    ) -> Sequence[Candidate]:
+        """The candidates kept: a subset of ``candidates``, in their order."""
+        ...
+
+
+class Scorer(Protocol):
+    def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> Sequence[float]:
+        """One raw score per candidate, in order; higher is better (clamped by the engine)."""
+        ...
+
+
+class Picker(Protocol):
+    def pick(self, request: RoutingRequest, scored: Sequence[ScoredCandidate]) -> int:
+        """The index in ``scored`` (never empty) of the chosen candidate."""
+        ...

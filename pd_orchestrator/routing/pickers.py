@@ -1,0 +1,114 @@
+"""Built-in pickers: ``max-score`` and ``weighted-random``.
+
+Both are deterministic functions of the scored candidates and the request: the
+"randomness" of ``weighted-random`` is a hash of its seed, its instance and the
+request's ``sequence``, so a replay of the same requests picks the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Annotated
+
+from pydantic import Field
+
+from pd_orchestrator.routing.interfaces import PluginContext
+from pd_orchestrator.routing.registry import PICKER, NoParams, PluginType
+from pd_orchestrator.routing.types import RoutingRequest, ScoredCandidate
+
+__all__ = [
+    "MAX_SCORE",
+    "WEIGHTED_RANDOM",
+    "MaxScoreParams",
+    "MaxScorePicker",
+    "WeightedRandomParams",
+    "WeightedRandomPicker",
+]
+
+
+def _hash64(*parts: str) -> int:
+    digest = hashlib.blake2b("\x00".join(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+class MaxScoreParams(NoParams):
+    """``tolerance`` (>= 0, default 1e-9): totals within this of the best count as tied."""
+
+    tolerance: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class MaxScorePicker:
+    """``max-score``: the candidate with the highest total.
+
+    Ties (totals within ``tolerance`` of the best) are broken so that equal
+    endpoints share the load: with an ``affinity_key`` on the request, by
+    rendezvous hashing of the key and the endpoint names (the same key goes to
+    the same endpoint while it stays among the best); without one, by rotation:
+    the tied candidates in input order, starting at ``sequence`` modulo their count.
+    """
+
+    tolerance: float
+
+    def pick(self, request: RoutingRequest, scored: Sequence[ScoredCandidate]) -> int:
+        best = max(s.total for s in scored)
+        tied = [i for i, s in enumerate(scored) if s.total >= best - self.tolerance]
+        key = request.affinity_key
+        if key is not None:
+            return max(tied, key=lambda i: _hash64(key, scored[i].endpoint.name))
+        return tied[request.sequence % len(tied)]
+
+
+class WeightedRandomParams(NoParams):
+    """``seed`` (default 0): with the instance and the request's ``sequence``, fixes
+    every draw."""
+
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WeightedRandomPicker:
+    """``weighted-random``: a draw with probability proportional to the total.
+
+    The draw is a hash of ``seed``, the instance (profile and name) and
+    ``request.sequence``; the caller advances ``sequence`` per request. When
+    every total is 0 the draw is uniform over the candidates.
+    """
+
+    salt: str
+
+    def pick(self, request: RoutingRequest, scored: Sequence[ScoredCandidate]) -> int:
+        draw = _hash64(self.salt, str(request.sequence)) / 2**64  # in [0, 1)
+        totals = [max(0.0, s.total) for s in scored]
+        mass = sum(totals)
+        if mass <= 0.0:
+            return int(draw * len(scored))
+        return _weighted_index(totals, draw * mass)
+
+
+def _weighted_index(weights: Sequence[float], target: float) -> int:
+    """The first index whose cumulative weight exceeds ``target`` (never a zero weight)."""
+    cumulative = 0.0
+    last_positive = 0
+    for index, weight in enumerate(weights):
+        if weight <= 0.0:
+            continue
+        cumulative += weight
+        last_positive = index
+        if cumulative > target:
+            return index
+    return last_positive  # rounding left target at the total
+
+
+def _max_score(params: MaxScoreParams, context: PluginContext) -> MaxScorePicker:
+    return MaxScorePicker(params.tolerance)
+
+
+def _weighted_random(params: WeightedRandomParams, context: PluginContext) -> WeightedRandomPicker:
+    return WeightedRandomPicker(f"{params.seed}\x00{context.profile}\x00{context.name}")
+
+
+MAX_SCORE = PluginType("max-score", PICKER, MaxScoreParams, _max_score)
+WEIGHTED_RANDOM = PluginType("weighted-random", PICKER, WeightedRandomParams, _weighted_random)

@@ -1,0 +1,113 @@
+"""Built-in pickers: tables, tie-breaking and the weighted draw's distribution."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+
+import pytest
+
+from pd_orchestrator.routing import PluginSpec, RoutingRequest, builtin_registry
+from pd_orchestrator.routing.interfaces import Picker
+from pd_orchestrator.routing.registry import PICKER
+from tests.routing.helpers import request, scored
+
+
+def picker(
+    type_: str,
+    params: Mapping[str, object] | None = None,
+    profile: str = "test",
+    name: str | None = None,
+) -> Picker:
+    spec = PluginSpec.model_validate({"type": type_, "name": name, "params": params or {}})
+    return builtin_registry().build(PICKER, spec, profile)
+
+
+@pytest.mark.parametrize(
+    ("totals", "req", "params", "chosen"),
+    [
+        ([0.2, 0.9, 0.5], request(), {}, 1),
+        ([0.9, 0.2, 0.9], request(sequence=0), {}, 0),
+        ([0.9, 0.2, 0.9], request(sequence=1), {}, 2),
+        ([0.9, 0.2, 0.9], request(sequence=2), {}, 0),
+        ([0.85, 0.9, 0.2], request(sequence=0), {"tolerance": 0.1}, 0),
+        ([0.85, 0.9, 0.2], request(sequence=1), {"tolerance": 0.1}, 1),
+        ([0.85, 0.9, 0.2], request(sequence=1), {}, 1),
+        ([0.0], request(), {}, 0),
+    ],
+    ids=[
+        "highest",
+        "tie-rotation-0",
+        "tie-rotation-1",
+        "tie-rotation-wraps",
+        "tolerance-0",
+        "tolerance-1",
+        "strict-without-tolerance",
+        "single",
+    ],
+)
+def test_max_score(
+    totals: list[float], req: RoutingRequest, params: dict[str, float], chosen: int
+) -> None:
+    assert picker("max-score", params).pick(req, scored(*totals)) == chosen
+
+
+def test_max_score_rotation_shares_equal_endpoints() -> None:
+    plugin = picker("max-score")
+    picks = Counter(plugin.pick(request(sequence=s), scored(1, 1, 1, 0)) for s in range(30))
+    assert picks == {0: 10, 1: 10, 2: 10}
+
+
+def test_max_score_affinity_key_is_sticky_and_spreads() -> None:
+    plugin = picker("max-score")
+    candidates = scored(1, 1, 1, 1)
+    for key in ("alpha", "beta", "gamma"):
+        picks = {plugin.pick(request(affinity_key=key, sequence=s), candidates) for s in range(5)}
+        assert len(picks) == 1
+    spread = {plugin.pick(request(affinity_key=f"k{k}"), candidates) for k in range(40)}
+    assert spread == {0, 1, 2, 3}
+
+
+def test_max_score_affinity_yields_to_a_better_total() -> None:
+    plugin = picker("max-score")
+    for k in range(20):
+        assert plugin.pick(request(affinity_key=f"k{k}"), scored(0.5, 0.9, 0.5)) == 1
+
+
+@pytest.mark.parametrize(
+    ("totals", "allowed"),
+    [([0.0, 1.0, 0.0], {1}), ([2.0, 0.0, 3.0], {0, 2}), ([0.0, 0.0], {0, 1}), ([1.0], {0})],
+    ids=["only-positive", "zero-never-drawn", "all-zero-uniform", "single"],
+)
+def test_weighted_random_draws_allowed_candidates(totals: list[float], allowed: set[int]) -> None:
+    plugin = picker("weighted-random", {"seed": 3})
+    picks = {plugin.pick(request(sequence=s), scored(*totals)) for s in range(200)}
+    assert picks == allowed
+
+
+def test_weighted_random_is_proportional_to_totals() -> None:
+    plugin = picker("weighted-random", {"seed": 11})
+    draws = 4000
+    picks = Counter(plugin.pick(request(sequence=s), scored(1, 3, 0, 4)) for s in range(draws))
+    assert picks[2] == 0
+    for index, share in ((0, 1 / 8), (1, 3 / 8), (3, 4 / 8)):
+        assert abs(picks[index] / draws - share) < 0.03
+
+
+def test_weighted_random_uniform_when_all_zero() -> None:
+    plugin = picker("weighted-random")
+    picks = Counter(plugin.pick(request(sequence=s), scored(0, 0, 0, 0)) for s in range(2000))
+    assert all(abs(n / 2000 - 0.25) < 0.04 for n in picks.values()) and len(picks) == 4
+
+
+def test_weighted_random_is_deterministic_per_seed_and_instance() -> None:
+    totals = scored(1, 1, 1, 1, 1)
+
+    def draws(plugin: Picker) -> list[int]:
+        return [plugin.pick(request(sequence=s), totals) for s in range(50)]
+
+    first = draws(picker("weighted-random", {"seed": 7}))
+    assert draws(picker("weighted-random", {"seed": 7})) == first
+    assert draws(picker("weighted-random", {"seed": 8})) != first
+    assert draws(picker("weighted-random", {"seed": 7}, profile="prefill")) != first
+    assert draws(picker("weighted-random", {"seed": 7}, name="other")) != first
