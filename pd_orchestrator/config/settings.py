@@ -15,7 +15,12 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from pd_orchestrator.config.load import LoadConfig
+from pd_orchestrator.config.routing import RoutingConfig
+
 __all__ = [
+    "AskAllConfig",
+    "AskAllFallbackConfig",
     "CompatibilityConfig",
     "EndpointConfig",
     "FleetEndpoint",
@@ -266,6 +271,36 @@ class HealthConfig(_Strict):
     unhealthy_after: Annotated[int, Field(ge=1)] = 2
 
 
+class AskAllFallbackConfig(_Strict):
+    """What happens when every asked decoder rejects.
+
+    ``pick``: the decoder that takes the request -- ``least-loaded`` (fewest running
+    plus waiting, then fewest in flight), ``most-free-kv`` (lowest KV usage) or
+    ``hardware-weight`` (highest weight in ``hardware_weights``, default 1.0).
+    ``then``: ``pd`` prefills on a compatible prefiller; ``local`` sends the request
+    to that decoder with threshold 0 (it prefills itself).
+    """
+
+    pick: Literal["least-loaded", "most-free-kv", "hardware-weight"] = "least-loaded"
+    then: Literal["pd", "local"] = "pd"
+    hardware_weights: dict[str, Annotated[float, Field(ge=0.0)]] = Field(default_factory=dict)
+
+
+class AskAllConfig(_Strict):
+    """The "ask all K instances" mode of RFC 24256.
+
+    ``width``: how many decoders to ask -- ``all`` or the top K of the decode
+    profile's ranking. ``variant``: ``race`` sends the real request to all of them at
+    once, the first decoder to admit serves and the others are cancelled; ``probe``
+    first sends one-token probes, then the real request to the admitting decoder with
+    the most cached tokens.
+    """
+
+    width: Literal["all"] | Annotated[int, Field(ge=1)] = "all"
+    variant: Literal["race", "probe"] = "race"
+    fallback: AskAllFallbackConfig = Field(default_factory=AskAllFallbackConfig)
+
+
 class GatewayConfig(BaseSettings):
     """The whole gateway configuration."""
 
@@ -287,6 +322,10 @@ class GatewayConfig(BaseSettings):
     sidecar: SidecarConfig = Field(default_factory=SidecarConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
+    load: LoadConfig = Field(default_factory=LoadConfig)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    mode: Literal["decode-first", "ask-all"] = "decode-first"
+    ask_all: AskAllConfig = Field(default_factory=AskAllConfig)
 
     @classmethod
     def settings_customise_sources(

@@ -49,6 +49,11 @@ class FleetState:
             for e in self.endpoints(role)
         )
 
+    def status(self, name: str) -> EndpointStatus:
+        """A snapshot of one configured endpoint."""
+        endpoint = self._endpoints[name]
+        return EndpointStatus(endpoint, self._healthy[name], self._in_flight[name])
+
     def is_healthy(self, name: str) -> bool:
         return self._healthy.get(name, True)
 

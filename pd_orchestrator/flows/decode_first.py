@@ -29,7 +29,7 @@ tokens of the leg that served the original prompt, completion tokens of every le
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,7 +60,8 @@ from pd_orchestrator.flows.sink import ClientSink, GatewayError
 from pd_orchestrator.flows.transcript import Transcript
 from pd_orchestrator.openai.responses import Kind
 from pd_orchestrator.openai.sse import DONE, encode_event
-from pd_orchestrator.planner.decode_first import Plan
+from pd_orchestrator.planner.plan import Plan
+from pd_orchestrator.routing.types import Candidate
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
 from pd_orchestrator.upstream.client import ChunkStream, Phase, Upstream
 from pd_orchestrator.upstream.errors import (
@@ -79,14 +80,22 @@ COMPLETIONS = "/v1/completions"
 
 @dataclass(frozen=True)
 class FlowContext:
-    """What every flow shares: the upstream client, connector, config, state, metrics."""
+    """What a flow needs from the gateway: I/O, configuration, state and decisions.
+
+    ``prefillers_for(decoder)`` ranks the prefillers whose KV can reach ``decoder``;
+    ``pick_decoder()`` chooses the decoder a continuation goes to now;
+    ``connector_for(decoder)`` is the KV-connector adapter of the decoder's pool;
+    ``candidates()`` is the fleet now (health, in-flight counts, load readings).
+    """
 
     upstream: Upstream
-    connector: Connector
     config: GatewayConfig
     fleet: FleetState
     metrics: GatewayMetrics
+    prefillers_for: Callable[[Endpoint], tuple[Endpoint, ...]]
     pick_decoder: Callable[[], Endpoint]
+    connector_for: Callable[[Endpoint], Connector]
+    candidates: Callable[[], tuple[Candidate, ...]]
     clock: Callable[[], float]
 
 
@@ -110,6 +119,12 @@ class _AnswerChunks:
 
 
 LegSource = ChunkStream | _AnswerChunks
+Send = Callable[[bytes], Awaitable[None]]
+
+
+async def _discard(data: bytes) -> None:
+    """A ``Send`` that drops what it gets (the transcript keeps what matters)."""
+    return None
 
 
 @dataclass
@@ -134,7 +149,14 @@ def _retryable(exc: BaseException) -> bool:
 
 
 class DecodeFirstFlow:
-    """Serves one client request; see the module docstring."""
+    """Serves one client request; see the module docstring.
+
+    ``stream_legs``: whether decoder legs are streamed even for a client that wants
+    a whole answer (the answer is then assembled from the stream); decode-first
+    streams only for streaming clients.
+    """
+
+    stream_legs = False
 
     def __init__(self, ctx: FlowContext, request: ClientRequest, plan: Plan) -> None:
         self.ctx = ctx
@@ -158,6 +180,8 @@ class DecodeFirstFlow:
         try:
             if self.request.stream:
                 await self._serve_stream(sink)
+            elif self.stream_legs:
+                await self._serve_whole_streamed(sink)
             else:
                 await self._serve_whole(sink)
         finally:
@@ -212,7 +236,7 @@ class DecodeFirstFlow:
         answer, outcome_params, finished = await self._prefill(base, self.request.path)
         if outcome_params is None and finished:
             return answer, view_answer(answer, self.request.kind)
-        body = with_threshold(self.ctx.connector.decode_body(base, outcome_params), 0.0)
+        body = with_threshold(self._connector.decode_body(base, outcome_params), 0.0)
         started = self.ctx.clock()
         answer = await self._post(self.decoder, self.request.path, body, Phase.DECODE)
         self._phase("decode", started)
@@ -238,27 +262,55 @@ class DecodeFirstFlow:
 
     # -- streams ---------------------------------------------------------------------------
     async def _serve_stream(self, sink: ClientSink) -> None:
-        leg = await self._attempt_stream()
-        if leg is None:
-            self.decision = "pd"
-            leg = await self._pd_stream()
+        leg = await self._first_leg()
         await sink.start(200, self.headers(), "text/event-stream")
-        while leg is not None:
-            try:
-                finished = await self._pump(sink, leg)
-            except (UpstreamProtocolError, UpstreamUnavailable, UpstreamTimeout) as exc:
-                leg = await self._recover(exc)
-                continue
-            leg = None if finished else await self._handback_stream()
+        await self._relay_all(leg, sink.send)
         if self.request.include_usage and self.transcript.identity is not None:
             usage = self.transcript.usage().as_dict()
             identity = identity_fields(self.transcript.identity, self.request.kind)
             await sink.send(encode_event({**identity, "choices": [], "usage": usage}))
         await sink.send(DONE)
 
+    async def _serve_whole_streamed(self, sink: ClientSink) -> None:
+        """A whole answer assembled from streamed legs."""
+        leg = await self._first_leg()
+        await self._relay_all(leg, _discard)
+        transcript = self.transcript
+        if transcript.template is None:
+            transcript.template = transcript.blank_answer()
+        headers = self.headers() | {"x-pd-handbacks": str(transcript.handbacks)}
+        await sink.start(200, headers, "application/json")
+        await sink.send(json.dumps(transcript.whole_answer()).encode())
+
+    async def _first_leg(self) -> _Leg:
+        """The leg that serves the original prompt: the attempt, or P/D after a rejection."""
+        leg = await self._attempt_stream()
+        if leg is None:
+            self.decision = "pd"
+            leg = await self._pd_stream()
+        return leg
+
+    async def _relay_all(self, leg: _Leg | None, send: Send) -> None:
+        """Relay ``leg`` and every continuation (hand-backs, recoveries) until finished."""
+        while leg is not None:
+            try:
+                finished = await self._pump(send, leg)
+            except (UpstreamProtocolError, UpstreamUnavailable, UpstreamTimeout) as exc:
+                leg = await self._recover(exc)
+                continue
+            leg = None if finished else await self._handback_stream()
+
+    def _leg_body(self, threshold: float) -> Json:
+        """The client's body for a decoder leg (streamed when ``stream_legs``)."""
+        body = leg_body(self.request, threshold)
+        if self.stream_legs and not self.request.stream:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
+        return body
+
     async def _attempt_stream(self) -> _Leg | None:
         """Open the attempt and read to its first decisive chunk; None if rejected."""
-        body = leg_body(self.request, self.plan.threshold.value)
+        body = self._leg_body(self.plan.threshold.value)
         for decoder in self._decoder_candidates():
             self.decoder = decoder
             try:
@@ -279,12 +331,12 @@ class DecodeFirstFlow:
         raise GatewayError(503, "no decoder is available")
 
     async def _pd_stream(self) -> _Leg:
-        base = leg_body(self.request, 0.0)
+        base = self._leg_body(0.0)
         answer, params, finished = await self._prefill(base, self.request.path)
         if params is None and finished:
             source = _AnswerChunks(answer_as_chunks(answer, self.request.kind))
             return self._leg(self.prefiller or self.decoder, self.request.kind, source, True, 0.0)
-        body = with_threshold(self.ctx.connector.decode_body(base, params), 0.0)
+        body = with_threshold(self._connector.decode_body(base, params), 0.0)
         leg = await self._open_leg(
             self.decoder, self.request.path, body, Phase.DECODE, self.request.kind
         )
@@ -314,14 +366,14 @@ class DecodeFirstFlow:
                 return view
         return None
 
-    async def _pump(self, sink: ClientSink, leg: _Leg) -> bool:
+    async def _pump(self, send: Send, leg: _Leg) -> bool:
         """Relay ``leg`` to the client; True when finished, False when handed back."""
         handed_back = False
         finished = False
         for chunk in self._chunks_of(leg):
-            handed_back, finished = await self._relay_one(sink, leg, chunk, handed_back, finished)
+            handed_back, finished = await self._relay_one(send, leg, chunk, handed_back, finished)
         async for chunk in leg.source:
-            handed_back, finished = await self._relay_one(sink, leg, chunk, handed_back, finished)
+            handed_back, finished = await self._relay_one(send, leg, chunk, handed_back, finished)
         self._close_leg(leg)
         if handed_back:
             return False
@@ -337,7 +389,7 @@ class DecodeFirstFlow:
         return held
 
     async def _relay_one(
-        self, sink: ClientSink, leg: _Leg, chunk: Json, handed_back: bool, finished: bool
+        self, send: Send, leg: _Leg, chunk: Json, handed_back: bool, finished: bool
     ) -> tuple[bool, bool]:
         view = view_chunk(chunk, leg.kind)
         if view.usage is not None:
@@ -349,13 +401,13 @@ class DecodeFirstFlow:
         self.transcript.absorb(view, original_prompt=leg.original_prompt)
         if view.rejected:
             if view.text or view.token_ids:
-                await self._emit(sink, leg, chunk, view, finish=None)
+                await self._emit(send, leg, chunk, view, finish=None)
             return True, finished
-        await self._emit(sink, leg, chunk, view, finish=view.finish_reason)
+        await self._emit(send, leg, chunk, view, finish=view.finish_reason)
         return handed_back, finished or view.finish_reason is not None
 
     async def _emit(
-        self, sink: ClientSink, leg: _Leg, chunk: Json, view: ChunkView, finish: str | None
+        self, send: Send, leg: _Leg, chunk: Json, view: ChunkView, finish: str | None
     ) -> None:
         identity = self.transcript.identity
         assert identity is not None
@@ -367,15 +419,15 @@ class DecodeFirstFlow:
             out = relay_chunk(chunk, identity, keep_ids=keep_ids, first=not self._first_sent)
         else:
             if self.request.kind == "chat" and not self._role_sent:
-                await self._send_role(sink)
+                await self._send_role(send)
             out = render_chunk(view, identity, self.request.kind, keep_ids=keep_ids, finish=finish)
         self._role_sent = self._role_sent or self.request.kind == "chat"
-        await sink.send(encode_event(out))
+        await send(encode_event(out))
         self._first_sent = True
         if view.text or view.token_ids:
             self._observe_ttft()
 
-    async def _send_role(self, sink: ClientSink) -> None:
+    async def _send_role(self, send: Send) -> None:
         identity = self.transcript.identity
         assert identity is not None
         chunk = {
@@ -386,7 +438,7 @@ class DecodeFirstFlow:
             ],
         }  # fmt: skip
         self._role_sent = True
-        await sink.send(encode_event(chunk))
+        await send(encode_event(chunk))
 
     # -- continuation (hand-back and recovery) ----------------------------------------------
     async def _continuation(
@@ -411,7 +463,7 @@ class DecodeFirstFlow:
         answer, params, finished = await self._prefill(body, COMPLETIONS)
         if params is None and finished:
             return _AnswerChunks([answer]), "completion"
-        decode = with_threshold(self.ctx.connector.decode_body(body, params), threshold)
+        decode = with_threshold(self._connector.decode_body(body, params), threshold)
         return await self._decode_source(decode, stream), "completion"
 
     async def _decode_source(self, body: Json, stream: bool) -> LegSource:
@@ -437,11 +489,11 @@ class DecodeFirstFlow:
     # -- prefill ------------------------------------------------------------------------------
     async def _prefill(self, body: Json, path: str) -> tuple[Json, dict[str, Any] | None, bool]:
         """Prefill ``body`` on a prefiller; returns the answer, transfer params, finished."""
-        candidates = self.plan.prefillers
+        candidates = self.ctx.prefillers_for(self.decoder)
         if not candidates:
-            raise GatewayError(503, "no prefiller is configured for this request")
+            raise GatewayError(503, f"no prefiller can hand KV over to decoder {self.decoder.name}")
         config = self.ctx.config.upstream
-        prefill_body = self.ctx.connector.prefill_body(body)
+        prefill_body = self._connector.prefill_body(body)
         started = self.ctx.clock()
         retrying = AsyncRetrying(
             stop=stop_after_attempt(config.prefill_attempts),
@@ -456,12 +508,16 @@ class DecodeFirstFlow:
                 self.prefiller = candidates[index]
                 answer = await self._post(self.prefiller, path, prefill_body, Phase.PREFILL)
         self._phase("prefill", started)
-        outcome = self.ctx.connector.read_prefill(answer)
+        outcome = self._connector.read_prefill(answer)
         return answer, outcome.params, outcome.finished
 
     # -- plumbing -------------------------------------------------------------------------------
     def _decoder_candidates(self) -> tuple[Endpoint, ...]:
         return self.plan.decoders
+
+    @property
+    def _connector(self) -> Connector:
+        return self.ctx.connector_for(self.decoder)
 
     def _leg_headers(self) -> dict[str, str]:
         self._legs += 1

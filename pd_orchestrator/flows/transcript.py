@@ -14,7 +14,7 @@ from typing import Any
 
 from pd_orchestrator.flows.chunks import ChunkView, Identity
 from pd_orchestrator.flows.request import ClientRequest
-from pd_orchestrator.openai.responses import Usage
+from pd_orchestrator.openai.responses import Usage, completion_body
 
 __all__ = ["Transcript"]
 
@@ -89,6 +89,21 @@ class Transcript:
             prompt = len(self.prompt_ids) if self.prompt_ids is not None else 0
         cached = min(self.cached_tokens or 0, prompt)
         return Usage(prompt, self.completion_tokens, cached or None)
+
+    def blank_answer(self) -> Json:
+        """An empty whole answer with the client's identity (for streamed legs)."""
+        identity = self.identity
+        if identity is None:
+            raise ValueError("no chunk was recorded")
+        return completion_body(
+            kind=self.request.kind,
+            response_id=identity.response_id,
+            model=identity.model,
+            text="",
+            finish_reason=None,
+            usage=Usage(0, 0),
+            created=identity.created,
+        )
 
     def whole_answer(self) -> Json:
         """The non-streamed answer: the first same-API answer with merged contents."""

@@ -6,8 +6,9 @@ a decoder passed a health check), ``GET /metrics``.
 
 A completion request is parsed once into a typed view (bad input: 400 in vLLM's
 error shape), checked against the served models (404) and, in sidecar mode,
-against the prefiller allow-list (403); then planned (pure) and served by the
-decode-first flow.
+against the prefiller allow-list (403); then planned by the routing pipeline
+(pure, over a snapshot of health and load) and served by the decode-first or the
+ask-all flow.
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from connectors import get_connector
+from connectors import Connector, get_connector
 from pd_orchestrator.config.settings import GatewayConfig
 from pd_orchestrator.fleet.endpoints import Endpoint, Role, endpoints_from_config
 from pd_orchestrator.fleet.health import HealthMonitor
-from pd_orchestrator.fleet.state import EndpointStatus, FleetState
+from pd_orchestrator.fleet.scraper import LoadScraper
+from pd_orchestrator.fleet.state import FleetState
+from pd_orchestrator.flows.ask_all import AskAllFlow
 from pd_orchestrator.flows.decode_first import DecodeFirstFlow, FlowContext
 from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.flows.sink import ClientSink, GatewayError
@@ -47,13 +50,16 @@ from pd_orchestrator.openai.protocol import (
     parse_request,
 )
 from pd_orchestrator.openai.responses import Kind
-from pd_orchestrator.planner.decode_first import Plan, order_candidates, plan_decode_first
+from pd_orchestrator.planner.plan import NoCandidateError, Plan, Planner
 from pd_orchestrator.policies.base import (
     ThresholdContext,
     ThresholdDecision,
     build_policy,
     resolve_threshold,
 )
+from pd_orchestrator.routing.builtins import builtin_registry
+from pd_orchestrator.routing.profiles import build_profiles
+from pd_orchestrator.routing.types import Candidate
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
 from pd_orchestrator.upstream.client import Upstream
 
@@ -67,7 +73,11 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
 
 
 class Gateway:
-    """One gateway instance: configuration, fleet state, upstream client, metrics."""
+    """One gateway instance: configuration, fleet state, planner, upstream client, metrics.
+
+    Raises :class:`~pd_orchestrator.routing.registry.RoutingConfigError` when the
+    routing profiles name an unknown plugin or give it bad parameters.
+    """
 
     def __init__(
         self,
@@ -80,11 +90,16 @@ class Gateway:
         self.clock = clock
         self.fleet = FleetState(endpoints_from_config(config), config.health.unhealthy_after)
         self.metrics = GatewayMetrics()
-        self.connector = get_connector(config.connector)
         self.policy = build_policy(config.threshold.policy)
+        pairs = frozenset(
+            (p.prefill_group, p.decode_group) for p in config.compatibility.host_staged
+        )
+        self.planner = Planner(build_profiles(config.routing, builtin_registry()), pairs)
         self.upstream = Upstream(config.upstream, config.timeouts, transport=transport)
         self.health = HealthMonitor(self.fleet, self.upstream, config.health)
-        self._turns = itertools.count()
+        self.scraper = LoadScraper(self.fleet, self.upstream, config.load, clock=clock)
+        self._connectors: dict[str, Connector] = {}
+        self._sequence = itertools.count()
         self._allowed = {value.lower() for value in config.sidecar.allowed_prefillers}
 
     # -- application --------------------------------------------------------------------
@@ -103,6 +118,7 @@ class Gateway:
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         async with anyio.create_task_group() as tg:
             await tg.start(self.health.run)
+            await tg.start(self.scraper.run)
             try:
                 yield
             finally:
@@ -135,18 +151,26 @@ class Gateway:
     async def _completion_endpoint(self, request: Request) -> Response:
         path = request.url.path
         try:
-            client_request, prefillers = await self._admit(request, _ROUTES[path])
+            client_request, header_prefillers = await self._admit(request, _ROUTES[path])
+            plan = self._plan(client_request)
         except GatewayError as exc:
             self.metrics.requests.labels(path, "error", str(exc.status)).inc()
             return _error(exc.status, exc.message, exc.param)
-        plan = self._plan(client_request, prefillers)
-        return _RunFlow(self, client_request, plan)  # type: ignore[return-value]
+        context = self.flow_context(client_request, header_prefillers)
+        flow: DecodeFirstFlow
+        if self.config.mode == "ask-all":
+            flow = AskAllFlow(context, client_request, plan)
+        else:
+            flow = DecodeFirstFlow(context, client_request, plan)
+        return _RunFlow(self, client_request, flow)  # type: ignore[return-value]
 
-    async def _admit(self, request: Request, kind: Kind) -> tuple[ClientRequest, list[Endpoint]]:
+    async def _admit(
+        self, request: Request, kind: Kind
+    ) -> tuple[ClientRequest, tuple[Endpoint, ...] | None]:
         body = await _json_body(request)
         view = _parse(kind, body)
         self._check_model(view)
-        prefillers = self._prefillers_for(request)
+        header_prefillers = self._header_prefillers(request)
         client_request = ClientRequest(
             kind=kind,
             path=request.url.path,
@@ -155,18 +179,19 @@ class Gateway:
             request_id=request.headers.get("x-request-id") or uuid.uuid4().hex,
             arrival=self.clock(),
         )
-        return client_request, prefillers
+        return client_request, header_prefillers
 
     def _check_model(self, view: OpenAIRequest) -> None:
         served = self.config.models()
         if served and view.model not in served:
             raise GatewayError(404, f"The model `{view.model}` does not exist.", "model")
 
-    def _prefillers_for(self, request: Request) -> list[Endpoint]:
+    def _header_prefillers(self, request: Request) -> tuple[Endpoint, ...] | None:
+        """The sidecar header's prefillers (allow-listed), or None without the header."""
         sidecar = self.config.sidecar
         header = request.headers.get(sidecar.prefiller_header) if sidecar.enabled else None
         if header is None:
-            return self.fleet.endpoints(Role.PREFILL)
+            return None
         chosen = []
         for item in (part.strip().lower() for part in header.split(",")):
             if not item:
@@ -176,61 +201,92 @@ class Gateway:
             chosen.append(self._prefiller_endpoint(item))
         if not chosen:
             raise GatewayError(400, f"header {sidecar.prefiller_header} names no prefiller")
-        return chosen
+        return tuple(chosen)
 
     def _prefiller_endpoint(self, host_port: str) -> Endpoint:
         for endpoint in self.fleet.endpoints(Role.PREFILL):
             if endpoint.host_port == host_port:
                 return endpoint
-        return Endpoint(name=host_port, url=f"http://{host_port}", role=Role.PREFILL)
+        decoder = self.fleet.endpoints(Role.DECODE)[0]
+        return Endpoint(
+            name=host_port,
+            url=f"http://{host_port}",
+            role=Role.PREFILL,
+            group=decoder.group,
+            connector=decoder.connector,
+        )
 
-    def _plan(self, request: ClientRequest, prefillers: list[Endpoint]) -> Plan:
-        configured = {s.endpoint.name: s for s in self.fleet.snapshot(Role.PREFILL)}
-        statuses = [configured.get(e.name) or EndpointStatus(e, True, 0) for e in prefillers]
+    # -- planning -----------------------------------------------------------------------------
+    def candidates(self) -> tuple[Candidate, ...]:
+        """Every endpoint with its health, in-flight count and fresh load reading."""
+        return self.scraper.candidates(self.fleet.snapshot(), self.clock())
 
-        def threshold(decoder: EndpointStatus) -> ThresholdDecision:
+    def _plan(self, request: ClientRequest) -> Plan:
+        def threshold(decoder: Candidate) -> ThresholdDecision:
+            status = self.fleet.status(decoder.endpoint.name)
             context = ThresholdContext(
                 model=request.model,
                 prompt_chars=request.prompt_chars,
-                decoder=decoder,
+                decoder=status,
                 client_threshold=request.view.cache_hit_threshold,
                 now=self.clock(),
             )
             return resolve_threshold(self.policy, self.config.threshold, context)
 
-        plan = plan_decode_first(
-            self.fleet.snapshot(Role.DECODE),
-            statuses,
-            next(self._turns),
-            threshold,
-            affinity_key=request.affinity_key(),
-        )
+        try:
+            plan = self.planner.plan(
+                request, self.candidates(), self.clock(), next(self._sequence), threshold
+            )
+        except NoCandidateError as exc:
+            raise GatewayError(503, str(exc)) from None
         self.metrics.threshold.observe(plan.threshold.value)
         return plan
 
-    def pick_decoder(self) -> Endpoint:
-        """The decoder a continuation should use now (healthiest, least loaded)."""
-        return order_candidates(self.fleet.snapshot(Role.DECODE), next(self._turns))[0].endpoint
+    def flow_context(
+        self, request: ClientRequest, header_prefillers: tuple[Endpoint, ...] | None
+    ) -> FlowContext:
+        def prefillers_for(decoder: Endpoint) -> tuple[Endpoint, ...]:
+            if header_prefillers is not None:
+                return header_prefillers
+            return self.planner.prefillers(
+                request, decoder, self.candidates(), self.clock(), next(self._sequence)
+            )
 
-    def flow_context(self) -> FlowContext:
+        def pick_decoder() -> Endpoint:
+            ranking = self.planner.rank(
+                request, self.candidates(), self.clock(), next(self._sequence)
+            )
+            if ranking.pick is None:
+                raise GatewayError(503, "no decoder can continue this request")
+            return ranking.pick.endpoint
+
         return FlowContext(
             upstream=self.upstream,
-            connector=self.connector,
             config=self.config,
             fleet=self.fleet,
             metrics=self.metrics,
-            pick_decoder=self.pick_decoder,
+            prefillers_for=prefillers_for,
+            pick_decoder=pick_decoder,
+            connector_for=self.connector_for,
+            candidates=self.candidates,
             clock=self.clock,
         )
+
+    def connector_for(self, endpoint: Endpoint) -> Connector:
+        """The connector adapter an endpoint's pool uses (one instance per name)."""
+        connector = self._connectors.get(endpoint.connector)
+        if connector is None:
+            connector = self._connectors[endpoint.connector] = get_connector(endpoint.connector)
+        return connector
 
 
 class _RunFlow:
     """The ASGI response of one completion request."""
 
-    def __init__(self, gateway: Gateway, request: ClientRequest, plan: Plan) -> None:
+    def __init__(self, gateway: Gateway, request: ClientRequest, flow: DecodeFirstFlow) -> None:
         self.gateway = gateway
         self.request = request
-        self.flow = DecodeFirstFlow(gateway.flow_context(), request, plan)
+        self.flow = flow
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         metrics = self.gateway.metrics

@@ -1,5 +1,5 @@
-"""Planning (pure): which decoder to ask first and which prefillers may serve it."""
+"""Planning (pure): which decoders to ask, in which order, with which threshold."""
 
-from pd_orchestrator.planner.decode_first import Plan, order_candidates, plan_decode_first
+from pd_orchestrator.planner.plan import Plan, Planner, routing_request
 
-__all__ = ["Plan", "order_candidates", "plan_decode_first"]
+__all__ = ["Plan", "Planner", "routing_request"]

@@ -113,8 +113,9 @@ class CompatibilityFilter:
     """``compatibility``: for prefill routing, keeps prefillers whose KV can reach
     ``request.decoder``.
 
-    A candidate is kept when its group is the decoder's group, or when the
-    directed pair ``(candidate group, decoder group)`` is in ``pairs`` or in
+    A candidate is kept when it is another endpoint than the decoder, speaks the
+    decoder's KV connector, and its group is the decoder's group or the directed
+    pair ``(candidate group, decoder group)`` is in ``pairs`` or in
     ``request.allowed_pairs``. Without a decoder on the request there is nothing
     to be compatible with and every candidate is kept.
     """
@@ -131,7 +132,9 @@ class CompatibilityFilter:
         return [
             c
             for c in candidates
-            if c.endpoint.group == decoder.group or (c.endpoint.group, decoder.group) in allowed
+            if c.endpoint.name != decoder.name
+            and c.endpoint.connector == decoder.connector
+            and (c.endpoint.group == decoder.group or (c.endpoint.group, decoder.group) in allowed)
         ]
 
 

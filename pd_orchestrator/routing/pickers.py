@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -34,9 +34,12 @@ def _hash64(*parts: str) -> int:
 
 
 class MaxScoreParams(NoParams):
-    """``tolerance`` (>= 0, default 1e-9): totals within this of the best count as tied."""
+    """``tolerance`` (>= 0, default 1e-9): totals within this of the best count as tied.
+    ``ties`` (default ``affinity``): ``affinity`` breaks ties by the request's affinity
+    key when it has one; ``rotate`` always rotates (a round-robin among equals)."""
 
     tolerance: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 1e-9
+    ties: Literal["affinity", "rotate"] = "affinity"
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,14 +51,16 @@ class MaxScorePicker:
     rendezvous hashing of the key and the endpoint names (the same key goes to
     the same endpoint while it stays among the best); without one, by rotation:
     the tied candidates in input order, starting at ``sequence`` modulo their count.
+    With ``ties: rotate`` the key is ignored: a round-robin among equals.
     """
 
     tolerance: float
+    ties: str = "affinity"
 
     def pick(self, request: RoutingRequest, scored: Sequence[ScoredCandidate]) -> int:
         best = max(s.total for s in scored)
         tied = [i for i, s in enumerate(scored) if s.total >= best - self.tolerance]
-        key = request.affinity_key
+        key = request.affinity_key if self.ties == "affinity" else None
         if key is not None:
             return max(tied, key=lambda i: _hash64(key, scored[i].endpoint.name))
         return tied[request.sequence % len(tied)]
@@ -103,7 +108,7 @@ def _weighted_index(weights: Sequence[float], target: float) -> int:
 
 
 def _max_score(params: MaxScoreParams, context: PluginContext) -> MaxScorePicker:
-    return MaxScorePicker(params.tolerance)
+    return MaxScorePicker(params.tolerance, params.ties)
 
 
 def _weighted_random(params: WeightedRandomParams, context: PluginContext) -> WeightedRandomPicker:

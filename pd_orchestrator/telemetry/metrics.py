@@ -9,7 +9,9 @@
 * ``pd_orchestrator_ttft_seconds`` -- arrival to the first content sent to the client;
 * ``pd_orchestrator_upstream_errors_total{endpoint,kind}``;
 * ``pd_orchestrator_in_flight_requests``;
-* ``pd_orchestrator_threshold`` -- thresholds applied to decode attempts.
+* ``pd_orchestrator_threshold`` -- thresholds applied to decode attempts;
+* ``pd_orchestrator_fanout_legs_total{outcome}``, ``pd_orchestrator_fanout_wasted_tokens_total``
+  and ``pd_orchestrator_ask_all_total{outcome}`` -- the ask-all mode.
 """
 
 from __future__ import annotations
@@ -66,6 +68,23 @@ class GatewayMetrics:
         )
         self.in_flight = Gauge(
             "pd_orchestrator_in_flight_requests", "Client requests being served.", registry=r
+        )
+        self.fanout_legs = Counter(
+            "pd_orchestrator_fanout_legs",
+            "Ask-all legs by outcome (admitted, rejected, cancelled, failed).",
+            ["outcome"],
+            registry=r,
+        )
+        self.fanout_wasted_tokens = Counter(
+            "pd_orchestrator_fanout_wasted_tokens",
+            "Tokens that cancelled or unchosen ask-all legs generated for nothing.",
+            registry=r,
+        )
+        self.ask_all = Counter(
+            "pd_orchestrator_ask_all",
+            "Ask-all requests by outcome (admitted, fallback_pd, fallback_local).",
+            ["outcome"],
+            registry=r,
         )
         self.threshold = Histogram(
             "pd_orchestrator_threshold",

@@ -111,3 +111,16 @@ def test_weighted_random_is_deterministic_per_seed_and_instance() -> None:
     assert draws(picker("weighted-random", {"seed": 8})) != first
     assert draws(picker("weighted-random", {"seed": 7}, profile="prefill")) != first
     assert draws(picker("weighted-random", {"seed": 7}, name="other")) != first
+
+
+def test_max_score_rotate_ignores_the_affinity_key() -> None:
+    from pd_orchestrator.routing.pickers import MaxScorePicker
+
+    picker = MaxScorePicker(1e-9, "rotate")
+    totals = scored(1.0, 1.0, 1.0)
+    picks = {picker.pick(request(affinity_key="same", sequence=s), totals) for s in range(3)}
+    assert picks == {0, 1, 2}
+    affine = MaxScorePicker(1e-9, "affinity")
+    assert (
+        len({affine.pick(request(affinity_key="same", sequence=s), totals) for s in range(3)}) == 1
+    )

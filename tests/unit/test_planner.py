@@ -1,87 +1,127 @@
-"""The decode-first planner and threshold resolution (pure)."""
+"""The planner over the routing pipeline, the ask-all fallback pick, threshold resolution."""
 
 from __future__ import annotations
 
-from hypothesis import given
-from hypothesis import strategies as st
+from typing import Any
 
-from pd_orchestrator.config.settings import ThresholdConfig
+import pytest
+
+from pd_orchestrator.config.routing import RoutingConfig
+from pd_orchestrator.config.settings import AskAllFallbackConfig, ThresholdConfig
 from pd_orchestrator.fleet.endpoints import Endpoint, Role
 from pd_orchestrator.fleet.state import EndpointStatus
-from pd_orchestrator.planner.decode_first import order_candidates, plan_decode_first
+from pd_orchestrator.flows.ask_all import pick_fallback
+from pd_orchestrator.flows.request import ClientRequest
+from pd_orchestrator.openai.protocol import CompletionRequest, parse_request
+from pd_orchestrator.planner.plan import NoCandidateError, Planner
 from pd_orchestrator.policies.base import (
     StaticPolicy,
     ThresholdContext,
     ThresholdDecision,
     resolve_threshold,
 )
+from pd_orchestrator.routing.builtins import builtin_registry
+from pd_orchestrator.routing.profiles import build_profiles
+from pd_orchestrator.routing.types import Candidate, LoadSnapshot
 
 
-def _status(name: str, healthy: bool = True, in_flight: int = 0) -> EndpointStatus:
-    return EndpointStatus(Endpoint(name, f"http://{name}:1", Role.DECODE), healthy, in_flight)
+def _endpoint(name: str, role: Role, group: str, hardware: str = "h200", **kw: Any) -> Endpoint:
+    return Endpoint(name, f"http://{name}:1", role, hardware=hardware, group=group, **kw)
 
 
-def _names(statuses: tuple[EndpointStatus, ...]) -> list[str]:
-    return [s.endpoint.name for s in statuses]
+FLEET = [
+    _endpoint("hd0", Role.DECODE, "nvidia"),
+    _endpoint("hd1", Role.DECODE, "nvidia"),
+    _endpoint("ad0", Role.DECODE, "amd", "mi325x"),
+    _endpoint("hp0", Role.PREFILL, "nvidia"),
+    _endpoint("ap0", Role.PREFILL, "amd", "mi325x"),
+    _endpoint("ap-example", Role.PREFILL, "amd", "mi325x", connector="example"),
+]
 
 
-def test_healthy_before_unhealthy_then_least_loaded() -> None:
-    statuses = [_status("a", False), _status("b", in_flight=3), _status("c", in_flight=1)]
-    assert _names(order_candidates(statuses, turn=0)) == ["c", "b", "a"]
+def _request(prompt: str = "hello") -> ClientRequest:
+    body = {"model": "m", "prompt": prompt}
+    return ClientRequest(
+        "completion", "/v1/completions", body, parse_request(CompletionRequest, body), "r", 0.0
+    )
 
 
-def test_ties_rotate_with_the_turn() -> None:
-    statuses = [_status("a"), _status("b"), _status("c")]
-    firsts = {_names(order_candidates(statuses, turn))[0] for turn in range(3)}
-    assert firsts == {"a", "b", "c"}
+def _planner(pairs: frozenset[tuple[str, str]] = frozenset()) -> Planner:
+    return Planner(build_profiles(RoutingConfig(), builtin_registry()), pairs)
 
 
-def test_affinity_is_stable_and_spreads_keys() -> None:
-    statuses = [_status(n) for n in "abcd"]
-    chosen = {
-        _names(order_candidates(statuses, t, f"conversation-{k}"))[0]
-        for t in range(3)
-        for k in range(40)
-    }
-    assert len(chosen) == 4  # keys spread over every decoder
-    for k in range(10):
-        picks = {_names(order_candidates(statuses, t, f"c{k}"))[0] for t in range(5)}
-        assert len(picks) == 1  # the same key always goes to the same decoder
+def _fixed(candidate: Candidate) -> ThresholdDecision:
+    return ThresholdDecision(0.5, "static", "fixed")
 
 
-def test_affinity_yields_to_load_beyond_the_slack() -> None:
-    key = "conversation"
-    statuses = [_status(n) for n in "abc"]
-    preferred = _names(order_candidates(statuses, 0, key))[0]
-    loaded = [_status(n, in_flight=5 if n == preferred else 0) for n in "abc"]
-    assert _names(order_candidates(loaded, 0, key, slack=2))[0] != preferred
+def test_plan_ranks_only_decoders_and_asks_the_threshold() -> None:
+    candidates = [Candidate(e) for e in FLEET]
+    plan = _planner().plan(_request(), candidates, 0.0, 0, _fixed)
+    assert {e.name for e in plan.decoders} == {"hd0", "hd1", "ad0"}
+    assert plan.threshold.value == 0.5
 
 
-@given(
-    st.lists(st.tuples(st.booleans(), st.integers(0, 9)), min_size=1, max_size=8),
-    st.integers(0, 50),
+def test_busy_decoders_rank_last() -> None:
+    busy = LoadSnapshot(running=30, waiting=10, kv_usage=0.9, observed_at=0.0)
+    idle = LoadSnapshot(running=0, waiting=0, kv_usage=0.1, observed_at=0.0)
+    candidates = [Candidate(e, load=busy if e.name != "ad0" else idle) for e in FLEET]
+    assert _planner().plan(_request(), candidates, 0.0, 0, _fixed).decoder.name == "ad0"
+
+
+def test_no_healthy_decoder_is_an_error_naming_the_filter() -> None:
+    candidates = [Candidate(e, healthy=e.role is Role.PREFILL) for e in FLEET]
+    with pytest.raises(NoCandidateError, match="healthy dropped 3"):
+        _planner().plan(_request(), candidates, 0.0, 0, _fixed)
+
+
+@pytest.mark.parametrize(
+    ("decoder", "pairs", "expected"),
+    [
+        ("hd0", frozenset(), {"hp0"}),
+        ("ad0", frozenset(), {"ap0"}),
+        ("ad0", frozenset({("nvidia", "amd")}), {"ap0", "hp0"}),
+        ("hd0", frozenset({("nvidia", "amd")}), {"hp0"}),
+    ],
+    ids=["same-group", "other-group", "host-staged-pair", "pairs-are-directed"],
 )
-def test_order_is_a_permutation_with_healthy_first(spec: list[tuple[bool, int]], turn: int) -> None:
-    statuses = [_status(f"e{i}", h, n) for i, (h, n) in enumerate(spec)]
-    ordered = order_candidates(statuses, turn, "key")
-    assert sorted(_names(ordered)) == sorted(_names(tuple(statuses)))
-    health = [s.healthy for s in ordered]
-    assert health == sorted(health, reverse=True)
+def test_prefillers_keep_the_decoder_group_and_connector(
+    decoder: str, pairs: frozenset[tuple[str, str]], expected: set[str]
+) -> None:
+    candidates = [Candidate(e) for e in FLEET]
+    chosen = next(e for e in FLEET if e.name == decoder)
+    names = {e.name for e in _planner(pairs).prefillers(_request(), chosen, candidates, 0.0, 0)}
+    assert names == expected
 
 
-def test_plan_asks_the_threshold_about_the_chosen_decoder() -> None:
-    seen: list[str] = []
+@pytest.mark.parametrize(
+    ("pick", "expected"),
+    [("least-loaded", "b"), ("most-free-kv", "c"), ("hardware-weight", "c")],
+)
+def test_fallback_pick(pick: str, expected: str) -> None:
+    loads = {
+        "a": LoadSnapshot(running=4, waiting=2, kv_usage=0.5, observed_at=0.0),
+        "b": LoadSnapshot(running=1, waiting=0, kv_usage=0.8, observed_at=0.0),
+        "c": LoadSnapshot(running=3, waiting=0, kv_usage=0.2, observed_at=0.0),
+    }
+    endpoints = {
+        "a": _endpoint("a", Role.DECODE, "g"),
+        "b": _endpoint("b", Role.DECODE, "g"),
+        "c": _endpoint("c", Role.DECODE, "g", hardware="mi325x"),
+    }
+    candidates = [Candidate(endpoints[n], load=loads[n]) for n in "abc"]
+    config = AskAllFallbackConfig(pick=pick, hardware_weights={"mi325x": 2.0})  # type: ignore[arg-type]
+    assert pick_fallback(list(endpoints.values()), candidates, config).name == expected
 
-    def threshold(status: EndpointStatus) -> ThresholdDecision:
-        seen.append(status.endpoint.name)
-        return ThresholdDecision(0.4, "static", "fixed")
 
-    plan = plan_decode_first([_status("a", in_flight=2), _status("b")], [], 0, threshold)
-    assert plan.decoder.name == "b" and seen == ["b"] and plan.threshold.value == 0.4
+def test_fallback_ties_keep_the_plan_order() -> None:
+    endpoints = [_endpoint(n, Role.DECODE, "g") for n in ("z", "y", "x")]
+    candidates = [Candidate(e) for e in endpoints]
+    assert pick_fallback(endpoints, candidates, AskAllFallbackConfig()).name == "z"
 
 
 def test_client_threshold_is_honoured_only_when_configured() -> None:
-    context = ThresholdContext("m", 100, _status("a"), client_threshold=0.9, now=0.0)
+    status = EndpointStatus(FLEET[0], True, 0)
+    context = ThresholdContext("m", 100, status, client_threshold=0.9, now=0.0)
     policy = StaticPolicy(0.3)
     assert resolve_threshold(policy, ThresholdConfig(honour_client=True), context).value == 0.9
     decision = resolve_threshold(policy, ThresholdConfig(honour_client=False), context)

@@ -1,0 +1,171 @@
+"""Ask-all over four simulated decoders in two pools (H200 and MI325X groups)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from pd_orchestrator.children import Child
+
+from ..conftest import GatewayFactory, SimFactory
+from .helpers import MODEL, call, metric, metrics_text
+
+pytestmark = pytest.mark.anyio
+GROUP = {
+    "hd0": "nvidia",
+    "hd1": "nvidia",
+    "hp0": "nvidia",
+    "ad0": "amd",
+    "ad1": "amd",
+    "ap0": "amd",
+}
+
+
+class Fleet:
+    def __init__(self, sims: dict[str, Child]) -> None:
+        self.sims = sims
+
+    def config(self, **ask_all: Any) -> dict[str, Any]:
+        def pool(name: str, role: str, group: str, hardware: str, *members: str) -> dict[str, Any]:
+            endpoints = [{"name": m, "url": self.sims[m].url} for m in members]
+            return {
+                "name": name,
+                "role": role,
+                "group": group,
+                "hardware": hardware,
+                "model": MODEL,
+                "endpoints": endpoints,
+            }
+
+        return {
+            "mode": "ask-all",
+            "ask_all": ask_all,
+            "pools": [
+                pool("h200-decode", "decode", "nvidia", "h200", "hd0", "hd1"),
+                pool("h200-prefill", "prefill", "nvidia", "h200", "hp0"),
+                pool("mi325x-decode", "decode", "amd", "mi325x", "ad0", "ad1"),
+                pool("mi325x-prefill", "prefill", "amd", "mi325x", "ap0"),
+            ],
+            "threshold": {"policy": {"value": 0.5}},
+            "health": {"interval": 0.5},
+            "load": {"interval": 0.2, "stale_after": 1.0},
+        }
+
+
+@pytest.fixture(scope="module")
+def fleet(module_sims: SimFactory) -> Fleet:
+    decoder = ("--profile", "h200-llama3-8b", "--model", MODEL, "--kv-connector", "nixl")
+    prefiller = ("--profile", "instant", "--model", MODEL, "--kv-connector", "nixl")
+    sims = {name: module_sims(*decoder, name=name) for name in ("hd0", "hd1", "ad0", "ad1")}
+    sims |= {name: module_sims(*prefiller, name=name) for name in ("hp0", "ap0")}
+    return Fleet(sims)
+
+
+@pytest.fixture(scope="module")
+def race(fleet: Fleet, module_gateways: GatewayFactory) -> Child:
+    return module_gateways(fleet.config(), name="race")
+
+
+def _chat(conversation: str, turns: list[str]) -> dict[str, Any]:
+    messages = [{"role": "system", "content": f"[{conversation}] " + "be thorough. " * 20}]
+    for i, text in enumerate(turns):
+        messages.append({"role": "assistant" if i % 2 else "user", "content": text})
+    return {"model": MODEL, "messages": messages, "max_tokens": 16, "ignore_eos": True}
+
+
+async def test_turn_two_is_admitted_by_the_decoder_that_served_turn_one(race: Child) -> None:
+    conversation = uuid.uuid4().hex
+    turn1 = await call(race.url, "chat", _chat(conversation, ["tell me a story"]))
+    assert turn1.status == 200 and turn1.decision == "pd"
+    history = ["tell me a story", turn1.text, "go on"]
+    turn2 = await call(race.url, "chat", _chat(conversation, history))
+    assert turn2.decision == "decode"
+    assert turn2.headers["x-pd-decoder"] == turn1.headers["x-pd-decoder"]
+    streamed = await call(race.url, "chat", _chat(conversation, history) | {"stream": True})
+    assert streamed.decision == "decode" and streamed.text == turn2.text
+
+
+async def test_cold_conversations_spread_and_fall_back_to_pd_inside_one_group(
+    race: Child,
+) -> None:
+    served = []
+    for _ in range(8):
+        answer = await call(race.url, "chat", _chat(uuid.uuid4().hex, ["hello"]))
+        assert answer.decision == "pd"
+        decoder, prefiller = answer.headers["x-pd-decoder"], answer.headers["x-pd-prefiller"]
+        assert GROUP[decoder] == GROUP[prefiller]
+        served.append(decoder)
+    assert len(set(served)) >= 3, served
+    text = await metrics_text(race.url)
+    assert metric(text, "pd_orchestrator_ask_all_total", outcome="fallback_pd") >= 8
+    assert metric(text, "pd_orchestrator_fanout_legs_total", outcome="rejected") >= 32
+
+
+async def _running(child: Child) -> float:
+    return metric(await metrics_text(child.url), "vllm:num_requests_running")
+
+
+async def test_losing_legs_are_cancelled_and_the_winner_serves(fleet: Fleet, race: Child) -> None:
+    prompt = f"{uuid.uuid4().hex} " + "a document both decoders have seen. " * 8
+    warm = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    for name in ("hd1", "ad0"):  # two decoders of different pools hold the prefix
+        assert (await call(fleet.sims[name].url, "completion", warm)).status == 200
+    generated = {n: metric(await metrics_text(fleet.sims[n].url), "vllm:generation_tokens_total")
+                 for n in fleet.sims}  # fmt: skip
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    async with (
+        httpx.AsyncClient(base_url=race.url, timeout=30) as client,
+        client.stream("POST", "/v1/completions", json=body) as response,
+    ):
+        winner = response.headers["x-pd-decoder"]
+        assert response.headers["x-pd-decision"] == "decode" and winner in ("hd1", "ad0")
+        loser = "ad0" if winner == "hd1" else "hd1"
+        with anyio.fail_after(5):
+            while await _running(fleet.sims[loser]) > 0:  # noqa: ASYNC110 - another process
+                await anyio.sleep(0.05)
+        assert await _running(fleet.sims[winner]) == 1  # still generating for the client
+        received = 0
+        async for line in response.aiter_lines():
+            received += line.startswith("data: {")
+    assert received >= 400
+    after = {n: metric(await metrics_text(fleet.sims[n].url), "vllm:generation_tokens_total")
+             for n in fleet.sims}  # fmt: skip
+    assert after[winner] - generated[winner] == 400  # x-pd-decoder served every token
+    assert after[loser] - generated[loser] < 50  # the loser was stopped early
+    text = await metrics_text(race.url)
+    assert metric(text, "pd_orchestrator_fanout_legs_total", outcome="cancelled") >= 1
+
+
+async def test_probe_variant_picks_the_decoder_with_the_most_cached_tokens(
+    fleet: Fleet, gateway_factory: GatewayFactory
+) -> None:
+    gateway = gateway_factory(fleet.config(variant="probe"), name="probe")
+    prompt = f"{uuid.uuid4().hex} " + "a shared prefix. " * 20
+    short = {"model": MODEL, "prompt": prompt[: len(prompt) // 2], "max_tokens": 1}
+    full = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    assert (await call(fleet.sims["hd0"].url, "completion", short)).status == 200
+    assert (await call(fleet.sims["ad1"].url, "completion", full)).status == 200
+    answer = await call(gateway.url, "completion", full | {"max_tokens": 8})
+    assert answer.decision == "decode" and answer.headers["x-pd-decoder"] == "ad1"
+    text = await metrics_text(gateway.url)
+    assert metric(text, "pd_orchestrator_fanout_legs_total", outcome="admitted") >= 1
+
+
+async def test_local_fallback_decodes_with_threshold_zero(
+    fleet: Fleet, gateway_factory: GatewayFactory
+) -> None:
+    gateway = gateway_factory(fleet.config(fallback={"then": "local"}), name="local")
+    before = metric(await metrics_text(fleet.sims["hp0"].url), "vllm:prompt_tokens_total")
+    before += metric(await metrics_text(fleet.sims["ap0"].url), "vllm:prompt_tokens_total")
+    answer = await call(gateway.url, "chat", _chat(uuid.uuid4().hex, ["cold"]))
+    assert answer.status == 200 and answer.decision == "decode"
+    assert "x-pd-prefiller" not in answer.headers
+    after = metric(await metrics_text(fleet.sims["hp0"].url), "vllm:prompt_tokens_total")
+    after += metric(await metrics_text(fleet.sims["ap0"].url), "vllm:prompt_tokens_total")
+    assert after == before
+    assert metric(await metrics_text(gateway.url), "pd_orchestrator_ask_all_total",
+                  outcome="fallback_local") == 1  # fmt: skip
