@@ -11,7 +11,7 @@ from rich.table import Table
 from pd_orchestrator.bench.loadgen import Summary
 from pd_orchestrator.children import Child, python_command, start_child, stop_child
 
-console = Console()
+console = Console(width=160)
 
 
 @contextmanager

@@ -67,17 +67,22 @@ def _listen(config: GatewayConfig, host: str | None, port: int | None) -> Gatewa
     return config.model_copy(update={"listen": listen})
 
 
-def serve_gateway(config: GatewayConfig, on_ready: Callable[[str], None] | None = None) -> None:
+def serve_gateway(
+    config: GatewayConfig,
+    on_ready: Callable[[str], None] | None = None,
+    config_path: Path | None = None,
+) -> None:
     """Run the gateway until SIGINT/SIGTERM.
 
     ``on_ready(url)`` runs once the socket is bound and the app has started; by
     default it prints ``READY <url>`` (what :mod:`pd_orchestrator.children` waits for).
+    With ``config_path``, SIGHUP reloads the configuration from it.
     """
     from pd_orchestrator.gateway import Gateway
 
     sock = bind_socket(config.listen.host, config.listen.port)
     url = f"http://{config.listen.host}:{sock.getsockname()[1]}"
-    gateway = Gateway(config)
+    gateway = Gateway(config, config_path=config_path)
     server = uvicorn.Server(
         uvicorn.Config(gateway.app(), log_level="warning", timeout_graceful_shutdown=5)
     )
@@ -106,7 +111,7 @@ def run_serve(args: argparse.Namespace) -> int:
         console.print(f"[bold red]error:[/] endpoints without a url: {', '.join(missing)}")
         return 2
     exit_on_sigterm()
-    serve_gateway(_listen(config, args.host, args.port))
+    serve_gateway(_listen(config, args.host, args.port), config_path=args.config)
     return 0
 
 

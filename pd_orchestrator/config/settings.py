@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Self
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from pd_orchestrator.config.load import LoadConfig
 from pd_orchestrator.config.routing import RoutingConfig
 
 __all__ = [
+    "AdminConfig",
     "AskAllConfig",
     "AskAllFallbackConfig",
     "CompatibilityConfig",
@@ -271,6 +272,13 @@ class HealthConfig(_Strict):
     unhealthy_after: Annotated[int, Field(ge=1)] = 2
 
 
+class AdminConfig(_Strict):
+    """The admin API (``POST /admin/reload``): off unless a bearer token is set
+    (``PDO_ADMIN__TOKEN`` keeps it out of the file)."""
+
+    token: SecretStr | None = None
+
+
 class AskAllFallbackConfig(_Strict):
     """What happens when every asked decoder rejects.
 
@@ -325,6 +333,7 @@ class GatewayConfig(BaseSettings):
     load: LoadConfig = Field(default_factory=LoadConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     mode: Literal["decode-first", "ask-all"] = "decode-first"
+    admin: AdminConfig = Field(default_factory=AdminConfig)
     ask_all: AskAllConfig = Field(default_factory=AskAllConfig)
 
     @classmethod

@@ -49,6 +49,15 @@ class FleetState:
             for e in self.endpoints(role)
         )
 
+    def inherit(self, previous: FleetState) -> None:
+        """Keep the health of endpoints that ``previous`` had under the same name and URL."""
+        for name, endpoint in self._endpoints.items():
+            old = previous._endpoints.get(name)
+            if old is not None and old.url == endpoint.url:
+                self._healthy[name] = previous._healthy[name]
+                self._failures[name] = previous._failures[name]
+        self.checked_once = previous.checked_once
+
     def status(self, name: str) -> EndpointStatus:
         """A snapshot of one configured endpoint."""
         endpoint = self._endpoints[name]

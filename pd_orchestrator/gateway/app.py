@@ -16,13 +16,19 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
+import secrets
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
+from anyio.abc import TaskGroup, TaskStatus
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -31,6 +37,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from connectors import Connector, get_connector
+from pd_orchestrator.config.loader import ConfigError, load_config
 from pd_orchestrator.config.settings import GatewayConfig
 from pd_orchestrator.fleet.endpoints import Endpoint, Role, endpoints_from_config
 from pd_orchestrator.fleet.health import HealthMonitor
@@ -54,16 +61,20 @@ from pd_orchestrator.planner.plan import NoCandidateError, Plan, Planner
 from pd_orchestrator.policies.base import (
     ThresholdContext,
     ThresholdDecision,
+    ThresholdPolicy,
     build_policy,
     resolve_threshold,
 )
 from pd_orchestrator.routing.builtins import builtin_registry
 from pd_orchestrator.routing.profiles import build_profiles
+from pd_orchestrator.routing.registry import RoutingConfigError
 from pd_orchestrator.routing.types import Candidate
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
 from pd_orchestrator.upstream.client import Upstream
 
-__all__ = ["Gateway"]
+__all__ = ["Gateway", "GatewayState", "ReloadResult", "build_state", "status_document"]
+
+logger = logging.getLogger("pd_orchestrator.gateway")
 
 _ROUTES: dict[str, Kind] = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 
@@ -72,35 +83,125 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, status, param=param), status)
 
 
+@dataclass(frozen=True, slots=True)
+class ReloadResult:
+    """Whether a reload took effect, and what to tell the operator."""
+
+    applied: bool
+    message: str
+
+
+def _restart_notes(old: GatewayConfig, new: GatewayConfig) -> str:
+    changed = [k for k in ("upstream", "timeouts") if getattr(old, k) != getattr(new, k)]
+    return f"{', '.join(changed)} changes take effect at restart" if changed else ""
+
+
+def status_document(state: GatewayState, now: float) -> dict[str, Any]:
+    """``GET /status``: the fleet by endpoint name (never URLs) with health and load."""
+    endpoints = []
+    for status in state.fleet.snapshot():
+        endpoint = status.endpoint
+        load = state.scraper.snapshot(endpoint.name, now)
+        endpoints.append(
+            {
+                "name": endpoint.name,
+                "pool": endpoint.pool,
+                "role": endpoint.role.value,
+                "hardware": endpoint.hardware,
+                "group": endpoint.group,
+                "healthy": status.healthy and state.scraper.is_responsive(endpoint.name),
+                "in_flight": status.in_flight,
+                "load": None
+                if load is None
+                else {
+                    "running": load.running,
+                    "waiting": load.waiting,
+                    "kv_usage": load.kv_usage,
+                    "prefix_hit_rate": load.prefix_hit_rate,
+                    "age": round(load.age(now), 3),
+                },
+            }
+        )
+    return {"mode": state.config.mode, "endpoints": endpoints}
+
+
+@dataclass(frozen=True)
+class GatewayState:
+    """Everything built from one configuration; swapped whole on reload."""
+
+    config: GatewayConfig
+    fleet: FleetState
+    policy: ThresholdPolicy
+    planner: Planner
+    health: HealthMonitor
+    scraper: LoadScraper
+    allowed_prefillers: frozenset[str]
+
+
+def build_state(
+    config: GatewayConfig,
+    upstream: Upstream,
+    clock: Callable[[], float],
+    previous: GatewayState | None = None,
+) -> GatewayState:
+    """Build the state of ``config``; raises ``RoutingConfigError`` on bad plugins.
+
+    Endpoints that keep their name and URL across a reload keep their health.
+    """
+    fleet = FleetState(endpoints_from_config(config), config.health.unhealthy_after)
+    if previous is not None:
+        fleet.inherit(previous.fleet)
+    pairs = frozenset((p.prefill_group, p.decode_group) for p in config.compatibility.host_staged)
+    return GatewayState(
+        config=config,
+        fleet=fleet,
+        policy=build_policy(config.threshold.policy),
+        planner=Planner(build_profiles(config.routing, builtin_registry()), pairs),
+        health=HealthMonitor(fleet, upstream, config.health),
+        scraper=LoadScraper(fleet, upstream, config.load, clock=clock),
+        allowed_prefillers=frozenset(v.lower() for v in config.sidecar.allowed_prefillers),
+    )
+
+
 class Gateway:
-    """One gateway instance: configuration, fleet state, planner, upstream client, metrics.
+    """One gateway instance: its state (config, fleet, planner), upstream client, metrics.
 
     Raises :class:`~pd_orchestrator.routing.registry.RoutingConfigError` when the
-    routing profiles name an unknown plugin or give it bad parameters.
+    routing profiles name an unknown plugin or give it bad parameters. With a
+    ``config_path``, SIGHUP and ``POST /admin/reload`` reload the configuration from
+    it; see :meth:`reload`.
     """
 
     def __init__(
         self,
         config: GatewayConfig,
         *,
+        config_path: Path | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.config = config
         self.clock = clock
-        self.fleet = FleetState(endpoints_from_config(config), config.health.unhealthy_after)
+        self.config_path = config_path
         self.metrics = GatewayMetrics()
-        self.policy = build_policy(config.threshold.policy)
-        pairs = frozenset(
-            (p.prefill_group, p.decode_group) for p in config.compatibility.host_staged
-        )
-        self.planner = Planner(build_profiles(config.routing, builtin_registry()), pairs)
         self.upstream = Upstream(config.upstream, config.timeouts, transport=transport)
-        self.health = HealthMonitor(self.fleet, self.upstream, config.health)
-        self.scraper = LoadScraper(self.fleet, self.upstream, config.load, clock=clock)
+        self.state = build_state(config, self.upstream, clock)
         self._connectors: dict[str, Connector] = {}
         self._sequence = itertools.count()
-        self._allowed = {value.lower() for value in config.sidecar.allowed_prefillers}
+        self._monitors: anyio.CancelScope | None = None
+        self._tasks: TaskGroup | None = None
+        self._reload_lock = anyio.Lock()
+
+    @property
+    def config(self) -> GatewayConfig:
+        return self.state.config
+
+    @property
+    def fleet(self) -> FleetState:
+        return self.state.fleet
+
+    @property
+    def scraper(self) -> LoadScraper:
+        return self.state.scraper
 
     # -- application --------------------------------------------------------------------
     def app(self) -> Starlette:
@@ -111,20 +212,71 @@ class Gateway:
             Route("/health", self.health_endpoint, methods=["GET"]),
             Route("/ready", self.ready, methods=["GET"]),
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),
+            Route("/status", self.status_endpoint, methods=["GET"]),
+            Route("/admin/reload", self.admin_reload, methods=["POST"]),
         ]
         return Starlette(routes=routes, lifespan=self._lifespan)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         async with anyio.create_task_group() as tg:
-            await tg.start(self.health.run)
-            await tg.start(self.scraper.run)
+            self._tasks = tg
+            await self._start_monitors(self.state)
+            if self.config_path is not None:
+                tg.start_soon(self._reload_on_sighup)
             try:
                 yield
             finally:
                 tg.cancel_scope.cancel()
                 with anyio.move_on_after(2, shield=True):
                     await self.upstream.aclose()
+
+    async def _start_monitors(self, state: GatewayState) -> None:
+        """(Re)start health checks and load polls for ``state``'s fleet."""
+        assert self._tasks is not None
+        if self._monitors is not None:
+            self._monitors.cancel()
+        scope = self._monitors = anyio.CancelScope()
+
+        async def monitors(*, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+            with scope:
+                async with anyio.create_task_group() as tg:
+                    await tg.start(state.health.run)
+                    await tg.start(state.scraper.run)
+                    task_status.started()
+
+        await self._tasks.start(monitors)
+
+    async def _reload_on_sighup(self) -> None:
+        with anyio.open_signal_receiver(signal.SIGHUP) as signals:
+            async for _ in signals:
+                result = await self.reload()
+                logger.warning("SIGHUP reload: %s", result.message)
+
+    async def reload(self) -> ReloadResult:
+        """Reload the configuration file; the old state stays if the new one is invalid.
+
+        In-flight requests finish with the state they started with; new requests use
+        the new one. ``listen`` keeps its running value; ``upstream`` and ``timeouts``
+        changes need a restart (the result says so).
+        """
+        async with self._reload_lock:
+            if self.config_path is None:
+                return ReloadResult(False, "this gateway was not started from a file")
+            try:
+                config = load_config(self.config_path).model_copy(
+                    update={"listen": self.config.listen}
+                )
+                state = build_state(config, self.upstream, self.clock, self.state)
+            except (ConfigError, RoutingConfigError, ValueError) as exc:
+                self.metrics.reloads.labels("refused").inc()
+                return ReloadResult(False, f"refused, the old configuration stays: {exc}")
+            notes = _restart_notes(self.config, config)
+            self.state = state
+            if self._tasks is not None:
+                await self._start_monitors(state)
+            self.metrics.reloads.labels("applied").inc()
+            return ReloadResult(True, "applied" + (f" ({notes})" if notes else ""))
 
     # -- simple routes ---------------------------------------------------------------------
     async def health_endpoint(self, request: Request) -> Response:
@@ -138,6 +290,22 @@ class Gateway:
 
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def status_endpoint(self, request: Request) -> Response:
+        """Endpoints (by name) with health, in-flight requests and their latest load."""
+        return JSONResponse(status_document(self.state, self.clock()))
+
+    async def admin_reload(self, request: Request) -> Response:
+        """``POST /admin/reload`` with ``Authorization: Bearer <admin.token>``."""
+        token = self.config.admin.token
+        if token is None:
+            return _error(404, "the admin API is disabled (set admin.token)")
+        offered = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not secrets.compare_digest(offered.encode(), token.get_secret_value().encode()):
+            return _error(401, "a valid admin bearer token is required")
+        result = await self.reload()
+        status = 200 if result.applied else 422
+        return JSONResponse({"reloaded": result.applied, "message": result.message}, status)
 
     async def models(self, request: Request) -> Response:
         now = int(time.time())
@@ -196,7 +364,7 @@ class Gateway:
         for item in (part.strip().lower() for part in header.split(",")):
             if not item:
                 continue
-            if item not in self._allowed:
+            if item not in self.state.allowed_prefillers:
                 raise GatewayError(403, f"prefiller {item!r} is not in the allow-list")
             chosen.append(self._prefiller_endpoint(item))
         if not chosen:
@@ -222,19 +390,20 @@ class Gateway:
         return self.scraper.candidates(self.fleet.snapshot(), self.clock())
 
     def _plan(self, request: ClientRequest) -> Plan:
+        state = self.state
+
         def threshold(decoder: Candidate) -> ThresholdDecision:
-            status = self.fleet.status(decoder.endpoint.name)
             context = ThresholdContext(
                 model=request.model,
                 prompt_chars=request.prompt_chars,
-                decoder=status,
+                decoder=state.fleet.status(decoder.endpoint.name),
                 client_threshold=request.view.cache_hit_threshold,
                 now=self.clock(),
             )
-            return resolve_threshold(self.policy, self.config.threshold, context)
+            return resolve_threshold(state.policy, state.config.threshold, context)
 
         try:
-            plan = self.planner.plan(
+            plan = state.planner.plan(
                 request, self.candidates(), self.clock(), next(self._sequence), threshold
             )
         except NoCandidateError as exc:
@@ -245,30 +414,34 @@ class Gateway:
     def flow_context(
         self, request: ClientRequest, header_prefillers: tuple[Endpoint, ...] | None
     ) -> FlowContext:
+        """The request's view of the gateway: one state for its whole life."""
+        state = self.state
+
+        def candidates() -> tuple[Candidate, ...]:
+            return state.scraper.candidates(state.fleet.snapshot(), self.clock())
+
         def prefillers_for(decoder: Endpoint) -> tuple[Endpoint, ...]:
             if header_prefillers is not None:
                 return header_prefillers
-            return self.planner.prefillers(
-                request, decoder, self.candidates(), self.clock(), next(self._sequence)
+            return state.planner.prefillers(
+                request, decoder, candidates(), self.clock(), next(self._sequence)
             )
 
         def pick_decoder() -> Endpoint:
-            ranking = self.planner.rank(
-                request, self.candidates(), self.clock(), next(self._sequence)
-            )
+            ranking = state.planner.rank(request, candidates(), self.clock(), next(self._sequence))
             if ranking.pick is None:
                 raise GatewayError(503, "no decoder can continue this request")
             return ranking.pick.endpoint
 
         return FlowContext(
             upstream=self.upstream,
-            config=self.config,
-            fleet=self.fleet,
+            config=state.config,
+            fleet=state.fleet,
             metrics=self.metrics,
             prefillers_for=prefillers_for,
             pick_decoder=pick_decoder,
             connector_for=self.connector_for,
-            candidates=self.candidates,
+            candidates=candidates,
             clock=self.clock,
         )
 

@@ -11,7 +11,8 @@
 * ``pd_orchestrator_in_flight_requests``;
 * ``pd_orchestrator_threshold`` -- thresholds applied to decode attempts;
 * ``pd_orchestrator_fanout_legs_total{outcome}``, ``pd_orchestrator_fanout_wasted_tokens_total``
-  and ``pd_orchestrator_ask_all_total{outcome}`` -- the ask-all mode.
+  and ``pd_orchestrator_ask_all_total{outcome}`` -- the ask-all mode;
+* ``pd_orchestrator_config_reloads_total{result}``.
 """
 
 from __future__ import annotations
@@ -84,6 +85,12 @@ class GatewayMetrics:
             "pd_orchestrator_ask_all",
             "Ask-all requests by outcome (admitted, fallback_pd, fallback_local).",
             ["outcome"],
+            registry=r,
+        )
+        self.reloads = Counter(
+            "pd_orchestrator_config_reloads",
+            "Configuration reloads by result (applied, refused).",
+            ["result"],
             registry=r,
         )
         self.threshold = Histogram(

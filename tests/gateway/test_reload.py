@@ -1,0 +1,129 @@
+"""Live reload: SIGHUP and the authenticated admin endpoint, without disturbing requests."""
+
+from __future__ import annotations
+
+import signal
+import uuid
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+import yaml
+
+from pd_orchestrator.children import Child, python_command, start_child, stop_child
+
+from ..conftest import SimFactory, gateway_config
+from .helpers import MODEL, call, metric, metrics_text
+
+pytestmark = pytest.mark.anyio
+TOKEN = "s3cret-token"
+
+
+class Served:
+    def __init__(self, path: Path, config: dict[str, Any], child: Child) -> None:
+        self.path, self.config, self.child = path, config, child
+
+    def rewrite(self, **changes: Any) -> None:
+        self.path.write_text(yaml.safe_dump(self.config | changes))
+
+
+@pytest.fixture
+def served(sim_factory: SimFactory, tmp_path: Path) -> Any:
+    nixl = ("--profile", "h200-llama3-8b", "--model", MODEL, "--kv-connector", "nixl")
+    decoder, prefiller = sim_factory(*nixl), sim_factory(*nixl)
+    config = gateway_config([decoder], [prefiller], threshold={"policy": {"value": 0.5}})
+    config["admin"] = {"token": TOKEN}
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump(config))
+    child = start_child("gateway", python_command("serve", "--config", str(path), "--port", "0"))
+    try:
+        yield Served(path, config, child)
+    finally:
+        stop_child(child)
+
+
+async def _reload(url: str, token: str | None = TOKEN) -> httpx.Response:
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+        return await client.post("/admin/reload", headers=headers)
+
+
+def _body(prompt: str) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 4, "ignore_eos": True}
+
+
+async def test_admin_reload_applies_a_new_threshold(served: Served) -> None:
+    url = served.child.url
+    prompt = f"{uuid.uuid4().hex} " + "a prompt that will be warm. " * 6
+    assert (await call(url, "completion", _body(prompt))).decision == "pd"
+    near = prompt + " and a tail of new words that lowers the hit ratio"
+    assert (await call(url, "completion", _body(near))).decision == "decode"  # ratio >= 0.5
+    served.rewrite(threshold={"policy": {"value": 0.99}})
+    response = await _reload(url)
+    assert response.status_code == 200 and response.json()["reloaded"] is True
+    other = near + " and yet another tail of words"
+    assert (await call(url, "completion", _body(other))).decision == "pd"  # ratio < 0.99
+
+
+async def test_an_invalid_config_is_refused_and_the_old_one_stays(served: Served) -> None:
+    url = served.child.url
+    served.path.write_text(yaml.safe_dump(served.config | {"thresold": {"value": 1}}))
+    response = await _reload(url)
+    assert response.status_code == 422
+    assert "thresold: unknown key" in response.json()["message"]
+    answer = await call(url, "completion", _body(f"{uuid.uuid4().hex} still serving"))
+    assert answer.status == 200
+    text = await metrics_text(url)
+    assert metric(text, "pd_orchestrator_config_reloads_total", result="refused") == 1
+
+
+async def test_the_admin_api_needs_the_token(served: Served) -> None:
+    assert (await _reload(served.child.url, token=None)).status_code == 401
+    assert (await _reload(served.child.url, token="wrong")).status_code == 401
+
+
+async def test_sighup_reloads(served: Served) -> None:
+    served.rewrite(threshold={"policy": {"value": 0.9}})
+    served.child.process.send_signal(signal.SIGHUP)
+    with anyio.fail_after(5):
+        while True:
+            text = await metrics_text(served.child.url)
+            try:
+                if metric(text, "pd_orchestrator_config_reloads_total", result="applied") == 1:
+                    break
+            except AssertionError:
+                pass
+            await anyio.sleep(0.05)
+
+
+async def test_in_flight_streams_survive_a_reload(served: Served) -> None:
+    url = served.child.url
+    body = _body(f"{uuid.uuid4().hex} a long answer") | {"max_tokens": 200, "stream": True}
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=30) as client,
+        client.stream("POST", "/v1/completions", json=body) as response,
+    ):
+        lines = response.aiter_lines()
+        first = [line async for line in _take(lines, 3)]
+        served.rewrite(
+            threshold={"policy": {"value": 0.1}},
+            routing={"decode": {"scorers": [{"type": "kv-usage"}]}},
+        )
+        assert (await _reload(url)).status_code == 200
+        rest = [line async for line in lines]
+    events = [line for line in [*first, *rest] if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert not any('"error"' in line for line in events)
+    assert len(events) - 1 == 200  # every token, nothing lost or repeated
+
+
+async def _take(lines: Any, count: int) -> Any:
+    taken = 0
+    async for line in lines:
+        yield line
+        if line.startswith("data: "):
+            taken += 1
+            if taken == count:
+                return
