@@ -21,11 +21,12 @@ def anyio_backend() -> str:
 
 
 @contextlib.contextmanager
-def _sims() -> Iterator[SimFactory]:
+def _children(make_argv: Callable[..., tuple[str, list[str]]]) -> Iterator[Callable[..., Child]]:
+    """A factory of children (made by ``make_argv``) stopped when the block ends."""
     children: list[Child] = []
 
-    def start(*args: str, name: str = "sim") -> Child:
-        argv = python_command("sim", "--host", "127.0.0.1", "--port", "0", *args)
+    def start(*args: Any, **kwargs: Any) -> Child:
+        name, argv = make_argv(len(children), *args, **kwargs)
         child = start_child(name, argv, timeout=30)
         children.append(child)
         return child
@@ -35,6 +36,14 @@ def _sims() -> Iterator[SimFactory]:
     finally:
         for child in children:
             stop_child(child)
+
+
+def _sim_argv(index: int, *args: str, name: str = "sim") -> tuple[str, list[str]]:
+    return name, python_command("sim", "--host", "127.0.0.1", "--port", "0", *args)
+
+
+def _sims() -> contextlib.AbstractContextManager[SimFactory]:
+    return _children(_sim_argv)
 
 
 @pytest.fixture
@@ -54,23 +63,13 @@ def module_sims() -> Iterator[SimFactory]:
 GatewayFactory = Callable[..., Child]
 
 
-@contextlib.contextmanager
-def _gateways(directory: Path) -> Iterator[GatewayFactory]:
-    children: list[Child] = []
-
-    def start(config: dict[str, Any], name: str = "gateway") -> Child:
-        path = directory / f"{name}-{len(children)}.yaml"
+def _gateways(directory: Path) -> contextlib.AbstractContextManager[GatewayFactory]:
+    def argv(index: int, config: dict[str, Any], name: str = "gateway") -> tuple[str, list[str]]:
+        path = directory / f"{name}-{index}.yaml"
         path.write_text(yaml.safe_dump(config))
-        argv = python_command("serve", "--config", str(path), "--port", "0")
-        child = start_child(name, argv, timeout=30)
-        children.append(child)
-        return child
+        return name, python_command("serve", "--config", str(path), "--port", "0")
 
-    try:
-        yield start
-    finally:
-        for child in children:
-            stop_child(child)
+    return _children(argv)
 
 
 @pytest.fixture

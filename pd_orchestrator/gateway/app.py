@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import logging
 import secrets
 import signal
@@ -50,11 +49,10 @@ from pd_orchestrator.flows.sink import ClientSink, GatewayError
 from pd_orchestrator.gateway.response import FlowResponse
 from pd_orchestrator.openai.errors import error_body
 from pd_orchestrator.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
     OpenAIRequest,
     RequestError,
-    parse_request,
+    decode_json_object,
+    parse_for,
 )
 from pd_orchestrator.openai.responses import Kind
 from pd_orchestrator.planner.plan import NoCandidateError, Plan, Planner
@@ -482,20 +480,14 @@ class _RunFlow:
 
 
 async def _json_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise GatewayError(400, f"malformed JSON body: {exc}") from None
-    if not isinstance(body, dict):
-        raise GatewayError(400, "the request body must be a JSON object")
-    return body
+        return decode_json_object(await request.body())
+    except RequestError as exc:
+        raise GatewayError(400, str(exc)) from None
 
 
 def _parse(kind: Kind, body: dict[str, Any]) -> OpenAIRequest:
     try:
-        if kind == "completion":
-            return parse_request(CompletionRequest, body)
-        return parse_request(ChatCompletionRequest, body)
+        return parse_for(kind, body)
     except RequestError as exc:
         raise GatewayError(400, str(exc), exc.param) from None

@@ -8,7 +8,8 @@ fields. :func:`parse_request` turns a JSON body into a model or a
 
 from __future__ import annotations
 
-from typing import Annotated, Any, TypeVar
+import json
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -19,7 +20,9 @@ __all__ = [
     "OpenAIRequest",
     "RequestError",
     "StreamOptions",
+    "decode_json_object",
     "message_text",
+    "parse_for",
     "parse_request",
     "render_chat",
 ]
@@ -104,6 +107,24 @@ class ChatCompletionRequest(_CommonRequest):
 
 OpenAIRequest = CompletionRequest | ChatCompletionRequest
 _R = TypeVar("_R", CompletionRequest, ChatCompletionRequest)
+
+
+def decode_json_object(raw: bytes) -> dict[str, Any]:
+    """Decode a request body that must be a JSON object; raise :class:`RequestError`."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestError(f"malformed JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    return body
+
+
+def parse_for(kind: Literal["completion", "chat"], body: dict[str, Any]) -> OpenAIRequest:
+    """Validate ``body`` as a completions or a chat request; raise :class:`RequestError`."""
+    if kind == "completion":
+        return parse_request(CompletionRequest, body)
+    return parse_request(ChatCompletionRequest, body)
 
 
 def parse_request(model_cls: type[_R], body: Any) -> _R:

@@ -18,7 +18,6 @@ Test hooks (as llm-d's inference simulator has them):
 from __future__ import annotations
 
 import contextlib
-import json
 import random
 import socket
 import sys
@@ -45,10 +44,10 @@ from pd_orchestrator.openai.errors import error_body
 from pd_orchestrator.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
-    CompletionRequest,
     OpenAIRequest,
     RequestError,
-    parse_request,
+    decode_json_object,
+    parse_for,
     render_chat,
 )
 from pd_orchestrator.openai.responses import (
@@ -295,11 +294,7 @@ class SimServer:
     async def _accept(self, http_request: Request, kind: Kind) -> _Job:
         body = await _json_object(http_request)
         try:
-            request: OpenAIRequest = (
-                parse_request(CompletionRequest, body)
-                if kind == "completion"
-                else parse_request(ChatCompletionRequest, body)
-            )
+            request = parse_for(kind, body)
         except RequestError as exc:
             raise HTTPFailure(400, str(exc), exc.param) from None
         if request.model != self.model:
@@ -575,14 +570,10 @@ async def _until_disconnect(
 
 
 async def _json_object(request: Request) -> dict[str, Any]:
-    raw = await request.body()
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise HTTPFailure(400, f"malformed JSON body: {exc}") from None
-    if not isinstance(body, dict):
-        raise HTTPFailure(400, "the request body must be a JSON object")
-    return body
+        return decode_json_object(await request.body())
+    except RequestError as exc:
+        raise HTTPFailure(400, str(exc)) from None
 
 
 def _list_field(body: dict[str, Any], name: str) -> list[Any]:
