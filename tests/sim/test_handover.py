@@ -118,3 +118,12 @@ async def test_side_channel_rejects_a_foreign_engine_id(sim_factory: SimFactory)
             "/nixl/pull", json={"remote_engine_id": "someone-else", "remote_request_id": "x"}
         )
     assert response.status_code == 409
+
+
+async def test_failure_rate_answers_500(sim_factory: SimFactory) -> None:
+    always = sim_factory("--profile", "instant", "--failure-rate", "1.0")
+    never = sim_factory("--profile", "instant", "--failure-rate", "0.0")
+    body = DECODE | {"max_tokens": 2}
+    failed = await _post(always.url, "/v1/completions", body)
+    assert failed.status_code == 500 and "failure-rate" in failed.json()["error"]["message"]
+    assert (await _post(never.url, "/v1/completions", body)).status_code == 200
