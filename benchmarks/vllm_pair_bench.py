@@ -47,7 +47,8 @@ def _pair_module() -> Any:
 def _timed(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[float, str | None]:
     started = time.perf_counter()
     response = client.post(url, json=body)
-    response.raise_for_status()
+    if response.status_code != 200:
+        raise RuntimeError(f"{url} answered {response.status_code}: {response.text}")
     return time.perf_counter() - started, response.headers.get("x-pd-decision")
 
 

@@ -80,7 +80,14 @@ def vllm_pair(vllm_python: Path, vllm_model: Path) -> Iterator[object]:
 
 
 # --- the gateway suite's targets ------------------------------------------------------
-from targets import Target, gateway_for, live_target, sim_target, vllm_target  # noqa: E402
+from targets import (  # noqa: E402
+    Target,
+    gateway_for,
+    live_target,
+    sim_target,
+    vllm_target,
+    warm_up,
+)
 
 
 @pytest.fixture(scope="session")
@@ -103,6 +110,11 @@ def target(request: pytest.FixtureRequest) -> Iterator[Target]:
 
 @pytest.fixture(scope="session")
 def gateway(target: Target, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The gateway's URL, in front of the target."""
+    """The gateway's URL, in front of the target, after one warm-up hand-over.
+
+    The first P/D on a fresh pair pays one-time costs (the NIXL handshake, first
+    kernels); the warm-up keeps them out of the tests' own time limits.
+    """
     with gateway_for(target, tmp_path_factory.mktemp("gateway")) as child:
+        warm_up(child.url, target)
         yield child.url

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 
 from pd_orchestrator.children import Child, python_command, start_child, stop_child
@@ -124,3 +125,13 @@ def gateway_for(target: Target, workdir: Path, **overrides: Any) -> Iterator[Chi
         yield child
     finally:
         stop_child(child)
+
+
+def warm_up(gateway: str, target: Target, timeout: float = 600.0) -> None:
+    """One P/D hand-over through ``gateway`` (a cold prompt of 64 token ids)."""
+    body = {"model": target.model, "prompt": [7, 11, 13] * 64, "max_tokens": 2, "temperature": 0}
+    answer = httpx.post(f"{gateway}/v1/completions", json=body, timeout=timeout)
+    if answer.status_code != 200:
+        raise RuntimeError(
+            f"warm-up through the gateway failed: {answer.status_code} {answer.text}"
+        )

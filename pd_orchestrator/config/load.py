@@ -15,19 +15,19 @@ class LoadConfig(BaseModel):
     """Load polling of every endpoint (``GET /metrics``, vLLM's Prometheus text).
 
     ``interval``: seconds between two polls of the fleet (default 1).
-    ``timeout``: seconds one poll may take (default 1).
+    ``timeout``: seconds one poll may take (default 2; a busy vLLM answers slowly).
     ``stale_after``: a reading older than this many seconds counts as absent
     (default 5; at least ``interval``).
     ``unhealthy_after``: failed polls in a row that mark an endpoint unresponsive
-    (default 3); one successful poll marks it responsive again.
+    (default 5); one successful poll marks it responsive again.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     interval: Seconds = 1.0
-    timeout: Seconds = 1.0
+    timeout: Seconds = 2.0
     stale_after: Seconds = 5.0
-    unhealthy_after: Annotated[int, Field(ge=1)] = 3
+    unhealthy_after: Annotated[int, Field(ge=1)] = 5
 
     @model_validator(mode="after")
     def _stale_after_a_poll(self) -> Self:
