@@ -9,12 +9,21 @@
 * ``pd_orchestrator_ttft_seconds`` -- arrival to the first content sent to the client;
 * ``pd_orchestrator_upstream_errors_total{endpoint,kind}``;
 * ``pd_orchestrator_in_flight_requests``;
-* ``pd_orchestrator_threshold`` -- thresholds applied to decode attempts.
+* ``pd_orchestrator_threshold`` -- thresholds applied to decode attempts;
+* ``pd_orchestrator_threshold_decisions_total{policy,reason}`` -- threshold decisions
+  by the policy (instance name, or ``client``) that set them and its reason.
+
+:meth:`GatewayMetrics.record_threshold` records one decision in both.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from pd_orchestrator.policies.base import ThresholdDecision
 
 __all__ = ["GatewayMetrics"]
 
@@ -73,3 +82,14 @@ class GatewayMetrics:
             buckets=_RATIOS,
             registry=r,
         )
+        self.threshold_decisions = Counter(
+            "pd_orchestrator_threshold_decisions",
+            "Threshold decisions by the policy that set them and its reason.",
+            ["policy", "reason"],
+            registry=r,
+        )
+
+    def record_threshold(self, decision: ThresholdDecision) -> None:
+        """Count one applied threshold: its value and who chose it why."""
+        self.threshold.observe(decision.value)
+        self.threshold_decisions.labels(decision.policy, decision.reason).inc()
