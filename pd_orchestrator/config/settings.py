@@ -15,6 +15,8 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from pd_orchestrator.config.policy import ThresholdConfig
+
 __all__ = [
     "CompatibilityConfig",
     "EndpointConfig",
@@ -27,7 +29,6 @@ __all__ = [
     "PoolConfig",
     "SidecarConfig",
     "SimSpec",
-    "StaticPolicyConfig",
     "ThresholdConfig",
     "TimeoutConfig",
     "UpstreamConfig",
@@ -179,23 +180,6 @@ def _legacy_pools(data: dict[str, Any]) -> dict[str, Any]:
     if pools:
         data["pools"] = pools
     return data
-
-
-class StaticPolicyConfig(_Strict):
-    """A fixed threshold for every request."""
-
-    type: Literal["static"] = "static"
-    value: Ratio = 0.7
-
-
-class ThresholdConfig(_Strict):
-    """The cache-hit threshold sent on decode attempts."""
-
-    policy: StaticPolicyConfig = Field(default_factory=StaticPolicyConfig)
-    honour_client: bool = Field(
-        default=True,
-        description="use a client-supplied cache_hit_threshold instead of the policy's",
-    )
 
 
 class TimeoutConfig(_Strict):

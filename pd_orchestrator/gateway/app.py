@@ -48,12 +48,8 @@ from pd_orchestrator.openai.protocol import (
 )
 from pd_orchestrator.openai.responses import Kind
 from pd_orchestrator.planner.decode_first import Plan, order_candidates, plan_decode_first
-from pd_orchestrator.policies.base import (
-    ThresholdContext,
-    ThresholdDecision,
-    build_policy,
-    resolve_threshold,
-)
+from pd_orchestrator.policies import ThresholdContext, ThresholdDecision, build_threshold
+from pd_orchestrator.routing import Candidate, builtin_registry
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
 from pd_orchestrator.upstream.client import Upstream
 
@@ -81,7 +77,8 @@ class Gateway:
         self.fleet = FleetState(endpoints_from_config(config), config.health.unhealthy_after)
         self.metrics = GatewayMetrics()
         self.connector = get_connector(config.connector)
-        self.policy = build_policy(config.threshold.policy)
+        pools = {pool.name for pool in config.pools}
+        self.threshold = build_threshold(config.threshold, builtin_registry(), pools=pools)
         self.upstream = Upstream(config.upstream, config.timeouts, transport=transport)
         self.health = HealthMonitor(self.fleet, self.upstream, config.health)
         self._turns = itertools.count()
@@ -188,15 +185,19 @@ class Gateway:
         configured = {s.endpoint.name: s for s in self.fleet.snapshot(Role.PREFILL)}
         statuses = [configured.get(e.name) or EndpointStatus(e, True, 0) for e in prefillers]
 
+        chars = request.prompt_chars
+
         def threshold(decoder: EndpointStatus) -> ThresholdDecision:
             context = ThresholdContext(
                 model=request.model,
-                prompt_chars=request.prompt_chars,
-                decoder=decoder,
+                decoder=Candidate.from_status(decoder),
+                prompt_tokens=self.threshold.estimate_tokens(request.model, chars),
+                prompt_chars=chars,
+                prefillers=tuple(Candidate.from_status(s) for s in statuses),
                 client_threshold=request.view.cache_hit_threshold,
                 now=self.clock(),
             )
-            return resolve_threshold(self.policy, self.config.threshold, context)
+            return self.threshold.decide(context)
 
         plan = plan_decode_first(
             self.fleet.snapshot(Role.DECODE),
@@ -205,7 +206,7 @@ class Gateway:
             threshold,
             affinity_key=request.affinity_key(),
         )
-        self.metrics.threshold.observe(plan.threshold.value)
+        self.metrics.record_threshold(plan.threshold)
         return plan
 
     def pick_decoder(self) -> Endpoint:

@@ -1,20 +1,14 @@
-"""The decode-first planner and threshold resolution (pure)."""
+"""The decode-first planner (pure); threshold policies are tested in tests/policies."""
 
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pd_orchestrator.config.settings import ThresholdConfig
 from pd_orchestrator.fleet.endpoints import Endpoint, Role
 from pd_orchestrator.fleet.state import EndpointStatus
 from pd_orchestrator.planner.decode_first import order_candidates, plan_decode_first
-from pd_orchestrator.policies.base import (
-    StaticPolicy,
-    ThresholdContext,
-    ThresholdDecision,
-    resolve_threshold,
-)
+from pd_orchestrator.policies.base import ThresholdDecision
 
 
 def _status(name: str, healthy: bool = True, in_flight: int = 0) -> EndpointStatus:
@@ -78,11 +72,3 @@ def test_plan_asks_the_threshold_about_the_chosen_decoder() -> None:
 
     plan = plan_decode_first([_status("a", in_flight=2), _status("b")], [], 0, threshold)
     assert plan.decoder.name == "b" and seen == ["b"] and plan.threshold.value == 0.4
-
-
-def test_client_threshold_is_honoured_only_when_configured() -> None:
-    context = ThresholdContext("m", 100, _status("a"), client_threshold=0.9, now=0.0)
-    policy = StaticPolicy(0.3)
-    assert resolve_threshold(policy, ThresholdConfig(honour_client=True), context).value == 0.9
-    decision = resolve_threshold(policy, ThresholdConfig(honour_client=False), context)
-    assert decision.value == 0.3 and decision.policy == "static"
