@@ -11,7 +11,7 @@ Typical use by the gateway::
     threshold.observe_usage(model, prompt_chars, usage.prompt_tokens)
 
 Built-in policy types (each module states its law): ``static``,
-``min-uncached-tokens``, ``overrides``.
+``min-uncached-tokens``, ``load-adaptive``, ``overrides``.
 """
 
 from pd_orchestrator.policies.base import (
@@ -23,6 +23,7 @@ from pd_orchestrator.policies.base import (
 )
 from pd_orchestrator.policies.build import PolicyConfigError, build_policy
 from pd_orchestrator.policies.estimator import PromptLengthEstimator
+from pd_orchestrator.policies.load_adaptive import LoadAdaptiveParams, LoadAdaptivePolicy
 from pd_orchestrator.policies.min_uncached import MinUncachedTokensPolicy
 from pd_orchestrator.policies.overrides import OverrideRule, OverridesPolicy
 from pd_orchestrator.policies.plugins import LEAF_POLICY_TYPES, register_policies
@@ -39,6 +40,8 @@ __all__ = [
     "LEAF_POLICY_TYPES",
     "POLICY",
     "LatencyObservation",
+    "LoadAdaptiveParams",
+    "LoadAdaptivePolicy",
     "MinUncachedTokensPolicy",
     "OverrideRule",
     "OverridesPolicy",

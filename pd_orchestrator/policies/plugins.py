@@ -1,13 +1,14 @@
 """The built-in policy types, registered on a routing registry as kind ``policy``.
 
-Leaf types: ``static``, ``min-uncached-tokens``. Types with child policies, built
-through the registry they are registered on: ``overrides``.
+Leaf types: ``static``, ``min-uncached-tokens``, ``load-adaptive``. Types with child
+policies, built through the registry they are registered on: ``overrides``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from pd_orchestrator.policies.load_adaptive import LOAD_ADAPTIVE
 from pd_orchestrator.policies.min_uncached import MIN_UNCACHED_TOKENS
 from pd_orchestrator.policies.overrides import overrides_type
 from pd_orchestrator.policies.static import STATIC
@@ -18,6 +19,7 @@ __all__ = ["LEAF_POLICY_TYPES", "register_policies"]
 LEAF_POLICY_TYPES: tuple[PluginType[Any, Any], ...] = (
     STATIC,
     MIN_UNCACHED_TOKENS,
+    LOAD_ADAPTIVE,
 )
 
 
