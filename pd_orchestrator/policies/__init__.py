@@ -11,7 +11,7 @@ Typical use by the gateway::
     threshold.observe_usage(model, prompt_chars, usage.prompt_tokens)
 
 Built-in policy types (each module states its law): ``static``,
-``min-uncached-tokens``, ``load-adaptive``, ``overrides``.
+``min-uncached-tokens``, ``load-adaptive``, ``slo-feedback``, ``overrides``.
 """
 
 from pd_orchestrator.policies.base import (
@@ -27,6 +27,7 @@ from pd_orchestrator.policies.load_adaptive import LoadAdaptiveParams, LoadAdapt
 from pd_orchestrator.policies.min_uncached import MinUncachedTokensPolicy
 from pd_orchestrator.policies.overrides import OverrideRule, OverridesPolicy
 from pd_orchestrator.policies.plugins import LEAF_POLICY_TYPES, register_policies
+from pd_orchestrator.policies.slo_feedback import SloFeedbackParams, SloFeedbackPolicy
 from pd_orchestrator.policies.static import StaticPolicy
 from pd_orchestrator.policies.threshold import (
     CLIENT,
@@ -47,6 +48,8 @@ __all__ = [
     "OverridesPolicy",
     "PolicyConfigError",
     "PromptLengthEstimator",
+    "SloFeedbackParams",
+    "SloFeedbackPolicy",
     "StaticPolicy",
     "ThresholdContext",
     "ThresholdDecision",

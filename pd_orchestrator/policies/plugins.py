@@ -1,7 +1,8 @@
 """The built-in policy types, registered on a routing registry as kind ``policy``.
 
-Leaf types: ``static``, ``min-uncached-tokens``, ``load-adaptive``. Types with child
-policies, built through the registry they are registered on: ``overrides``.
+Leaf types: ``static``, ``min-uncached-tokens``, ``load-adaptive``, ``slo-feedback``.
+Types with child policies, built through the registry they are registered on:
+``overrides``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 from pd_orchestrator.policies.load_adaptive import LOAD_ADAPTIVE
 from pd_orchestrator.policies.min_uncached import MIN_UNCACHED_TOKENS
 from pd_orchestrator.policies.overrides import overrides_type
+from pd_orchestrator.policies.slo_feedback import SLO_FEEDBACK
 from pd_orchestrator.policies.static import STATIC
 from pd_orchestrator.routing.registry import PluginType, Registry
 
@@ -20,6 +22,7 @@ LEAF_POLICY_TYPES: tuple[PluginType[Any, Any], ...] = (
     STATIC,
     MIN_UNCACHED_TOKENS,
     LOAD_ADAPTIVE,
+    SLO_FEEDBACK,
 )
 
 
