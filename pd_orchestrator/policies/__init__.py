@@ -11,7 +11,8 @@ Typical use by the gateway::
     threshold.observe_usage(model, prompt_chars, usage.prompt_tokens)
 
 Built-in policy types (each module states its law): ``static``,
-``min-uncached-tokens``, ``load-adaptive``, ``slo-feedback``, ``overrides``.
+``min-uncached-tokens``, ``load-adaptive``, ``slo-feedback``, ``max``, ``min``,
+``weighted``, ``overrides``.
 """
 
 from pd_orchestrator.policies.base import (
@@ -22,6 +23,7 @@ from pd_orchestrator.policies.base import (
     ThresholdPolicy,
 )
 from pd_orchestrator.policies.build import PolicyConfigError, build_policy
+from pd_orchestrator.policies.compose import ExtremePolicy, WeightedPolicy
 from pd_orchestrator.policies.estimator import PromptLengthEstimator
 from pd_orchestrator.policies.load_adaptive import LoadAdaptiveParams, LoadAdaptivePolicy
 from pd_orchestrator.policies.min_uncached import MinUncachedTokensPolicy
@@ -40,6 +42,7 @@ __all__ = [
     "CLIENT",
     "LEAF_POLICY_TYPES",
     "POLICY",
+    "ExtremePolicy",
     "LatencyObservation",
     "LoadAdaptiveParams",
     "LoadAdaptivePolicy",
@@ -55,6 +58,7 @@ __all__ = [
     "ThresholdDecision",
     "ThresholdPolicy",
     "ThresholdResolver",
+    "WeightedPolicy",
     "build_estimator",
     "build_policy",
     "build_threshold",

@@ -2,13 +2,14 @@
 
 Leaf types: ``static``, ``min-uncached-tokens``, ``load-adaptive``, ``slo-feedback``.
 Types with child policies, built through the registry they are registered on:
-``overrides``.
+``max``, ``min``, ``weighted``, ``overrides``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from pd_orchestrator.policies.compose import composite_types
 from pd_orchestrator.policies.load_adaptive import LOAD_ADAPTIVE
 from pd_orchestrator.policies.min_uncached import MIN_UNCACHED_TOKENS
 from pd_orchestrator.policies.overrides import overrides_type
@@ -28,6 +29,6 @@ LEAF_POLICY_TYPES: tuple[PluginType[Any, Any], ...] = (
 
 def register_policies(registry: Registry) -> Registry:
     """Register every built-in policy type on ``registry``; returns it."""
-    for plugin_type in (*LEAF_POLICY_TYPES, overrides_type(registry)):
+    for plugin_type in (*LEAF_POLICY_TYPES, *composite_types(registry), overrides_type(registry)):
         registry.register(plugin_type)
     return registry
