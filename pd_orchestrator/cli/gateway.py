@@ -53,11 +53,17 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
 
 
 def _load(path: Path, console: Console) -> GatewayConfig | None:
+    """The validated config (plugins included), or None after printing why not."""
+    from pd_orchestrator.gateway.app import check_plugins
+    from pd_orchestrator.routing.registry import RoutingConfigError
+
     try:
-        return load_config(path)
-    except ConfigError as exc:
+        config = load_config(path)
+        check_plugins(config)
+    except (ConfigError, RoutingConfigError) as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False)
         return None
+    return config
 
 
 def _listen(config: GatewayConfig, host: str | None, port: int | None) -> GatewayConfig:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from pd_orchestrator.config.load import LoadConfig
+from pd_orchestrator.config.policy import ThresholdConfig
 from pd_orchestrator.config.routing import RoutingConfig
 
 __all__ = [
@@ -33,7 +34,6 @@ __all__ = [
     "PoolConfig",
     "SidecarConfig",
     "SimSpec",
-    "StaticPolicyConfig",
     "ThresholdConfig",
     "TimeoutConfig",
     "UpstreamConfig",
@@ -185,23 +185,6 @@ def _legacy_pools(data: dict[str, Any]) -> dict[str, Any]:
     if pools:
         data["pools"] = pools
     return data
-
-
-class StaticPolicyConfig(_Strict):
-    """A fixed threshold for every request."""
-
-    type: Literal["static"] = "static"
-    value: Ratio = 0.7
-
-
-class ThresholdConfig(_Strict):
-    """The cache-hit threshold sent on decode attempts."""
-
-    policy: StaticPolicyConfig = Field(default_factory=StaticPolicyConfig)
-    honour_client: bool = Field(
-        default=True,
-        description="use a client-supplied cache_hit_threshold instead of the policy's",
-    )
 
 
 class TimeoutConfig(_Strict):

@@ -85,7 +85,8 @@ class FlowContext:
     ``prefillers_for(decoder)`` ranks the prefillers whose KV can reach ``decoder``;
     ``pick_decoder()`` chooses the decoder a continuation goes to now;
     ``connector_for(decoder)`` is the KV-connector adapter of the decoder's pool;
-    ``candidates()`` is the fleet now (health, in-flight counts, load readings).
+    ``candidates()`` is the fleet now (health, in-flight counts, load readings);
+    ``observe(outcome)`` learns from a served request (threshold feedback).
     """
 
     upstream: Upstream
@@ -96,7 +97,19 @@ class FlowContext:
     pick_decoder: Callable[[], Endpoint]
     connector_for: Callable[[Endpoint], Connector]
     candidates: Callable[[], tuple[Candidate, ...]]
+    observe: Callable[[FlowOutcome], None]
     clock: Callable[[], float]
+
+
+@dataclass(frozen=True, slots=True)
+class FlowOutcome:
+    """What a served request taught: who served it, its TTFT, mean ITL, prompt tokens."""
+
+    decoder: Endpoint
+    decision: str
+    ttft: float | None
+    itl: float | None
+    prompt_tokens: int | None
 
 
 class _AnswerChunks:
@@ -172,6 +185,9 @@ class DecodeFirstFlow:
         self._first_sent = False
         self._open: list[LegSource] = []
         self._ttft_seen = False
+        self._ttft: float | None = None
+        self._gaps = 0
+        self._last_token_at = 0.0
 
     # -- entry -------------------------------------------------------------------------
     async def run(self, sink: ClientSink) -> None:
@@ -184,6 +200,7 @@ class DecodeFirstFlow:
                 await self._serve_whole_streamed(sink)
             else:
                 await self._serve_whole(sink)
+            self.ctx.observe(self._outcome())
         finally:
             await self._close_all()
             self.ctx.metrics.phase_seconds.labels("total").observe(self.ctx.clock() - started)
@@ -580,6 +597,20 @@ class DecodeFirstFlow:
         self.ctx.metrics.phase_seconds.labels(phase).observe(self.ctx.clock() - started)
 
     def _observe_ttft(self) -> None:
+        now = self.ctx.clock()
         if not self._ttft_seen:
             self._ttft_seen = True
-            self.ctx.metrics.ttft.observe(self.ctx.clock() - self.request.arrival)
+            self._ttft = now - self.request.arrival
+            self.ctx.metrics.ttft.observe(self._ttft)
+        else:
+            self._gaps += 1
+        self._last_token_at = now
+
+    def _outcome(self) -> FlowOutcome:
+        itl = None
+        if self._gaps and self._ttft is not None:
+            first = self.request.arrival + self._ttft
+            itl = (self._last_token_at - first) / self._gaps
+        return FlowOutcome(
+            self.decoder, self.decision, self._ttft, itl, self.transcript.prompt_tokens
+        )

@@ -43,7 +43,7 @@ from pd_orchestrator.fleet.health import HealthMonitor
 from pd_orchestrator.fleet.scraper import LoadScraper
 from pd_orchestrator.fleet.state import FleetState
 from pd_orchestrator.flows.ask_all import AskAllFlow
-from pd_orchestrator.flows.decode_first import DecodeFirstFlow, FlowContext
+from pd_orchestrator.flows.decode_first import DecodeFirstFlow, FlowContext, FlowOutcome
 from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.flows.sink import ClientSink, GatewayError
 from pd_orchestrator.gateway.response import FlowResponse
@@ -56,12 +56,12 @@ from pd_orchestrator.openai.protocol import (
 )
 from pd_orchestrator.openai.responses import Kind
 from pd_orchestrator.planner.plan import NoCandidateError, Plan, Planner
-from pd_orchestrator.policies.base import (
+from pd_orchestrator.policies import (
+    LatencyObservation,
     ThresholdContext,
     ThresholdDecision,
-    ThresholdPolicy,
-    build_policy,
-    resolve_threshold,
+    ThresholdResolver,
+    build_threshold,
 )
 from pd_orchestrator.routing.builtins import builtin_registry
 from pd_orchestrator.routing.profiles import build_profiles
@@ -70,7 +70,14 @@ from pd_orchestrator.routing.types import Candidate
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
 from pd_orchestrator.upstream.client import Upstream
 
-__all__ = ["Gateway", "GatewayState", "ReloadResult", "build_state", "status_document"]
+__all__ = [
+    "Gateway",
+    "GatewayState",
+    "ReloadResult",
+    "build_state",
+    "check_plugins",
+    "status_document",
+]
 
 logger = logging.getLogger("pd_orchestrator.gateway")
 
@@ -129,11 +136,19 @@ class GatewayState:
 
     config: GatewayConfig
     fleet: FleetState
-    policy: ThresholdPolicy
+    threshold: ThresholdResolver
     planner: Planner
     health: HealthMonitor
     scraper: LoadScraper
     allowed_prefillers: frozenset[str]
+
+
+def check_plugins(config: GatewayConfig) -> None:
+    """Build the routing profiles and the threshold policies of ``config`` once, so
+    that an unknown plugin or a bad parameter is reported (``RoutingConfigError``)."""
+    registry = builtin_registry()
+    build_profiles(config.routing, registry)
+    build_threshold(config.threshold, registry, pools={pool.name for pool in config.pools})
 
 
 def build_state(
@@ -142,7 +157,8 @@ def build_state(
     clock: Callable[[], float],
     previous: GatewayState | None = None,
 ) -> GatewayState:
-    """Build the state of ``config``; raises ``RoutingConfigError`` on bad plugins.
+    """Build the state of ``config``; raises ``RoutingConfigError`` on bad plugins
+    (policy errors are ``RoutingConfigError`` too).
 
     Endpoints that keep their name and URL across a reload keep their health.
     """
@@ -150,11 +166,14 @@ def build_state(
     if previous is not None:
         fleet.inherit(previous.fleet)
     pairs = frozenset((p.prefill_group, p.decode_group) for p in config.compatibility.host_staged)
+    registry = builtin_registry()
     return GatewayState(
         config=config,
         fleet=fleet,
-        policy=build_policy(config.threshold.policy),
-        planner=Planner(build_profiles(config.routing, builtin_registry()), pairs),
+        threshold=build_threshold(
+            config.threshold, registry, pools={pool.name for pool in config.pools}
+        ),
+        planner=Planner(build_profiles(config.routing, registry), pairs),
         health=HealthMonitor(fleet, upstream, config.health),
         scraper=LoadScraper(fleet, upstream, config.load, clock=clock),
         allowed_prefillers=frozenset(v.lower() for v in config.sidecar.allowed_prefillers),
@@ -389,24 +408,32 @@ class Gateway:
 
     def _plan(self, request: ClientRequest) -> Plan:
         state = self.state
+        candidates = self.candidates()
+        now = self.clock()
+        chars = request.prompt_chars
+        tokens = state.threshold.estimate_tokens(request.model, chars)
+        by_name = {c.endpoint.name: c for c in candidates}
 
         def threshold(decoder: Candidate) -> ThresholdDecision:
+            prefillers = state.planner.prefillers(
+                request, decoder.endpoint, candidates, now, next(self._sequence)
+            )
             context = ThresholdContext(
                 model=request.model,
-                prompt_chars=request.prompt_chars,
-                decoder=state.fleet.status(decoder.endpoint.name),
+                decoder=decoder,
+                prompt_tokens=tokens,
+                prompt_chars=chars,
+                prefillers=tuple(by_name[p.name] for p in prefillers if p.name in by_name),
                 client_threshold=request.view.cache_hit_threshold,
-                now=self.clock(),
+                now=now,
             )
-            return resolve_threshold(state.policy, state.config.threshold, context)
+            return state.threshold.decide(context)
 
         try:
-            plan = state.planner.plan(
-                request, self.candidates(), self.clock(), next(self._sequence), threshold
-            )
+            plan = state.planner.plan(request, candidates, now, next(self._sequence), threshold)
         except NoCandidateError as exc:
             raise GatewayError(503, str(exc)) from None
-        self.metrics.threshold.observe(plan.threshold.value)
+        self.metrics.record_threshold(plan.threshold)
         return plan
 
     def flow_context(
@@ -431,6 +458,17 @@ class Gateway:
                 raise GatewayError(503, "no decoder can continue this request")
             return ranking.pick.endpoint
 
+        def observe(outcome: FlowOutcome) -> None:
+            pool = outcome.decoder.pool
+            now = self.clock()
+            state.threshold.observe(
+                LatencyObservation(request.model, pool, now, ttft=outcome.ttft, itl=outcome.itl)
+            )
+            if outcome.prompt_tokens:
+                state.threshold.observe_usage(
+                    request.model, request.prompt_chars, outcome.prompt_tokens
+                )
+
         return FlowContext(
             upstream=self.upstream,
             config=state.config,
@@ -440,6 +478,7 @@ class Gateway:
             pick_decoder=pick_decoder,
             connector_for=self.connector_for,
             candidates=candidates,
+            observe=observe,
             clock=self.clock,
         )
 

@@ -1,80 +1,152 @@
-"""The threshold policy interface and the static policy.
+"""The threshold policy interface: what a policy sees, what it returns, what it learns.
 
-A policy sees a :class:`ThresholdContext` (the request's size, the chosen
-decoder's status, the clock) and returns a :class:`ThresholdDecision`: the
-threshold, which policy chose it and why. :func:`resolve_threshold` applies the
-client's own ``cache_hit_threshold`` first when the configuration honours it.
+A policy maps a :class:`ThresholdContext` (the request's model and size, the
+chosen decoder with its load, the compatible prefillers with theirs, the client's
+own threshold, the clock) to a :class:`ThresholdDecision`: the threshold sent on
+the decode attempt, the policy that set it and a short reason. The decoder admits
+a request iff its prefix-cache hit ratio (cached tokens / prompt tokens) is at
+least the threshold, so a higher threshold sends more requests through P/D and a
+lower one keeps more prefill on the decoder.
+
+Policies do no I/O and read no clock but ``context.now``. Some keep state (a
+smoothed value, a window of latencies); their output is then a deterministic
+function of the sequence of calls they received (:meth:`ThresholdPolicy.decide`
+and :meth:`ThresholdPolicy.observe`), so a replay of one sequence decides alike.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
-from pd_orchestrator.config.settings import StaticPolicyConfig, ThresholdConfig
-from pd_orchestrator.fleet.state import EndpointStatus
+from pd_orchestrator.routing.registry import PluginKind
+from pd_orchestrator.routing.types import Candidate, LoadSnapshot
 
 __all__ = [
-    "StaticPolicy",
+    "POLICY",
+    "LatencyObservation",
     "ThresholdContext",
     "ThresholdDecision",
     "ThresholdPolicy",
-    "build_policy",
-    "resolve_threshold",
+    "clamp_ratio",
+    "ramp",
 ]
+
+
+def clamp_ratio(value: float, low: float = 0.0, high: float = 1.0) -> float:
+    """``value`` limited to [low, high]; NaN becomes ``low``."""
+    if math.isnan(value):
+        return low
+    return min(high, max(low, value))
+
+
+def ramp(value: float, start: float, full: float) -> float:
+    """0 at or below ``start``, 1 at or above ``full``, linear between (``full > start``)."""
+    return clamp_ratio((value - start) / (full - start))
 
 
 @dataclass(frozen=True, slots=True)
 class ThresholdContext:
-    """What a policy may look at for one request."""
+    """What a policy may look at for one request.
+
+    ``model``: the requested model. ``decoder``: the chosen decoder (its endpoint
+    names the pool; ``in_flight`` counts the gateway's own requests on it; ``load``
+    is its latest fresh reading, None when stale or never read). ``prompt_tokens``:
+    the prompt's length in tokens, exact or estimated from ``prompt_chars``
+    (:class:`~pd_orchestrator.policies.estimator.PromptLengthEstimator`).
+    ``prefillers``: the prefillers whose KV can reach the decoder, with their
+    readings (empty: none is known). ``client_threshold``: the request's own
+    ``cache_hit_threshold``, if any. ``now``: the caller's clock, the one load
+    readings are stamped with.
+    """
 
     model: str
-    prompt_chars: int
-    decoder: EndpointStatus
-    client_threshold: float | None
-    now: float
+    decoder: Candidate
+    prompt_tokens: int
+    prompt_chars: int = 0
+    prefillers: tuple[Candidate, ...] = ()
+    client_threshold: float | None = None
+    now: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 0 or self.prompt_chars < 0:
+            raise ValueError("prompt_tokens and prompt_chars must be >= 0")
+        if not math.isfinite(self.now):
+            raise ValueError("now must be finite")
+
+    @property
+    def pool(self) -> str:
+        """The chosen decoder's pool."""
+        return self.decoder.endpoint.pool
+
+    @property
+    def decoder_load(self) -> LoadSnapshot | None:
+        return self.decoder.load
+
+    @property
+    def decoder_in_flight(self) -> int:
+        return self.decoder.in_flight
 
 
 @dataclass(frozen=True, slots=True)
 class ThresholdDecision:
-    """A threshold in [0, 1], the policy that set it and a short reason."""
+    """A threshold in [0, 1], the policy (instance name) that set it and a short,
+    stable reason usable as a metric label (``fixed``, ``decoder-busy``...)."""
 
     value: float
     policy: str
     reason: str
 
-
-class ThresholdPolicy(Protocol):
-    @property
-    def name(self) -> str:
-        """The policy's name, as counted in metrics."""
-        ...
-
-    def decide(self, context: ThresholdContext) -> ThresholdDecision:
-        """The threshold for one request (pure)."""
-        ...
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.value <= 1.0:
+            raise ValueError(f"threshold {self.value} is outside [0, 1] ({self.policy})")
 
 
 @dataclass(frozen=True, slots=True)
-class StaticPolicy:
-    """The same threshold for every request."""
+class LatencyObservation:
+    """Latencies the gateway measured for one finished request.
 
-    value: float
-    name: str = "static"
+    ``pool`` and ``model``: where it was decoded (overrides route the observation
+    to the policy that serves them). ``ttft``: seconds from arrival to the first
+    content sent to the client. ``itl``: an inter-token latency in seconds (the
+    request's mean gap between content chunks, or one gap). Either may be None.
+    ``now``: when it was observed, on the clock of :attr:`ThresholdContext.now`.
+    """
+
+    model: str
+    pool: str
+    now: float
+    ttft: float | None = None
+    itl: float | None = None
+
+    def __post_init__(self) -> None:
+        for name, value in (("ttft", self.ttft), ("itl", self.itl)):
+            if value is not None and not (math.isfinite(value) and value >= 0.0):
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value}")
+
+
+class ThresholdPolicy(Protocol):
+    """A threshold policy (see the module docstring)."""
+
+    @property
+    def name(self) -> str:
+        """The instance name, the ``policy`` label of its decisions."""
+        ...
+
+    @property
+    def bounds(self) -> tuple[float, float]:
+        """``(low, high)``: every value :meth:`decide` returns lies within them."""
+        ...
 
     def decide(self, context: ThresholdContext) -> ThresholdDecision:
-        return ThresholdDecision(self.value, self.name, "fixed")
+        """The threshold for one request."""
+        ...
+
+    def observe(self, observation: LatencyObservation) -> None:
+        """Learn from one finished request's latencies (most policies ignore them)."""
+        ...
 
 
-def build_policy(config: StaticPolicyConfig) -> ThresholdPolicy:
-    """The policy a configuration block describes."""
-    return StaticPolicy(config.value)
-
-
-def resolve_threshold(
-    policy: ThresholdPolicy, config: ThresholdConfig, context: ThresholdContext
-) -> ThresholdDecision:
-    """The client's threshold when present and honoured, else the policy's."""
-    if config.honour_client and context.client_threshold is not None:
-        return ThresholdDecision(context.client_threshold, "client", "client-supplied")
-    return policy.decide(context)
+POLICY: PluginKind[ThresholdPolicy] = PluginKind("policy")
+"""The registry kind of threshold policies."""

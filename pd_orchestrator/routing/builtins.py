@@ -1,4 +1,4 @@
-"""The built-in plugin types and a registry holding them."""
+"""The built-in plugin types and a registry holding them (threshold policies included)."""
 
 from __future__ import annotations
 
@@ -25,5 +25,10 @@ BUILTIN_TYPES: tuple[PluginType[Any, Any], ...] = (
 
 
 def builtin_registry() -> Registry:
-    """A new registry holding the built-in types (register more on it as needed)."""
-    return Registry(BUILTIN_TYPES)
+    """A new registry holding the built-in types (register more on it as needed): the
+    routing plugins above and the threshold policies (kind ``policy``)."""
+    # Imported here: the policies build on this package's registry and types, so a
+    # module-level import would be circular.
+    from pd_orchestrator.policies.plugins import register_policies
+
+    return register_policies(Registry(BUILTIN_TYPES))

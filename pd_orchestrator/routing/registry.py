@@ -47,6 +47,8 @@ class RoutingConfigError(ValueError):
         self.profile = profile
         self.kind = kind
         self.plugin = plugin
+        self.problem = problem
+        self.type_name = type_name
 
 
 class NoParams(BaseModel):
@@ -113,7 +115,9 @@ class Registry:
         """An instance of ``spec`` as a ``kind`` plugin of ``profile``.
 
         Raises :class:`RoutingConfigError` for an unknown type, invalid parameters
-        or a factory that rejects them (``ValueError``).
+        or a factory that rejects them (``ValueError``). A :class:`RoutingConfigError`
+        raised by the factory (a plugin building nested plugins) propagates as is, so
+        the error names the innermost plugin rather than every enclosing one.
         """
         context = PluginContext(profile=profile, name=spec.instance_name)
         plugin_type = self._types.get((kind.name, spec.type))
@@ -122,6 +126,8 @@ class Registry:
         try:
             params = plugin_type.params.model_validate(spec.params)
             return cast(PluginT, plugin_type.factory(params, context))
+        except RoutingConfigError:
+            raise
         except ValidationError as exc:
             problem = _describe(exc)
         except ValueError as exc:

@@ -10,14 +10,24 @@
 * ``pd_orchestrator_upstream_errors_total{endpoint,kind}``;
 * ``pd_orchestrator_in_flight_requests``;
 * ``pd_orchestrator_threshold`` -- thresholds applied to decode attempts;
+* ``pd_orchestrator_threshold_decisions_total{policy,reason}`` -- threshold decisions
+  by the policy (instance name, or ``client``) that set them and its reason;
 * ``pd_orchestrator_fanout_legs_total{outcome}``, ``pd_orchestrator_fanout_wasted_tokens_total``
   and ``pd_orchestrator_ask_all_total{outcome}`` -- the ask-all mode;
 * ``pd_orchestrator_config_reloads_total{result}``.
+
+:meth:`GatewayMetrics.record_threshold` records one threshold decision in both
+threshold series.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from pd_orchestrator.policies.base import ThresholdDecision
 
 __all__ = ["GatewayMetrics"]
 
@@ -99,3 +109,14 @@ class GatewayMetrics:
             buckets=_RATIOS,
             registry=r,
         )
+        self.threshold_decisions = Counter(
+            "pd_orchestrator_threshold_decisions",
+            "Threshold decisions by the policy that set them and its reason.",
+            ["policy", "reason"],
+            registry=r,
+        )
+
+    def record_threshold(self, decision: ThresholdDecision) -> None:
+        """Count one applied threshold: its value and who chose it why."""
+        self.threshold.observe(decision.value)
+        self.threshold_decisions.labels(decision.policy, decision.reason).inc()

@@ -222,17 +222,17 @@ def _policy(params: _PolicyParams, context: PluginContext) -> _Policy:
 def test_new_plugin_kinds_use_the_same_registry() -> None:
     policy_kind: PluginKind[_Policy] = PluginKind("policy")
     registry = builtin_registry()
-    registry.register(PluginType("static", policy_kind, _PolicyParams, _policy))
-    spec = PluginSpec.model_validate({"type": "static", "params": {"value": 0.8}})
+    registry.register(PluginType("fixed", policy_kind, _PolicyParams, _policy))
+    spec = PluginSpec.model_validate({"type": "fixed", "params": {"value": 0.8}})
     assert registry.build(policy_kind, spec, "decode") == _Policy(
-        0.8, PluginContext("decode", "static")
+        0.8, PluginContext("decode", "fixed")
     )
-    assert registry.names(policy_kind) == ["static"]
-    typo = PluginSpec.model_validate({"type": "static", "params": {"valeu": 1}})
+    assert "fixed" in registry.names(policy_kind)
+    typo = PluginSpec.model_validate({"type": "fixed", "params": {"valeu": 1}})
     with pytest.raises(RoutingConfigError) as info:
         registry.build(policy_kind, typo, "decode")
     assert str(info.value) == (
-        "routing profile 'decode', policy 'static': params.valeu: unknown field"
+        "routing profile 'decode', policy 'fixed': params.valeu: unknown field"
     )
 
 

@@ -7,19 +7,13 @@ from typing import Any
 import pytest
 
 from pd_orchestrator.config.routing import RoutingConfig
-from pd_orchestrator.config.settings import AskAllFallbackConfig, ThresholdConfig
+from pd_orchestrator.config.settings import AskAllFallbackConfig
 from pd_orchestrator.fleet.endpoints import Endpoint, Role
-from pd_orchestrator.fleet.state import EndpointStatus
 from pd_orchestrator.flows.ask_all import pick_fallback
 from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.openai.protocol import CompletionRequest, parse_request
 from pd_orchestrator.planner.plan import NoCandidateError, Planner
-from pd_orchestrator.policies.base import (
-    StaticPolicy,
-    ThresholdContext,
-    ThresholdDecision,
-    resolve_threshold,
-)
+from pd_orchestrator.policies.base import ThresholdDecision
 from pd_orchestrator.routing.builtins import builtin_registry
 from pd_orchestrator.routing.profiles import build_profiles
 from pd_orchestrator.routing.types import Candidate, LoadSnapshot
@@ -117,12 +111,3 @@ def test_fallback_ties_keep_the_plan_order() -> None:
     endpoints = [_endpoint(n, Role.DECODE, "g") for n in ("z", "y", "x")]
     candidates = [Candidate(e) for e in endpoints]
     assert pick_fallback(endpoints, candidates, AskAllFallbackConfig()).name == "z"
-
-
-def test_client_threshold_is_honoured_only_when_configured() -> None:
-    status = EndpointStatus(FLEET[0], True, 0)
-    context = ThresholdContext("m", 100, status, client_threshold=0.9, now=0.0)
-    policy = StaticPolicy(0.3)
-    assert resolve_threshold(policy, ThresholdConfig(honour_client=True), context).value == 0.9
-    decision = resolve_threshold(policy, ThresholdConfig(honour_client=False), context)
-    assert decision.value == 0.3 and decision.policy == "static"

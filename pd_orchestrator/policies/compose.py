@@ -1,0 +1,151 @@
+"""Composite policies: ``max``, ``min`` and ``weighted`` of child policies.
+
+Every child decides on every request (stateful children see the same sequence as
+if they stood alone) and observes every latency.
+
+- ``max`` / ``min`` (:class:`ComposeParams`: ``policies``, one or more specs): the
+  largest / smallest child value; the decision is that child's own (its policy
+  name and reason), the first child winning ties. ``max`` of ``min-uncached-tokens``
+  and ``load-adaptive`` prefills locally only when both agree it is cheap; ``min``
+  when either does. Bounds: the max / min of the children's lows and highs.
+- ``weighted`` (:class:`WeightedParams`: ``policies`` and as many ``weights`` >= 0,
+  with a positive sum): ``sum(w_i * v_i) / sum(w_i)``, reason ``weighted``, under
+  the composite's name. Bounds: the same weighted mean of the children's bounds.
+
+Children are built through the registry the composite was built with, so any
+registered policy type (composites included) may be a child.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, Self
+
+from pydantic import Field, model_validator
+
+from pd_orchestrator.config.policy import PolicySpec
+from pd_orchestrator.policies.base import (
+    POLICY,
+    LatencyObservation,
+    ThresholdContext,
+    ThresholdDecision,
+    ThresholdPolicy,
+    clamp_ratio,
+)
+from pd_orchestrator.policies.build import build_policy
+from pd_orchestrator.routing.interfaces import PluginContext
+from pd_orchestrator.routing.registry import NoParams, PluginType, Registry
+
+__all__ = [
+    "ComposeParams",
+    "ExtremePolicy",
+    "WeightedParams",
+    "WeightedPolicy",
+    "composite_types",
+]
+
+
+class ComposeParams(NoParams):
+    """``policies``: the child policies (at least one)."""
+
+    policies: Annotated[list[PolicySpec], Field(min_length=1)]
+
+
+class WeightedParams(ComposeParams):
+    """``policies`` and their ``weights`` (as many, each >= 0, positive sum)."""
+
+    weights: list[Annotated[float, Field(ge=0.0, allow_inf_nan=False)]]
+
+    @model_validator(mode="after")
+    def _one_weight_each(self) -> Self:
+        if len(self.weights) != len(self.policies):
+            raise ValueError(
+                f"{len(self.policies)} policies need as many weights, got {len(self.weights)}"
+            )
+        if sum(self.weights) <= 0.0:
+            raise ValueError("the weights must not all be 0")
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class ExtremePolicy:
+    """``max`` (``largest``) or ``min`` of the children; see the module docstring."""
+
+    children: tuple[ThresholdPolicy, ...]
+    largest: bool
+    name: str
+
+    @property
+    def bounds(self) -> tuple[float, float]:
+        pick = max if self.largest else min
+        lows, highs = zip(*(child.bounds for child in self.children), strict=True)
+        return (pick(lows), pick(highs))
+
+    def decide(self, context: ThresholdContext) -> ThresholdDecision:
+        decisions = [child.decide(context) for child in self.children]
+        best = decisions[0]
+        for decision in decisions[1:]:
+            better = decision.value > best.value if self.largest else decision.value < best.value
+            if better:
+                best = decision
+        return best
+
+    def observe(self, observation: LatencyObservation) -> None:
+        for child in self.children:
+            child.observe(observation)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightedPolicy:
+    """The weighted mean of the children; see the module docstring."""
+
+    children: tuple[ThresholdPolicy, ...]
+    weights: tuple[float, ...]
+    name: str = "weighted"
+
+    def _mean(self, values: Sequence[float]) -> float:
+        total = sum(self.weights)
+        return clamp_ratio(sum(w * v for w, v in zip(self.weights, values, strict=True)) / total)
+
+    @property
+    def bounds(self) -> tuple[float, float]:
+        bounds = [child.bounds for child in self.children]
+        return (self._mean([low for low, _ in bounds]), self._mean([high for _, high in bounds]))
+
+    def decide(self, context: ThresholdContext) -> ThresholdDecision:
+        values = [child.decide(context).value for child in self.children]
+        return ThresholdDecision(self._mean(values), self.name, "weighted")
+
+    def observe(self, observation: LatencyObservation) -> None:
+        for child in self.children:
+            child.observe(observation)
+
+
+def _children(
+    registry: Registry, specs: Sequence[PolicySpec], context: PluginContext
+) -> tuple[ThresholdPolicy, ...]:
+    return tuple(
+        build_policy(registry, spec, f"{context.profile}.params.policies[{index}]")
+        for index, spec in enumerate(specs)
+    )
+
+
+def composite_types(registry: Registry) -> tuple[PluginType[Any, Any], ...]:
+    """``max``, ``min`` and ``weighted``, building their children through ``registry``."""
+
+    def largest(params: ComposeParams, context: PluginContext) -> ExtremePolicy:
+        return ExtremePolicy(_children(registry, params.policies, context), True, context.name)
+
+    def smallest(params: ComposeParams, context: PluginContext) -> ExtremePolicy:
+        return ExtremePolicy(_children(registry, params.policies, context), False, context.name)
+
+    def weighted(params: WeightedParams, context: PluginContext) -> WeightedPolicy:
+        children = _children(registry, params.policies, context)
+        return WeightedPolicy(children, tuple(params.weights), context.name)
+
+    return (
+        PluginType("max", POLICY, ComposeParams, largest),
+        PluginType("min", POLICY, ComposeParams, smallest),
+        PluginType("weighted", POLICY, WeightedParams, weighted),
+    )

@@ -1,0 +1,65 @@
+"""Builders of candidates and contexts for policy tests."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pd_orchestrator.config.policy import PolicySpec
+from pd_orchestrator.fleet.endpoints import Endpoint, Role
+from pd_orchestrator.policies import ThresholdContext, ThresholdPolicy, build_policy
+from pd_orchestrator.routing import Candidate, LoadSnapshot, builtin_registry
+
+
+def load(running: int = 0, waiting: int = 0, kv: float = 0.0, at: float = 0.0) -> LoadSnapshot:
+    return LoadSnapshot(running=running, waiting=waiting, kv_usage=kv, observed_at=at)
+
+
+def decoder(
+    name: str = "d0",
+    *,
+    pool: str = "decode",
+    in_flight: int = 0,
+    reading: LoadSnapshot | None = None,
+    healthy: bool = True,
+) -> Candidate:
+    endpoint = Endpoint(name, f"http://{name}:8000", Role.DECODE, "h200", pool=pool)
+    return Candidate(endpoint, healthy, in_flight, reading)
+
+
+def prefiller(
+    name: str = "p0",
+    *,
+    in_flight: int = 0,
+    reading: LoadSnapshot | None = None,
+    healthy: bool = True,
+) -> Candidate:
+    endpoint = Endpoint(name, f"http://{name}:8000", Role.PREFILL, "h200", pool="prefill")
+    return Candidate(endpoint, healthy, in_flight, reading)
+
+
+IDLE_PREFILL = (prefiller(reading=load()),)
+
+
+def context(
+    *,
+    tokens: int = 1000,
+    model: str = "m",
+    dec: Candidate | None = None,
+    prefillers: Sequence[Candidate] = IDLE_PREFILL,
+    client: float | None = None,
+    now: float = 0.0,
+) -> ThresholdContext:
+    return ThresholdContext(
+        model=model,
+        decoder=dec or decoder(),
+        prompt_tokens=tokens,
+        prompt_chars=4 * tokens,
+        prefillers=tuple(prefillers),
+        client_threshold=client,
+        now=now,
+    )
+
+
+def build(spec: dict[str, object]) -> ThresholdPolicy:
+    """A policy built through the built-in registry from a YAML-shaped spec."""
+    return build_policy(builtin_registry(), PolicySpec.model_validate(spec), "threshold.policy")
