@@ -59,6 +59,7 @@ from pd_orchestrator.openai.responses import (
     usage_chunk,
 )
 from pd_orchestrator.openai.sse import DONE, encode_event
+from pd_orchestrator.prefix.hashing import BlockExtras
 from pd_orchestrator.sim.engine import (
     Engine,
     EngineConfig,
@@ -145,6 +146,7 @@ class SimServer:
             global_cache_hit_threshold=options.global_cache_hit_threshold,
             seed=options.seed,
             hash_seed=options.hash_seed,
+            hash_algo=options.hash_algo,
             lease_seconds=options.lease_seconds,
             record_events=options.kv_events_endpoint is not None,
             kv_connector=connector,
@@ -371,6 +373,7 @@ class SimServer:
             do_remote_decode=bool(params.get("do_remote_decode")),
             external_tokens=external,
             force_reject=forced,
+            extras=_extras(job.request),
         )
         try:
             return self.runner.submit(engine_request)
@@ -388,8 +391,9 @@ class SimServer:
             if self.options.kv_load_failure_policy == "recompute":
                 return 0
             raise HTTPFailure(500, f"KV transfer failed: {exc}") from None
-        external = self._matched_tokens(job.prompt_ids, held)
-        moved = max(0, external - self.engine.local_hit_tokens(job.prompt_ids))
+        extras = _extras(job.request)
+        external = self._matched_tokens(job.prompt_ids, held, extras)
+        moved = max(0, external - self.engine.local_hit_tokens(job.prompt_ids, extras))
         seconds = self.options.latency.transfer_seconds(moved)
         await anyio.sleep(self.runner.scaled(seconds))
         self.metrics.observe_transfer(seconds, moved * self.options.latency.kv_bytes_per_token)
@@ -416,8 +420,10 @@ class SimServer:
             deadline=0.0,
         )
 
-    def _matched_tokens(self, prompt_ids: list[int], held: HeldTransfer) -> int:
-        own = self.engine.prompt_hashes(prompt_ids, None)
+    def _matched_tokens(
+        self, prompt_ids: list[int], held: HeldTransfer, extras: BlockExtras | None
+    ) -> int:
+        own = self.engine.prompt_hashes(prompt_ids, extras)
         matched = 0
         for mine, theirs in zip(own, held.block_hashes, strict=False):
             if mine != theirs:
@@ -554,6 +560,12 @@ class SimServer:
             yield DONE
         finally:
             self.runner.abort(job.request_id)
+
+
+def _extras(request: OpenAIRequest) -> BlockExtras | None:
+    """The request's ``cache_salt`` (a vLLM extension field) as block-hash extras."""
+    salt = (request.model_extra or {}).get("cache_salt")
+    return BlockExtras(cache_salt=salt) if isinstance(salt, str) and salt else None
 
 
 async def _until_disconnect(
