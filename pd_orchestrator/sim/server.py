@@ -4,7 +4,9 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or SSE),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``GET /version``,
 ``POST /tokenize``, ``POST /detokenize``, ``POST /reset_prefix_cache`` and, with
 ``--kv-connector nixl``, the side channel ``POST /nixl/pull`` that a consumer
-calls to pull the KV blocks a producer holds.
+calls to pull the KV blocks a producer holds. With ``--kv-events-endpoint`` the
+instance publishes its KV-cache events over ZMQ in vLLM's wire format
+(:mod:`pd_orchestrator.sim.kv_events`).
 
 Test hooks (as llm-d's inference simulator has them):
 
@@ -69,6 +71,7 @@ from pd_orchestrator.sim.engine import (
     RequestOutput,
     SamplingSpec,
 )
+from pd_orchestrator.sim.kv_events import KvEventPublisher
 from pd_orchestrator.sim.kvstore import DirectoryKeys, SharedKVStore
 from pd_orchestrator.sim.metrics import SimMetrics
 from pd_orchestrator.sim.options import SimOptions
@@ -109,6 +112,18 @@ class _Job:
     drop_after: int | None
 
 
+def _publisher(options: SimOptions) -> KvEventPublisher | None:
+    if options.kv_events_endpoint is None:
+        return None
+    return KvEventPublisher(
+        options.kv_events_endpoint,
+        options.kv_events_replay_endpoint,
+        topic=options.kv_events_topic,
+        buffer_steps=options.kv_events_buffer_steps,
+        int_hashes=options.kv_events_int_hashes,
+    )
+
+
 def _default_store(options: SimOptions) -> ExternalKV | None:
     if options.kv_connector != "example":
         return None
@@ -127,7 +142,13 @@ class SimServer:
         self.clock = clock
         self.tokenizer = SimTokenizer()
         self.engine = Engine(self._engine_config(), external=_default_store(options))
-        self.runner = EngineRunner(self.engine, options.time_scale, clock=clock)
+        self.kv_events = _publisher(options)
+        self.runner = EngineRunner(
+            self.engine,
+            options.time_scale,
+            clock=clock,
+            on_events=self.kv_events.publish if self.kv_events is not None else None,
+        )
         self.metrics = SimMetrics(self.engine, self.model, self.engine_id)
         self._rng = random.Random(options.seed)
         self._client: httpx.AsyncClient | None = None
@@ -176,6 +197,8 @@ class SimServer:
             anyio.create_task_group() as tg,
         ):
             self._client = client
+            if self.kv_events is not None:
+                await tg.start(self.kv_events.run)
             await tg.start(self.runner.run)
             self.ready.set()
             yield
@@ -218,6 +241,7 @@ class SimServer:
     async def reset_prefix_cache(self, request: Request) -> Response:
         if not self.engine.reset_prefix_cache():
             return JSONResponse(error_body("blocks are in use", 409), 409)
+        self.runner.flush_events()
         return Response(status_code=200)
 
     async def tokenize(self, request: Request) -> Response:
