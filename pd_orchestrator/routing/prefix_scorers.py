@@ -1,0 +1,260 @@
+"""Prefix-aware scorers: ``precise-prefix``, ``approximate-prefix`` and ``prefix-affinity``.
+
+``precise-prefix`` (from the KV events of each endpoint; needs the shared
+:class:`~pd_orchestrator.prefix.index.PreciseIndex`, passed to
+:func:`~pd_orchestrator.routing.builtins.builtin_registry`): the fraction of the
+request's prompt blocks, hashed from ``request.token_ids`` as vLLM hashes them, that
+each candidate holds as a consecutive prefix. Requests without token ids score 0.
+Recommended with ``kv-usage`` (weight 3 vs 2) and ``max-score``::
+
+    scorers:
+      - {type: precise-prefix, weight: 3}
+      - {type: kv-usage, weight: 2}
+
+``approximate-prefix`` (learns from routing decisions; needs ``request.prompt``):
+the fraction of the prompt's 64-character chunks last routed to each candidate,
+as a consecutive prefix. Candidates that look hot score 0 (queue depth more than
+``hot_queue_slack`` above the shallowest candidate's, or KV usage at least
+``hot_kv_usage``), so a popular prefix does not pile onto one endpoint.
+
+``prefix-affinity`` (Ray Serve's policy; learns from routing decisions): scores 1
+for the one candidate :func:`~pd_orchestrator.prefix.affinity.affinity_choice`
+picks and 0 for the others; use it alone (or dominant) with ``max-score``.
+
+``approximate-prefix`` and ``precise-prefix`` give graded scores, so a profile
+using them also ranks candidates for ask-all. All three score 0 when the best
+match is below ``min_match_ratio`` (the expected gain is too small to matter), and
+keys include the model, the LoRA adapter and the cache salt, so requests of
+different adapters or salts never match each other's prefixes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Annotated, Self
+
+from pydantic import Field, model_validator
+
+from pd_orchestrator.fleet.endpoints import Endpoint
+from pd_orchestrator.prefix.affinity import AffinityParams, PrefixTree, affinity_choice
+from pd_orchestrator.prefix.approximate import ApproximatePrefixCache, namespace
+from pd_orchestrator.prefix.index import PreciseIndex
+from pd_orchestrator.routing.interfaces import PluginContext, Scorer
+from pd_orchestrator.routing.registry import SCORER, NoParams, PluginType
+from pd_orchestrator.routing.scorers import queue_depth
+from pd_orchestrator.routing.types import Candidate, RoutingRequest
+
+__all__ = [
+    "APPROXIMATE_PREFIX",
+    "PREFIX_AFFINITY",
+    "AffinityScorerParams",
+    "ApproximatePrefixParams",
+    "ApproximatePrefixScorer",
+    "PrecisePrefixParams",
+    "PrecisePrefixScorer",
+    "PrefixAffinityScorer",
+    "precise_prefix_type",
+]
+
+Ratio = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+Count = Annotated[int, Field(ge=1)]
+
+
+def _names(candidates: Sequence[Candidate]) -> list[str]:
+    return [c.endpoint.name for c in candidates]
+
+
+def _ratios(matched: dict[str, int], names: Sequence[str], total: int, floor: float) -> list[float]:
+    """Matched over total per name; all zero when the best is below ``floor``."""
+    if total == 0:
+        return [0.0] * len(names)
+    ratios = [matched.get(name, 0) / total for name in names]
+    return ratios if max(ratios, default=0.0) >= max(floor, 1e-12) else [0.0] * len(names)
+
+
+class PrecisePrefixParams(NoParams):
+    """``min_match_ratio`` (in [0, 1], default 0): below this best match, all score 0."""
+
+    min_match_ratio: Ratio = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PrecisePrefixScorer:
+    """``precise-prefix``; see the module docstring."""
+
+    index: PreciseIndex
+    min_match_ratio: float
+
+    def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> Sequence[float]:
+        names = _names(candidates)
+        if not request.token_ids:
+            return [0.0] * len(names)
+        keys = self.index.keys(request.token_ids, request.lora, request.cache_salt)
+        if not keys:
+            return [0.0] * len(names)
+        matched = self.index.match(keys, names)
+        return _ratios(matched, names, len(keys), self.min_match_ratio)
+
+    def memory_bytes(self) -> int:
+        return self.index.memory_bytes()
+
+
+class ApproximatePrefixParams(NoParams):
+    """``chunk_chars`` (64), ``capacity_per_endpoint`` (31,250 chunks), ``max_chunks``
+    (256 leading chunks hashed per prompt), ``min_match_ratio`` (0.05),
+    ``hot_queue_slack`` (8 requests; null: off) and ``hot_kv_usage`` (0.95; 1 counts
+    only a full cache as hot)."""
+
+    chunk_chars: Count = 64
+    capacity_per_endpoint: Count = 31_250
+    max_chunks: Count = 256
+    min_match_ratio: Ratio = 0.05
+    hot_queue_slack: Annotated[int, Field(ge=0)] | None = 8
+    hot_kv_usage: Ratio = 0.95
+
+
+class _LastKeys:
+    """The keys of the last prompt hashed, reused when the same prompt is observed."""
+
+    def __init__(self) -> None:
+        self.prompt: str | None = None
+        self.space = ""
+        self.keys: list[int] = []
+
+
+class ApproximatePrefixScorer:
+    """``approximate-prefix``; see the module docstring."""
+
+    def __init__(self, params: ApproximatePrefixParams) -> None:
+        self.params = params
+        self.cache = ApproximatePrefixCache(
+            params.chunk_chars, params.capacity_per_endpoint, params.max_chunks
+        )
+        self._last = _LastKeys()
+
+    def _keys(self, request: RoutingRequest) -> list[int]:
+        prompt = request.prompt or ""
+        space = namespace(request.model, request.lora, request.cache_salt)
+        last = self._last
+        if last.prompt is not prompt or last.space != space:
+            last.prompt, last.space, last.keys = prompt, space, self.cache.keys(prompt, space)
+        return last.keys
+
+    def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> Sequence[float]:
+        names = _names(candidates)
+        keys = self._keys(request)
+        matched = self.cache.match(keys, names)
+        ratios = _ratios(matched, names, len(keys), self.params.min_match_ratio)
+        return [0.0 if hot else r for r, hot in zip(ratios, self._hot(candidates), strict=True)]
+
+    def _hot(self, candidates: Sequence[Candidate]) -> list[bool]:
+        slack, limit = self.params.hot_queue_slack, self.params.hot_kv_usage
+        depths = [queue_depth(c) for c in candidates]
+        shallowest = min(depths, default=0)
+        return [
+            (slack is not None and depth - shallowest > slack)
+            or (c.load is not None and c.load.kv_usage >= limit)
+            for c, depth in zip(candidates, depths, strict=True)
+        ]
+
+    def observe(self, request: RoutingRequest, chosen: Endpoint) -> None:
+        keys = self._keys(request)
+        if keys:
+            self.cache.record(keys, chosen.name)
+
+    def memory_bytes(self) -> int:
+        return self.cache.memory_bytes()
+
+
+class AffinityScorerParams(NoParams):
+    """Ray Serve's parameters: ``imbalanced_threshold`` (10), ``match_rate_threshold``
+    (0.1), ``do_eviction`` (true here: Ray's default is false, but the tree must stay
+    bounded), ``eviction_threshold_chars`` (400,000) and ``eviction_target_chars``
+    (360,000), per endpoint, checked at every insertion; ``seed`` (0) of the
+    power-of-two draws."""
+
+    imbalanced_threshold: Annotated[int, Field(ge=0)] = 10
+    match_rate_threshold: Ratio = 0.1
+    do_eviction: bool = True
+    eviction_threshold_chars: Count = 400_000
+    eviction_target_chars: Annotated[int, Field(ge=0)] = 360_000
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _target_below_threshold(self) -> Self:
+        if self.eviction_target_chars > self.eviction_threshold_chars:
+            raise ValueError("eviction_target_chars must not exceed eviction_threshold_chars")
+        return self
+
+
+class PrefixAffinityScorer:
+    """``prefix-affinity``; see the module docstring."""
+
+    def __init__(self, params: AffinityScorerParams, salt: str) -> None:
+        self.params = params
+        self.policy = AffinityParams(params.imbalanced_threshold, params.match_rate_threshold)
+        self.tree = PrefixTree()
+        self.salt = salt
+
+    @staticmethod
+    def _text(request: RoutingRequest) -> str:
+        if not request.prompt:
+            return ""
+        return namespace(request.model, request.lora, request.cache_salt) + "\x1e" + request.prompt
+
+    def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> Sequence[float]:
+        names = _names(candidates)
+        depths = [queue_depth(c) for c in candidates]
+        chosen = affinity_choice(
+            self.tree,
+            self._text(request),
+            names,
+            depths,
+            self.policy,
+            seed=self.salt,
+            sequence=request.sequence,
+        )
+        return [1.0 if i == chosen else 0.0 for i in range(len(names))]
+
+    def observe(self, request: RoutingRequest, chosen: Endpoint) -> None:
+        text = self._text(request)
+        if not text:
+            return
+        self.tree.insert(text, chosen.name, request.now)
+        params = self.params
+        if params.do_eviction and self.tree.chars(chosen.name) > params.eviction_threshold_chars:
+            self.tree.evict(chosen.name, params.eviction_target_chars)
+
+    def memory_bytes(self) -> int:
+        return self.tree.memory_bytes()
+
+
+def _approximate(
+    params: ApproximatePrefixParams, context: PluginContext
+) -> ApproximatePrefixScorer:
+    return ApproximatePrefixScorer(params)
+
+
+def _affinity(params: AffinityScorerParams, context: PluginContext) -> PrefixAffinityScorer:
+    return PrefixAffinityScorer(params, f"{params.seed}\x00{context.profile}\x00{context.name}")
+
+
+def precise_prefix_type(
+    index: PreciseIndex | None,
+) -> PluginType[PrecisePrefixParams, Scorer]:
+    """The ``precise-prefix`` type bound to ``index`` (None: building one is an error)."""
+
+    def factory(params: PrecisePrefixParams, context: PluginContext) -> Scorer:
+        if index is None:
+            raise ValueError(
+                "precise-prefix needs the precise prefix index: configure `prefix.precise` "
+                "and pass its index to builtin_registry()"
+            )
+        return PrecisePrefixScorer(index, params.min_match_ratio)
+
+    return PluginType("precise-prefix", SCORER, PrecisePrefixParams, factory)
+
+
+APPROXIMATE_PREFIX = PluginType("approximate-prefix", SCORER, ApproximatePrefixParams, _approximate)
+PREFIX_AFFINITY = PluginType("prefix-affinity", SCORER, AffinityScorerParams, _affinity)
