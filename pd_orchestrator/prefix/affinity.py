@@ -210,18 +210,22 @@ def affinity_choice(
     *,
     seed: str = "0",
     sequence: int = 0,
+    blocked: Sequence[bool] | None = None,
 ) -> int:
     """The index in ``names`` of the chosen candidate; see the module docstring.
 
     ``depths`` are the candidates' queue depths, in the order of ``names``.
+    Candidates ``blocked`` (over their share of traffic) are never preferred for
+    their prefix; they remain in the power-of-two fallbacks.
     """
     everyone = list(range(len(names)))
     if max(depths) - min(depths) > params.imbalanced_threshold or not text:
         return power_of_two(depths, everyone, seed, sequence)
-    matched, tenants = tree.prefix_match(text, set(names))
+    open_names = [n for i, n in enumerate(names) if not (blocked and blocked[i])]
+    matched, tenants = tree.prefix_match(text, set(open_names))
     if matched / len(text) >= params.match_rate_threshold and tenants:
         preferred = set(tenants)
     else:
-        preferred = set(tree.smallest_tenants(names))
+        preferred = set(tree.smallest_tenants(open_names))
     allowed = [i for i in everyone if names[i] in preferred] or everyone
     return power_of_two(depths, allowed, seed, sequence)

@@ -22,16 +22,19 @@ for the one candidate :func:`~pd_orchestrator.prefix.affinity.affinity_choice`
 picks and 0 for the others; use it alone (or dominant) with ``max-score``.
 
 ``approximate-prefix`` and ``precise-prefix`` give graded scores, so a profile
-using them also ranks candidates for ask-all. All three score 0 when the best
-match is below ``min_match_ratio`` (the expected gain is too small to matter), and
-keys include the model, the LoRA adapter and the cache salt, so requests of
-different adapters or salts never match each other's prefixes.
+using them also ranks candidates for ask-all. ``approximate-prefix`` and
+``precise-prefix`` score 0 when the best match is below ``min_match_ratio`` (the
+expected gain is too small to matter). Keys include the model, the LoRA adapter
+and the cache salt, so requests of different adapters or salts never match each
+other's prefixes. All three observe the decisions for a share guard
+(:mod:`pd_orchestrator.prefix.share`): an endpoint that took more than its fair
+share plus ``share_slack`` of the last ``share_window`` decisions has its prefix
+ignored until its share falls, so a popular prefix spreads instead of piling up.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Annotated, Self
 
 from pydantic import Field, model_validator
@@ -40,6 +43,7 @@ from pd_orchestrator.fleet.endpoints import Endpoint
 from pd_orchestrator.prefix.affinity import AffinityParams, PrefixTree, affinity_choice
 from pd_orchestrator.prefix.approximate import ApproximatePrefixCache, namespace
 from pd_orchestrator.prefix.index import PreciseIndex
+from pd_orchestrator.prefix.share import ShareGuard
 from pd_orchestrator.routing.interfaces import PluginContext, Scorer
 from pd_orchestrator.routing.registry import SCORER, NoParams, PluginType
 from pd_orchestrator.routing.scorers import queue_depth
@@ -73,18 +77,39 @@ def _ratios(matched: dict[str, int], names: Sequence[str], total: int, floor: fl
     return ratios if max(ratios, default=0.0) >= max(floor, 1e-12) else [0.0] * len(names)
 
 
-class PrecisePrefixParams(NoParams):
-    """``min_match_ratio`` (in [0, 1], default 0): below this best match, all score 0."""
+class _ShareParams(NoParams):
+    """The share guard of every prefix scorer (:mod:`pd_orchestrator.prefix.share`):
+    ``share_slack`` (0.1; null: off), how far above the fair share of the last
+    ``share_window`` (256) decisions an endpoint may go before its prefix is ignored."""
+
+    share_slack: Ratio | None = 0.1
+    share_window: Count = 256
+
+
+class _Guarded:
+    """A scorer that remembers its decisions for the share guard."""
+
+    def __init__(self, params: _ShareParams) -> None:
+        self.guard = ShareGuard(params.share_slack, params.share_window)
+
+    def observe(self, request: RoutingRequest, chosen: Endpoint) -> None:
+        self.guard.record(chosen.name)
+
+
+class PrecisePrefixParams(_ShareParams):
+    """``min_match_ratio`` (in [0, 1], default 0): below this best match, all score 0;
+    and the share guard's ``share_slack`` and ``share_window``."""
 
     min_match_ratio: Ratio = 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class PrecisePrefixScorer:
+class PrecisePrefixScorer(_Guarded):
     """``precise-prefix``; see the module docstring."""
 
-    index: PreciseIndex
-    min_match_ratio: float
+    def __init__(self, index: PreciseIndex, params: PrecisePrefixParams) -> None:
+        super().__init__(params)
+        self.index = index
+        self.min_match_ratio = params.min_match_ratio
 
     def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> Sequence[float]:
         names = _names(candidates)
@@ -94,17 +119,19 @@ class PrecisePrefixScorer:
         if not keys:
             return [0.0] * len(names)
         matched = self.index.match(keys, names)
-        return _ratios(matched, names, len(keys), self.min_match_ratio)
+        ratios = _ratios(matched, names, len(keys), self.min_match_ratio)
+        return [0.0 if over else r for r, over in zip(ratios, self.guard.over(names), strict=True)]
 
     def memory_bytes(self) -> int:
         return self.index.memory_bytes()
 
 
-class ApproximatePrefixParams(NoParams):
+class ApproximatePrefixParams(_ShareParams):
     """``chunk_chars`` (64), ``capacity_per_endpoint`` (31,250 chunks), ``max_chunks``
     (256 leading chunks hashed per prompt), ``min_match_ratio`` (0.05),
-    ``hot_queue_slack`` (8 requests; null: off) and ``hot_kv_usage`` (0.95; 1 counts
-    only a full cache as hot)."""
+    ``hot_queue_slack`` (8 requests; null: off), ``hot_kv_usage`` (0.95; 1 counts
+    only a full cache as hot) and the share guard's ``share_slack`` and
+    ``share_window``."""
 
     chunk_chars: Count = 64
     capacity_per_endpoint: Count = 31_250
@@ -123,10 +150,11 @@ class _LastKeys:
         self.keys: list[int] = []
 
 
-class ApproximatePrefixScorer:
+class ApproximatePrefixScorer(_Guarded):
     """``approximate-prefix``; see the module docstring."""
 
     def __init__(self, params: ApproximatePrefixParams) -> None:
+        super().__init__(params)
         self.params = params
         self.cache = ApproximatePrefixCache(
             params.chunk_chars, params.capacity_per_endpoint, params.max_chunks
@@ -146,19 +174,22 @@ class ApproximatePrefixScorer:
         keys = self._keys(request)
         matched = self.cache.match(keys, names)
         ratios = _ratios(matched, names, len(keys), self.params.min_match_ratio)
-        return [0.0 if hot else r for r, hot in zip(ratios, self._hot(candidates), strict=True)]
+        hot = self._hot(candidates, self.guard.over(names))
+        return [0.0 if h else r for r, h in zip(ratios, hot, strict=True)]
 
-    def _hot(self, candidates: Sequence[Candidate]) -> list[bool]:
+    def _hot(self, candidates: Sequence[Candidate], over_share: Sequence[bool]) -> list[bool]:
         slack, limit = self.params.hot_queue_slack, self.params.hot_kv_usage
         depths = [queue_depth(c) for c in candidates]
         shallowest = min(depths, default=0)
         return [
-            (slack is not None and depth - shallowest > slack)
+            over
+            or (slack is not None and depth - shallowest > slack)
             or (c.load is not None and c.load.kv_usage >= limit)
-            for c, depth in zip(candidates, depths, strict=True)
+            for c, depth, over in zip(candidates, depths, over_share, strict=True)
         ]
 
     def observe(self, request: RoutingRequest, chosen: Endpoint) -> None:
+        super().observe(request, chosen)
         keys = self._keys(request)
         if keys:
             self.cache.record(keys, chosen.name)
@@ -167,12 +198,13 @@ class ApproximatePrefixScorer:
         return self.cache.memory_bytes()
 
 
-class AffinityScorerParams(NoParams):
+class AffinityScorerParams(_ShareParams):
     """Ray Serve's parameters: ``imbalanced_threshold`` (10), ``match_rate_threshold``
     (0.1), ``do_eviction`` (true here: Ray's default is false, but the tree must stay
     bounded), ``eviction_threshold_chars`` (400,000) and ``eviction_target_chars``
     (360,000), per endpoint, checked at every insertion; ``seed`` (0) of the
-    power-of-two draws."""
+    power-of-two draws; and the share guard's ``share_slack`` and ``share_window``
+    (an endpoint over its share is not preferred for its prefix)."""
 
     imbalanced_threshold: Annotated[int, Field(ge=0)] = 10
     match_rate_threshold: Ratio = 0.1
@@ -188,10 +220,11 @@ class AffinityScorerParams(NoParams):
         return self
 
 
-class PrefixAffinityScorer:
+class PrefixAffinityScorer(_Guarded):
     """``prefix-affinity``; see the module docstring."""
 
     def __init__(self, params: AffinityScorerParams, salt: str) -> None:
+        super().__init__(params)
         self.params = params
         self.policy = AffinityParams(params.imbalanced_threshold, params.match_rate_threshold)
         self.tree = PrefixTree()
@@ -214,10 +247,12 @@ class PrefixAffinityScorer:
             self.policy,
             seed=self.salt,
             sequence=request.sequence,
+            blocked=self.guard.over(names),
         )
         return [1.0 if i == chosen else 0.0 for i in range(len(names))]
 
     def observe(self, request: RoutingRequest, chosen: Endpoint) -> None:
+        super().observe(request, chosen)
         text = self._text(request)
         if not text:
             return
@@ -251,7 +286,7 @@ def precise_prefix_type(
                 "precise-prefix needs the precise prefix index: configure `prefix.precise` "
                 "and pass its index to builtin_registry()"
             )
-        return PrecisePrefixScorer(index, params.min_match_ratio)
+        return PrecisePrefixScorer(index, params)
 
     return PluginType("precise-prefix", SCORER, PrecisePrefixParams, factory)
 

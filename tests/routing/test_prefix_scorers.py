@@ -19,6 +19,7 @@ from pd_orchestrator.routing.prefix_scorers import (
     AffinityScorerParams,
     ApproximatePrefixParams,
     ApproximatePrefixScorer,
+    PrecisePrefixParams,
     PrecisePrefixScorer,
     PrefixAffinityScorer,
 )
@@ -60,7 +61,7 @@ def precise_index() -> PreciseIndex:
     ],
 )
 def test_precise_prefix(fields: dict[str, Any], floor: float, expected: list[float]) -> None:
-    scorer = PrecisePrefixScorer(precise_index(), floor)
+    scorer = PrecisePrefixScorer(precise_index(), PrecisePrefixParams(min_match_ratio=floor))
     candidates = [candidate("a"), candidate("b"), candidate("c")]
     assert list(scorer.score(request(**fields), candidates)) == pytest.approx(expected)
 
