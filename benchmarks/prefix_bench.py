@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from _common import console
+from rich.console import Console
 from rich.table import Table
 
 from pd_orchestrator.bench.prefix_replay import (
@@ -35,6 +32,7 @@ from pd_orchestrator.bench.prefix_replay import (
 )
 
 TRACE_ENV = "PDO_MOONCAKE_TRACE"
+console = Console(width=160)
 
 
 def us(seconds: float) -> str:
@@ -58,7 +56,7 @@ def table(title: str, results: Sequence[ReplayResult], bound: float) -> Table:
             us(r.decision_p50),
             us(r.decision_p99),
             f"{r.memory_bytes / 2**20:.1f} MiB",
-            " ".join(str(n) for n in r.per_decoder),
+            "/".join(str(n) for n in r.per_decoder),
         )
     out.add_row("global cache (bound)", f"{bound:.1%}", "100%", *["-"] * 7)
     return out
@@ -86,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     add("--routers", default=",".join(ROUTERS), help=f"comma list of {', '.join(ROUTERS)}")
     add("--decoders", type=int, default=4)
-    add("--mooncake-requests", type=int, default=3000)
+    add("--mooncake-requests", type=int, default=6000)
     add("--mooncake-time-scale", type=float, default=4.0, help="trace time is divided by this")
     add(
         "--mooncake-kv-tokens",

@@ -78,6 +78,12 @@ ROUTERS: dict[str, dict[str, Any]] = {
             {"type": "kv-usage", "weight": 2},
         ]
     },
+    "precise-any-match": {
+        "scorers": [
+            {"type": "precise-prefix", "weight": 3, "params": {"min_match_ratio": 0.0}},
+            {"type": "kv-usage", "weight": 2},
+        ]
+    },
     "precise+queue": {
         "scorers": [
             {"type": "precise-prefix", "weight": 3},

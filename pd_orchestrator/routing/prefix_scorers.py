@@ -97,10 +97,11 @@ class _Guarded:
 
 
 class PrecisePrefixParams(_ShareParams):
-    """``min_match_ratio`` (in [0, 1], default 0): below this best match, all score 0;
-    and the share guard's ``share_slack`` and ``share_window``."""
+    """``min_match_ratio`` (in [0, 1], default 0.05): below this best match, all score
+    0 (a preamble every prompt shares must not steer traffic); and the share guard's
+    ``share_slack`` and ``share_window``."""
 
-    min_match_ratio: Ratio = 0.0
+    min_match_ratio: Ratio = 0.05
 
 
 class PrecisePrefixScorer(_Guarded):
