@@ -12,6 +12,7 @@ import httpx
 import pytest
 from targets import Target
 
+pytestmark = pytest.mark.timeout(300)
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split()
 
 
