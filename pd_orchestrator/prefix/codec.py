@@ -27,10 +27,19 @@ per buffered batch from there on, then ``[b"", END_SEQ, b""]``.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, fields
 from typing import Any
 
 import msgpack
+
+from pd_orchestrator.prefix.events import (
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KvEvent,
+)
 
 __all__ = [
     "END_SEQ",
@@ -47,68 +56,11 @@ __all__ = [
     "encode_seq",
 ]
 
-BlockHash = int | bytes
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 class EventDecodeError(ValueError):
     """A payload that is not a vLLM KV-event batch; the message says what is wrong."""
-
-
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    """Blocks newly cached, in chain order; ``parent_block_hash`` precedes the first.
-
-    ``extra_keys`` holds one entry per block: the untagged keys of its hash (LoRA
-    name, cache salt) or None.
-    """
-
-    block_hashes: tuple[BlockHash, ...]
-    parent_block_hash: BlockHash | None
-    token_ids: tuple[int, ...]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    """Cached blocks evicted."""
-
-    block_hashes: tuple[BlockHash, ...]
-    medium: str | None = None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
-    """The whole prefix cache was reset."""
-
-
-KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-@dataclass(frozen=True, slots=True)
-class EventBatch:
-    """One published batch: a wall-clock timestamp, events in order, the DP rank.
-
-    ``skipped`` counts events of types this module does not know (decoding only).
-    """
-
-    ts: float
-    events: tuple[KvEvent, ...]
-    data_parallel_rank: int | None = 0
-    skipped: int = field(default=0, compare=False)
 
 
 # Fields without a default in vLLM's structs: always on the wire, even when None.

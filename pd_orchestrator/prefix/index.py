@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from pd_orchestrator.prefix.codec import (
+from pd_orchestrator.prefix.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -1,8 +1,8 @@
 """KV-event publishing for the simulator, as vLLM's ZMQ publisher does it.
 
 :func:`wire_events` (pure) turns the block pool's recorded cache events into the
-wire events of :mod:`pd_orchestrator.prefix.codec`: medium ``"GPU"``, KV-cache group
-0, block hashes as 64-bit ints (vLLM's default) or digest bytes.
+events of :mod:`pd_orchestrator.prefix.events`: medium ``"GPU"``, KV-cache group 0,
+block hashes as 64-bit ints (vLLM's default) or digest bytes.
 
 :class:`KvEventPublisher` publishes one batch per engine step that produced events.
 Like vLLM's ``ZmqEventPublisher`` it binds a PUB socket and sends
@@ -20,25 +20,25 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import anyio
-import zmq
-import zmq.asyncio
 from anyio.abc import TaskStatus
 
-from pd_orchestrator.prefix.codec import (
-    END_SEQ,
+from pd_orchestrator.prefix.codec import END_SEQ, encode_batch, encode_seq
+from pd_orchestrator.prefix.events import (
     AllBlocksCleared,
     BlockHash,
     BlockRemoved,
     BlockStored,
     EventBatch,
     KvEvent,
-    encode_batch,
-    encode_seq,
 )
 from pd_orchestrator.prefix.hashing import external_hash
 from pd_orchestrator.sim import blocks
+
+if TYPE_CHECKING:  # pyzmq (the "events" extra) is imported when the publisher runs
+    import zmq.asyncio
 
 __all__ = ["MEDIUM", "KvEventPublisher", "wire_events"]
 
@@ -122,6 +122,9 @@ class KvEventPublisher:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Bind the sockets, report started, then publish and answer replays."""
+        import zmq
+        import zmq.asyncio
+
         context = zmq.asyncio.Context()
         try:
             pub = context.socket(zmq.PUB)

@@ -30,7 +30,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
@@ -71,12 +71,14 @@ from pd_orchestrator.sim.engine import (
     RequestOutput,
     SamplingSpec,
 )
-from pd_orchestrator.sim.kv_events import KvEventPublisher
 from pd_orchestrator.sim.kvstore import DirectoryKeys, SharedKVStore
 from pd_orchestrator.sim.metrics import SimMetrics
 from pd_orchestrator.sim.options import SimOptions
 from pd_orchestrator.sim.runner import EngineRunner
 from pd_orchestrator.sim.tokenizer import SimTokenizer
+
+if TYPE_CHECKING:
+    from pd_orchestrator.sim.kv_events import KvEventPublisher
 
 __all__ = ["SimServer", "bind_socket", "serve"]
 
@@ -115,6 +117,8 @@ class _Job:
 def _publisher(options: SimOptions) -> KvEventPublisher | None:
     if options.kv_events_endpoint is None:
         return None
+    from pd_orchestrator.sim.kv_events import KvEventPublisher  # pyzmq: the "events" extra
+
     return KvEventPublisher(
         options.kv_events_endpoint,
         options.kv_events_replay_endpoint,
