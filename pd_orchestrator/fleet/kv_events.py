@@ -14,7 +14,8 @@ sequence order:
   them) the endpoint is dropped from the index and rebuilt from the stream, so
   the index never claims blocks it cannot vouch for;
 * when the connection drops (the publisher died or missed the ZMTP heartbeats)
-  the endpoint is dropped from the index: its cache is unknown until it is back.
+  the endpoint is dropped from the index: its cache is unknown until it is back
+  (messages still queued from before the drop are ignored).
 
 Sockets come from one ``zmq.asyncio`` context per :meth:`KvEventSubscriber.run`
 (asyncio backend of anyio). Each stream runs in one task that handles its
@@ -124,6 +125,8 @@ class _Stream:
             self._count(state=StreamState.LOST)
 
     async def _on_message(self, context: zmq.asyncio.Context, frames: list[bytes]) -> None:
+        if self.stats.state is StreamState.LOST:
+            return  # queued before the connection dropped: the endpoint stays out until back
         if len(frames) != 3:
             self._count(decode_errors=self.stats.decode_errors + 1)
             return
