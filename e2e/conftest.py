@@ -9,6 +9,7 @@ is skipped with that reason. ``make e2e-vllm`` sets both.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 from collections.abc import Iterator
@@ -63,13 +64,36 @@ def vllm_model(vllm_python: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def vllm_pair(vllm_python: Path, vllm_model: Path) -> Iterator[object]:
-    """A prefiller (server default threshold 0.5) and a small-cache decoder (no default)."""
+def vllm_kv_events(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Where the pair's decoder publishes its KV events: PUB on an ipc socket (vLLM
+    binds ipc and wildcard endpoints only) and the replay ROUTER on loopback."""
+    directory = tmp_path_factory.mktemp("kv-events")
+    return {
+        "publisher": f"ipc://{directory}/decoder.sock",
+        "replay": f"tcp://127.0.0.1:{pair_module.free_port()}",
+        "topic": "kv-events",
+    }
+
+
+@pytest.fixture(scope="session")
+def vllm_pair(
+    vllm_python: Path, vllm_model: Path, vllm_kv_events: dict[str, str]
+) -> Iterator[object]:
+    """A prefiller (server default threshold 0.5) and a small-cache decoder (no default)
+    that publishes its KV events (``vllm_kv_events``)."""
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": vllm_kv_events["publisher"],
+        "replay_endpoint": vllm_kv_events["replay"],
+        "topic": vllm_kv_events["topic"],
+    }
     config = pair_module.PairConfig(
         python=vllm_python,
         model=vllm_model,
         small_decoder=True,
         prefiller_args=("--global-cache-hit-threshold", "0.5"),
+        decoder_args=("--kv-events-config", json.dumps(events)),
     )
     with pair_module.VLLMPair(config) as pair:
         sys.stderr.write(

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import anyio
 
 from pd_orchestrator.cli.signals import exit_on_sigterm
+from pd_orchestrator.prefix.hashing import HASH_ALGOS
 from pd_orchestrator.sim.options import SimOptions
 from pd_orchestrator.sim.profiles import PROFILES
 
@@ -37,14 +39,28 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     add("--kv-connector", choices=["nixl", "example", "none"], default="none")
     add("--engine-id", default=None)
     add("--seed", type=int, default=0, help="generation seed")
-    add("--hash-seed", default="0", help="prefix-cache hash seed (vLLM's PYTHONHASHSEED)")
+    add(
+        "--hash-seed",
+        default=None,
+        help="prefix-cache hash seed, vLLM's PYTHONHASHSEED (default: $PYTHONHASHSEED if set, "
+        "else vLLM's fixed seed)",
+    )
+    add("--prefix-caching-hash-algo", choices=list(HASH_ALGOS), default="sha256")
     add("--lease-seconds", type=float, default=30.0, help="how long produced KV is held")
     add("--kv-shared-dir", type=Path, default=None, help="storage of the example connector")
     add("--kv-load-failure-policy", choices=["fail", "recompute"], default="fail")
     add("--side-channel-host", default=None, help="host advertised in kv_transfer_params")
     add("--failure-rate", type=float, default=0.0, help="fraction of requests answered 500")
     add("--drop-after-tokens", type=int, default=None, help="drop streams after N tokens")
-    add("--kv-events-endpoint", default=None, help="ZMQ endpoint to publish KV events on")
+    add("--kv-events-endpoint", default=None, help="ZMQ endpoint to publish KV events on (PUB)")
+    add("--kv-events-replay-endpoint", default=None, help="ZMQ endpoint answering replays")
+    add("--kv-events-topic", default="", help="topic of the published KV events")
+    add("--kv-events-buffer-steps", type=int, default=10_000, help="batches kept for replay")
+    add(
+        "--kv-events-bytes-hashes",
+        action="store_true",
+        help="publish block hashes as digest bytes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -64,7 +80,8 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
         kv_connector=args.kv_connector,
         engine_id=args.engine_id,
         seed=args.seed,
-        hash_seed=args.hash_seed,
+        hash_seed=args.hash_seed if args.hash_seed is not None else os.getenv("PYTHONHASHSEED"),
+        hash_algo=args.prefix_caching_hash_algo,
         lease_seconds=args.lease_seconds,
         kv_shared_dir=args.kv_shared_dir,
         kv_load_failure_policy=args.kv_load_failure_policy,
@@ -72,6 +89,10 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
         failure_rate=args.failure_rate,
         drop_after_tokens=args.drop_after_tokens,
         kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        kv_events_topic=args.kv_events_topic,
+        kv_events_buffer_steps=args.kv_events_buffer_steps,
+        kv_events_int_hashes=not args.kv_events_bytes_hashes,
     )
 
 

@@ -8,6 +8,7 @@ Typical use::
     if result.empty:
         ...  # 503: result.describe_drops() says which filters removed whom
     decoder = result.endpoints[0]
+    profiles.decode.observe(request, decoder)  # plugins that learn from decisions
 """
 
 from pd_orchestrator.config.routing import (
@@ -26,7 +27,7 @@ from pd_orchestrator.routing.engine import (
     WeightedScorer,
     clamp,
 )
-from pd_orchestrator.routing.interfaces import Filter, Picker, PluginContext, Scorer
+from pd_orchestrator.routing.interfaces import Filter, Observer, Picker, PluginContext, Scorer
 from pd_orchestrator.routing.profiles import RoutingProfiles, build_profile, build_profiles
 from pd_orchestrator.routing.registry import (
     FILTER,
@@ -56,6 +57,7 @@ __all__ = [
     "Filter",
     "LoadSnapshot",
     "NoParams",
+    "Observer",
     "Picker",
     "PluginContext",
     "PluginContractError",

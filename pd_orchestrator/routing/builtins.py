@@ -1,11 +1,22 @@
-"""The built-in plugin types and a registry holding them (threshold policies included)."""
+"""The built-in plugin types and a registry holding them (threshold policies included).
+
+``builtin_registry(precise_index)`` binds the ``precise-prefix`` scorer to the
+shared index the KV-event subscriber feeds; without an index the type is still
+known, and building it is an error that says what to configure.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+from pd_orchestrator.prefix.index import PreciseIndex
 from pd_orchestrator.routing.filters import COMPATIBILITY, HEALTHY, MODEL, ROLE
 from pd_orchestrator.routing.pickers import MAX_SCORE, WEIGHTED_RANDOM
+from pd_orchestrator.routing.prefix_scorers import (
+    APPROXIMATE_PREFIX,
+    PREFIX_AFFINITY,
+    precise_prefix_type,
+)
 from pd_orchestrator.routing.registry import PluginType, Registry
 from pd_orchestrator.routing.scorers import HARDWARE_WEIGHT, KV_USAGE, QUEUE_DEPTH
 
@@ -19,16 +30,19 @@ BUILTIN_TYPES: tuple[PluginType[Any, Any], ...] = (
     QUEUE_DEPTH,
     KV_USAGE,
     HARDWARE_WEIGHT,
+    APPROXIMATE_PREFIX,
+    PREFIX_AFFINITY,
     MAX_SCORE,
     WEIGHTED_RANDOM,
 )
 
 
-def builtin_registry() -> Registry:
-    """A new registry holding the built-in types (register more on it as needed): the
-    routing plugins above and the threshold policies (kind ``policy``)."""
+def builtin_registry(precise_index: PreciseIndex | None = None) -> Registry:
+    """A new registry holding the built-in types: the routing plugins, ``precise-prefix``
+    bound to ``precise_index``, and the threshold policies (kind ``policy``). Register
+    more types on it as needed."""
     # Imported here: the policies build on this package's registry and types, so a
     # module-level import would be circular.
     from pd_orchestrator.policies.plugins import register_policies
 
-    return register_policies(Registry(BUILTIN_TYPES))
+    return register_policies(Registry((*BUILTIN_TYPES, precise_prefix_type(precise_index))))

@@ -9,7 +9,11 @@
    by descending total, ties in input order.
 
 The run is a pure function of the request, the candidates and the plugins'
-parameters. A plugin that breaks its contract (a filter that adds candidates, a
+parameters and state. State changes only through :meth:`Profile.observe`, which
+the caller invokes with the endpoint a request was finally sent to; it reaches
+every plugin implementing :class:`~pd_orchestrator.routing.interfaces.Observer`.
+
+A plugin that breaks its contract (a filter that adds candidates, a
 scorer that returns the wrong number of scores, a picker that returns an index
 out of range) raises :class:`PluginContractError` naming it.
 """
@@ -21,7 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from pd_orchestrator.routing.interfaces import Filter, Picker, Scorer
+from pd_orchestrator.fleet.endpoints import Endpoint
+from pd_orchestrator.routing.interfaces import Filter, Observer, Picker, Scorer
 from pd_orchestrator.routing.types import (
     Candidate,
     RoutingRequest,
@@ -85,6 +90,20 @@ class Profile:
                 f"picker {self.picker.name!r} returned index {chosen} of {len(scored)}"
             )
         return RoutingResult(self.name, _ranked(scored, chosen), dropped)
+
+    def plugins(self) -> tuple[object, ...]:
+        """Every plugin instance, in pipeline order."""
+        return (
+            *(stage.plugin for stage in self.filters),
+            *(scorer.plugin for scorer in self.scorers),
+            self.picker.plugin,
+        )
+
+    def observe(self, request: RoutingRequest, chosen: Endpoint) -> None:
+        """Tell every observing plugin that ``request`` was sent to ``chosen``."""
+        for plugin in self.plugins():
+            if isinstance(plugin, Observer):
+                plugin.observe(request, chosen)
 
     def _filter(
         self, request: RoutingRequest, candidates: tuple[Candidate, ...]

@@ -7,20 +7,27 @@ A profile run is ``filters -> weighted scorers -> picker``:
   not the scorer, clamps each score to [0, 1] (NaN counts as 0) and weights it;
 - a :class:`Picker` returns the index of the chosen candidate among the scored ones.
 
-Plugins read only their arguments and their own immutable parameters: no I/O, no
-clock other than ``request.now``, no hidden randomness. Factories receive a
+Plugins read only their arguments and their own parameters: no I/O, no clock other
+than ``request.now``, no hidden randomness. Factories receive a
 :class:`PluginContext` that says where the instance lives.
+
+A plugin that learns from routing decisions (a prefix cache that remembers where
+each prompt went) also implements :class:`Observer`; the caller reports each
+decision through :meth:`~pd_orchestrator.routing.engine.Profile.observe` after the
+run. A run itself never changes any state, so it stays a pure function of the
+request, the candidates and the state observed so far.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
+from pd_orchestrator.fleet.endpoints import Endpoint
 from pd_orchestrator.routing.types import Candidate, RoutingRequest, ScoredCandidate
 
-__all__ = ["Filter", "Picker", "PluginContext", "Scorer"]
+__all__ = ["Filter", "Observer", "Picker", "PluginContext", "Scorer"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,4 +55,11 @@ class Scorer(Protocol):
 class Picker(Protocol):
     def pick(self, request: RoutingRequest, scored: Sequence[ScoredCandidate]) -> int:
         """The index in ``scored`` (never empty) of the chosen candidate."""
+        ...
+
+
+@runtime_checkable
+class Observer(Protocol):
+    def observe(self, request: RoutingRequest, chosen: Endpoint) -> None:
+        """``request`` was sent to ``chosen`` (called after the run, once per decision)."""
         ...

@@ -1,7 +1,8 @@
 """Prefix-cached KV block pool, after vLLM's v1 ``BlockPool`` and the nanoGPT write-up.
 
-* Only full blocks are cached. A block's key is a chained hash:
-  ``hash(parent_hash or NONE_HASH, tuple(block_token_ids), extra_keys)``.
+* Only full blocks are cached. A block's key is vLLM's chained hash:
+  ``hash(parent_hash or NONE_HASH, tuple(block_token_ids), extra_keys)``
+  (:class:`BlockHasher`, bit-identical to vLLM's for the same settings).
 * Lookup walks the chain from the first block and stops at the first miss.
 * Free blocks (reference count 0) sit in an LRU queue, cached or not; allocation
   takes the head of the queue and, if that block was cached, evicts its hash.
@@ -15,12 +16,11 @@ publisher to drain; it never does I/O itself.
 
 from __future__ import annotations
 
-import hashlib
-import pickle
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+
+from pd_orchestrator.prefix.hashing import BlockExtras, HashAlgo, VllmBlockHasher
 
 __all__ = [
     "AllBlocksCleared",
@@ -33,49 +33,18 @@ __all__ = [
 ]
 
 
-class BlockHasher:
-    """Chained block hashing compatible with vLLM's ``sha256`` prefix-caching hash.
+class BlockHasher(VllmBlockHasher):
+    """Chained block hashing identical to a vLLM server's for the same settings.
 
-    ``hash_seed`` plays the part of ``PYTHONHASHSEED``: the chain's root
-    (``NONE_HASH``) is ``sha256(pickle(hash_seed))``.
+    ``hash_seed`` plays the part of ``PYTHONHASHSEED`` (None: unset, so vLLM's fixed
+    seed); ``algo`` is ``--prefix-caching-hash-algo``. See
+    :mod:`pd_orchestrator.prefix.hashing` for the algorithm.
     """
 
-    def __init__(self, block_size: int, hash_seed: str = "0") -> None:
-        if block_size < 1:
-            raise ValueError("block_size must be >= 1")
-        self.block_size = block_size
-        self.none_hash = self.hash_object(hash_seed)
-
-    @staticmethod
-    def hash_object(obj: Any) -> bytes:
-        """sha256 of the pickled object (vLLM's ``sha256`` hash function)."""
-        return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
-
-    def hash_block(
-        self, parent: bytes | None, tokens: Sequence[int], extra_keys: tuple[Any, ...] | None
-    ) -> bytes:
-        """Hash of one full block whose parent block hash is ``parent``."""
-        root = self.none_hash if parent is None else parent
-        return self.hash_object((root, tuple(tokens), extra_keys))
-
-    def extend(
-        self,
-        hashes: list[bytes],
-        tokens: Sequence[int],
-        extra_keys: tuple[Any, ...] | None = None,
-    ) -> list[bytes]:
-        """Append to ``hashes`` the hashes of every newly full block of ``tokens``.
-
-        ``hashes`` holds the hashes of the first ``len(hashes)`` blocks already;
-        the list is modified in place and returned.
-        """
-        size = self.block_size
-        for index in range(len(hashes), len(tokens) // size):
-            parent = hashes[-1] if hashes else None
-            hashes.append(
-                self.hash_block(parent, tokens[index * size : (index + 1) * size], extra_keys)
-            )
-        return hashes
+    def __init__(
+        self, block_size: int, hash_seed: str | None = None, algo: HashAlgo = "sha256"
+    ) -> None:
+        super().__init__(block_size, algo, hash_seed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +56,8 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     lora_id: int | None = None
+    lora_name: str | None = None
+    extra_keys: list[tuple[str, ...] | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +73,19 @@ class AllBlocksCleared:
 
 
 CacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def _event_extra_keys(
+    extras: BlockExtras | None, start: int, stop: int
+) -> list[tuple[str, ...] | None] | None:
+    """vLLM's published (untagged) extra keys of blocks ``start..stop-1``: per block
+    the LoRA name, then the cache salt (first block only); None when there are none."""
+    if extras is None:
+        return None
+    per_block = [extras.keys(index) for index in range(start, stop)]
+    if not any(per_block):
+        return None
+    return [None if keys is None else tuple(key[1] for key in keys) for keys in per_block]
 
 
 class NoFreeBlocks(RuntimeError):
@@ -210,19 +194,20 @@ class BlockPool:
         start: int,
         stop: int,
         token_ids: Sequence[int],
+        extras: BlockExtras | None = None,
     ) -> None:
         """Register the full blocks ``start..stop-1`` of a request in the prefix cache.
 
         ``block_ids[i]`` holds the tokens ``token_ids[i*B:(i+1)*B]`` whose hash is
-        ``hashes[i]``. A hash already cached by another block is left alone (the
-        duplicate block stays uncached, as in vLLM).
+        ``hashes[i]`` (computed with ``extras``). A hash already cached by another
+        block is left alone (the duplicate block stays uncached, as in vLLM).
         """
         run_start = start
         for index in range(start, stop + 1):
             if index < stop and self._register(block_ids[index], hashes[index]):
                 continue
             if index > run_start and self.record_events:
-                self._emit_stored(hashes, run_start, index, token_ids)
+                self._emit_stored(hashes, run_start, index, token_ids, extras)
             run_start = index + 1
 
     def _register(self, block_id: int, block_hash: bytes) -> bool:
@@ -234,15 +219,23 @@ class BlockPool:
         return True
 
     def _emit_stored(
-        self, hashes: Sequence[bytes], start: int, stop: int, token_ids: Sequence[int]
+        self,
+        hashes: Sequence[bytes],
+        start: int,
+        stop: int,
+        token_ids: Sequence[int],
+        extras: BlockExtras | None,
     ) -> None:
         size = self.block_size
+        lora = extras.lora if extras is not None else None
         self.events.append(
             BlockStored(
                 block_hashes=list(hashes[start:stop]),
                 parent_block_hash=hashes[start - 1] if start > 0 else None,
                 token_ids=list(token_ids[start * size : stop * size]),
                 block_size=size,
+                lora_name=lora.name if lora is not None else None,
+                extra_keys=_event_extra_keys(extras, start, stop),
             )
         )
 

@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from pd_orchestrator.prefix.hashing import BlockExtras, HashAlgo
 from pd_orchestrator.sim.blocks import BlockHasher, BlockPool
 from pd_orchestrator.sim.generation import advance, advance_all, initial_state, next_token
 from pd_orchestrator.sim.profiles import LatencyProfile
@@ -97,7 +98,7 @@ class EngineRequest:
     do_remote_decode: bool = False
     external_tokens: int = 0
     force_reject: bool = False
-    extra_keys: tuple[str, ...] | None = None
+    extras: BlockExtras | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +173,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     global_cache_hit_threshold: float = 0.0
     seed: int = 0
-    hash_seed: str = "0"
+    hash_seed: str | None = None
+    hash_algo: HashAlgo = "sha256"
     lease_seconds: float = 30.0
     record_events: bool = False
     kv_connector: str | None = None
@@ -239,7 +241,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig, external: ExternalKV | None = None) -> None:
         self.config = config
-        self.hasher = BlockHasher(config.block_size, config.hash_seed)
+        self.hasher = BlockHasher(config.block_size, config.hash_seed, config.hash_algo)
         self.pool = BlockPool(config.num_kv_blocks, config.block_size, config.record_events)
         self.external: ExternalKV = external or _PulledOnly()
         self.stats = EngineStats()
@@ -275,16 +277,14 @@ class Engine:
         return self.config.num_kv_blocks * self.config.block_size
 
     def prompt_hashes(
-        self, token_ids: Sequence[int], extra_keys: tuple[str, ...] | None
+        self, token_ids: Sequence[int], extras: BlockExtras | None = None
     ) -> list[bytes]:
         """Chained hashes of the full blocks of ``token_ids``."""
-        return self.hasher.extend([], token_ids, extra_keys)
+        return self.hasher.extend([], token_ids, extras)
 
-    def local_hit_tokens(
-        self, token_ids: Sequence[int], extra_keys: tuple[str, ...] | None = None
-    ) -> int:
+    def local_hit_tokens(self, token_ids: Sequence[int], extras: BlockExtras | None = None) -> int:
         """Tokens of ``token_ids`` the local prefix cache holds now (capped like admission)."""
-        hashes = self.prompt_hashes(token_ids, extra_keys)
+        hashes = self.prompt_hashes(token_ids, extras)
         return self._local_hit_blocks_count(hashes, len(token_ids)) * self.config.block_size
 
     # -- request lifecycle ---------------------------------------------------------
@@ -306,7 +306,7 @@ class Engine:
             tokens=tokens,
             num_prompt=len(tokens),
             state=advance_all(self._root_state, tokens),
-            hashes=self.prompt_hashes(tokens, request.extra_keys),
+            hashes=self.prompt_hashes(tokens, request.extras),
         )
         self._requests[request.request_id] = req
         self._waiting.append(req)
@@ -514,7 +514,7 @@ class Engine:
         token = next_token(req.state, allow_eos=allow_eos)
         req.tokens.append(token)
         req.state = advance(req.state, token)
-        self.hasher.extend(req.hashes, req.tokens, req.spec.extra_keys)
+        self.hasher.extend(req.hashes, req.tokens, req.spec.extras)
         self.stats.generation_tokens += 1
         if token == EOS_TOKEN_ID:
             return self._finish(req, FinishReason.STOP, (token,))
@@ -525,7 +525,9 @@ class Engine:
     def _cache_full_blocks(self, req: _Req) -> None:
         full = min(req.num_computed // self.config.block_size, len(req.hashes), len(req.blocks))
         if full > req.num_cached_blocks:
-            self.pool.cache_blocks(req.blocks, req.hashes, req.num_cached_blocks, full, req.tokens)
+            self.pool.cache_blocks(
+                req.blocks, req.hashes, req.num_cached_blocks, full, req.tokens, req.spec.extras
+            )
             req.num_cached_blocks = full
 
     def _finish(

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from pd_orchestrator.prefix.hashing import HashAlgo, hash_function
 from pd_orchestrator.sim.profiles import LatencyProfile, get_profile
 
 __all__ = ["ConnectorName", "LoadFailurePolicy", "SimOptions"]
@@ -16,7 +17,14 @@ LoadFailurePolicy = Literal["fail", "recompute"]
 
 @dataclass(frozen=True, slots=True)
 class SimOptions:
-    """Everything that shapes a simulated instance; defaults mirror vLLM's."""
+    """Everything that shapes a simulated instance; defaults mirror vLLM's.
+
+    ``hash_seed`` is vLLM's ``PYTHONHASHSEED`` (None: unset) and ``hash_algo`` its
+    ``--prefix-caching-hash-algo``. The ``kv_events_*`` fields mirror vLLM's
+    ``--kv-events-config`` (``endpoint``, ``replay_endpoint``, ``topic``,
+    ``buffer_steps``); ``kv_events_int_hashes`` is vLLM's
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` (default on: hashes go out as 64-bit ints).
+    """
 
     host: str = "127.0.0.1"
     port: int = 0
@@ -32,7 +40,8 @@ class SimOptions:
     kv_connector: ConnectorName = "none"
     engine_id: str | None = None
     seed: int = 0
-    hash_seed: str = "0"
+    hash_seed: str | None = None
+    hash_algo: HashAlgo = "sha256"
     lease_seconds: float = 30.0
     kv_shared_dir: Path | None = None
     kv_load_failure_policy: LoadFailurePolicy = "fail"
@@ -40,6 +49,10 @@ class SimOptions:
     failure_rate: float = 0.0
     drop_after_tokens: int | None = None
     kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
+    kv_events_buffer_steps: int = 10_000
+    kv_events_int_hashes: bool = True
 
     def __post_init__(self) -> None:
         get_profile(self.profile)
@@ -51,6 +64,11 @@ class SimOptions:
             raise ValueError("time scale must be >= 0")
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block size, max-num-seqs and max-num-batched-tokens must be >= 1")
+        hash_function(self.hash_algo)
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("a KV-events replay endpoint needs a KV-events endpoint")
+        if self.kv_events_buffer_steps < 1:
+            raise ValueError("the KV-events replay buffer must hold at least one batch")
 
     @property
     def latency(self) -> LatencyProfile:

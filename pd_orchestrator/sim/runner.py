@@ -5,7 +5,8 @@ time scale (``0`` removes every delay), deliver the outputs to each request's
 memory stream. Steps are paced against an absolute schedule so the loop's own
 overhead does not add up; when the loop falls behind by more than ``max_lag``
 seconds it resynchronises instead of racing to catch up. With no work the loop
-sleeps until a request arrives or a KV lease expires.
+sleeps until a request arrives or a KV lease expires. After every step the cache
+events the engine recorded go to ``on_events`` (a KV-event publisher).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import anyio.lowlevel
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from pd_orchestrator.sim.blocks import CacheEvent
 from pd_orchestrator.sim.engine import (
     Engine,
     EngineRequest,
@@ -39,6 +41,7 @@ class EngineRunner:
         time_scale: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         max_lag: float = 0.05,
+        on_events: Callable[[list[CacheEvent]], None] | None = None,
     ) -> None:
         if time_scale < 0:
             raise ValueError("time_scale must be >= 0")
@@ -46,6 +49,7 @@ class EngineRunner:
         self.time_scale = time_scale
         self.clock = clock
         self.max_lag = max_lag
+        self.on_events = on_events
         self._streams: dict[str, MemoryObjectSendStream[RequestOutput]] = {}
         self._wake = anyio.Event()
 
@@ -75,6 +79,13 @@ class EngineRunner:
             self._wake.set()
         return held
 
+    def flush_events(self) -> None:
+        """Hand the cache events the engine recorded since the last flush to ``on_events``."""
+        pool = self.engine.pool
+        if pool.events and self.on_events is not None:
+            events, pool.events = pool.events, []
+            self.on_events(events)
+
     def scaled(self, seconds: float) -> float:
         """Real seconds for ``seconds`` of simulated time."""
         return seconds * self.time_scale
@@ -91,6 +102,7 @@ class EngineRunner:
                 continue
             now = self.clock()
             result = self.engine.step(now)
+            self.flush_events()
             target = await self._pace(result, now, target)
             self._deliver(result)
             if not result.progressed:

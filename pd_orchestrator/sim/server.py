@@ -4,7 +4,9 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or SSE),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``GET /version``,
 ``POST /tokenize``, ``POST /detokenize``, ``POST /reset_prefix_cache`` and, with
 ``--kv-connector nixl``, the side channel ``POST /nixl/pull`` that a consumer
-calls to pull the KV blocks a producer holds.
+calls to pull the KV blocks a producer holds. With ``--kv-events-endpoint`` the
+instance publishes its KV-cache events over ZMQ in vLLM's wire format
+(:mod:`pd_orchestrator.sim.kv_events`).
 
 Test hooks (as llm-d's inference simulator has them):
 
@@ -27,7 +29,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
@@ -58,6 +60,7 @@ from pd_orchestrator.openai.responses import (
     usage_chunk,
 )
 from pd_orchestrator.openai.sse import DONE, encode_event
+from pd_orchestrator.prefix.hashing import BlockExtras
 from pd_orchestrator.sim.engine import (
     Engine,
     EngineConfig,
@@ -72,6 +75,9 @@ from pd_orchestrator.sim.metrics import SimMetrics
 from pd_orchestrator.sim.options import SimOptions
 from pd_orchestrator.sim.runner import EngineRunner
 from pd_orchestrator.sim.tokenizer import SimTokenizer
+
+if TYPE_CHECKING:
+    from pd_orchestrator.sim.kv_events import KvEventPublisher
 
 __all__ = ["SimServer", "bind_socket", "serve"]
 
@@ -107,6 +113,20 @@ class _Job:
     drop_after: int | None
 
 
+def _publisher(options: SimOptions) -> KvEventPublisher | None:
+    if options.kv_events_endpoint is None:
+        return None
+    from pd_orchestrator.sim.kv_events import KvEventPublisher  # pyzmq: the "events" extra
+
+    return KvEventPublisher(
+        options.kv_events_endpoint,
+        options.kv_events_replay_endpoint,
+        topic=options.kv_events_topic,
+        buffer_steps=options.kv_events_buffer_steps,
+        int_hashes=options.kv_events_int_hashes,
+    )
+
+
 def _default_store(options: SimOptions) -> ExternalKV | None:
     if options.kv_connector != "example":
         return None
@@ -125,7 +145,13 @@ class SimServer:
         self.clock = clock
         self.tokenizer = SimTokenizer()
         self.engine = Engine(self._engine_config(), external=_default_store(options))
-        self.runner = EngineRunner(self.engine, options.time_scale, clock=clock)
+        self.kv_events = _publisher(options)
+        self.runner = EngineRunner(
+            self.engine,
+            options.time_scale,
+            clock=clock,
+            on_events=self.kv_events.publish if self.kv_events is not None else None,
+        )
         self.metrics = SimMetrics(self.engine, self.model, self.engine_id)
         self._rng = random.Random(options.seed)
         self._client: httpx.AsyncClient | None = None
@@ -144,6 +170,7 @@ class SimServer:
             global_cache_hit_threshold=options.global_cache_hit_threshold,
             seed=options.seed,
             hash_seed=options.hash_seed,
+            hash_algo=options.hash_algo,
             lease_seconds=options.lease_seconds,
             record_events=options.kv_events_endpoint is not None,
             kv_connector=connector,
@@ -173,6 +200,8 @@ class SimServer:
             anyio.create_task_group() as tg,
         ):
             self._client = client
+            if self.kv_events is not None:
+                await tg.start(self.kv_events.run)
             await tg.start(self.runner.run)
             self.ready.set()
             yield
@@ -215,6 +244,7 @@ class SimServer:
     async def reset_prefix_cache(self, request: Request) -> Response:
         if not self.engine.reset_prefix_cache():
             return JSONResponse(error_body("blocks are in use", 409), 409)
+        self.runner.flush_events()
         return Response(status_code=200)
 
     async def tokenize(self, request: Request) -> Response:
@@ -366,6 +396,7 @@ class SimServer:
             do_remote_decode=bool(params.get("do_remote_decode")),
             external_tokens=external,
             force_reject=forced,
+            extras=_extras(job.request),
         )
         try:
             return self.runner.submit(engine_request)
@@ -383,8 +414,9 @@ class SimServer:
             if self.options.kv_load_failure_policy == "recompute":
                 return 0
             raise HTTPFailure(500, f"KV transfer failed: {exc}") from None
-        external = self._matched_tokens(job.prompt_ids, held)
-        moved = max(0, external - self.engine.local_hit_tokens(job.prompt_ids))
+        extras = _extras(job.request)
+        external = self._matched_tokens(job.prompt_ids, held, extras)
+        moved = max(0, external - self.engine.local_hit_tokens(job.prompt_ids, extras))
         seconds = self.options.latency.transfer_seconds(moved)
         await anyio.sleep(self.runner.scaled(seconds))
         self.metrics.observe_transfer(seconds, moved * self.options.latency.kv_bytes_per_token)
@@ -411,8 +443,10 @@ class SimServer:
             deadline=0.0,
         )
 
-    def _matched_tokens(self, prompt_ids: list[int], held: HeldTransfer) -> int:
-        own = self.engine.prompt_hashes(prompt_ids, None)
+    def _matched_tokens(
+        self, prompt_ids: list[int], held: HeldTransfer, extras: BlockExtras | None
+    ) -> int:
+        own = self.engine.prompt_hashes(prompt_ids, extras)
         matched = 0
         for mine, theirs in zip(own, held.block_hashes, strict=False):
             if mine != theirs:
@@ -549,6 +583,12 @@ class SimServer:
             yield DONE
         finally:
             self.runner.abort(job.request_id)
+
+
+def _extras(request: OpenAIRequest) -> BlockExtras | None:
+    """The request's ``cache_salt`` (a vLLM extension field) as block-hash extras."""
+    salt = (request.model_extra or {}).get("cache_salt")
+    return BlockExtras(cache_salt=salt) if isinstance(salt, str) and salt else None
 
 
 async def _until_disconnect(

@@ -62,7 +62,8 @@ def build(profile: dict[str, Any], registry: Registry | None = None) -> None:
             {"scorers": [{"type": "queue-lenght"}]},
             "scorer",
             "queue-lenght",
-            "unknown scorer type 'queue-lenght' (known: hardware-weight, kv-usage, queue-depth)",
+            "unknown scorer type 'queue-lenght' (known: approximate-prefix, hardware-weight, "
+            "kv-usage, precise-prefix, prefix-affinity, queue-depth)",
         ),
         ({"picker": {"type": "round-robin"}}, "picker", "round-robin", "unknown picker type"),
         (
@@ -239,7 +240,14 @@ def test_new_plugin_kinds_use_the_same_registry() -> None:
 def test_builtin_registry_lists_each_kind() -> None:
     registry = builtin_registry()
     assert registry.names(FILTER) == ["compatibility", "healthy", "model", "role"]
-    assert registry.names(SCORER) == ["hardware-weight", "kv-usage", "queue-depth"]
+    assert registry.names(SCORER) == [
+        "approximate-prefix",
+        "hardware-weight",
+        "kv-usage",
+        "precise-prefix",
+        "prefix-affinity",
+        "queue-depth",
+    ]
     assert registry.names(PICKER) == ["max-score", "weighted-random"]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pd_orchestrator.prefix.hashing import BlockExtras, LoraKey
 from pd_orchestrator.sim.blocks import (
     BlockHasher,
     BlockPool,
@@ -36,7 +37,25 @@ def test_hash_seed_and_extra_keys_separate_the_hash_spaces() -> None:
     tokens = list(range(4))
     assert BlockHasher(4, "0").extend([], tokens) != BlockHasher(4, "1").extend([], tokens)
     hasher = BlockHasher(4)
-    assert hasher.extend([], tokens, ("lora-a",)) != hasher.extend([], tokens, ("lora-b",))
+    lora_a = BlockExtras(LoraKey("a", "/adapters/a"))
+    lora_b = BlockExtras(LoraKey("b", "/adapters/b"))
+    assert hasher.extend([], tokens, lora_a) != hasher.extend([], tokens, lora_b)
+
+
+def test_hasher_defaults_follow_vllm() -> None:
+    """No seed means vLLM's fixed seed for sha256; the algorithm is selectable."""
+    assert BlockHasher(4).none_hash == BlockHasher(4, "vllm-none-hash").none_hash
+    assert BlockHasher(4, algo="sha256_cbor").none_hash != BlockHasher(4).none_hash
+
+
+def test_stored_events_carry_the_lora_name_and_the_untagged_extra_keys() -> None:
+    pool = BlockPool(num_blocks=2, block_size=4, record_events=True)
+    extras = BlockExtras(LoraKey("a", "/adapters/a"), cache_salt="tenant")
+    hashes = BlockHasher(4).extend([], list(range(8)), extras)
+    pool.cache_blocks(pool.allocate(2), hashes, 0, 2, list(range(8)), extras)
+    (stored,) = pool.events
+    assert isinstance(stored, BlockStored) and stored.lora_name == "a"
+    assert stored.extra_keys == [("a", "tenant"), ("a",)]
 
 
 def test_pool_records_stored_and_removed_events() -> None:
