@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from pd_orchestrator.config.load import LoadConfig
 from pd_orchestrator.config.policy import ThresholdConfig
+from pd_orchestrator.config.prefix import PrefixConfig
 from pd_orchestrator.config.routing import RoutingConfig
 
 __all__ = [
@@ -315,6 +316,7 @@ class GatewayConfig(BaseSettings):
     health: HealthConfig = Field(default_factory=HealthConfig)
     load: LoadConfig = Field(default_factory=LoadConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    prefix: PrefixConfig = Field(default_factory=PrefixConfig)
     mode: Literal["decode-first", "ask-all"] = "decode-first"
     admin: AdminConfig = Field(default_factory=AdminConfig)
     ask_all: AskAllConfig = Field(default_factory=AskAllConfig)

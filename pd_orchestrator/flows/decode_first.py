@@ -86,7 +86,8 @@ class FlowContext:
     ``pick_decoder()`` chooses the decoder a continuation goes to now;
     ``connector_for(decoder)`` is the KV-connector adapter of the decoder's pool;
     ``candidates()`` is the fleet now (health, in-flight counts, load readings);
-    ``observe(outcome)`` learns from a served request (threshold feedback).
+    ``observe(outcome)`` learns from a served request (threshold feedback);
+    ``routed(decoder)`` reports the decoder that took the request (prefix scorers).
     """
 
     upstream: Upstream
@@ -98,6 +99,7 @@ class FlowContext:
     connector_for: Callable[[Endpoint], Connector]
     candidates: Callable[[], tuple[Candidate, ...]]
     observe: Callable[[FlowOutcome], None]
+    routed: Callable[[Endpoint], None]
     clock: Callable[[], float]
 
 
@@ -220,6 +222,7 @@ class DecodeFirstFlow:
     async def _serve_whole(self, sink: ClientSink) -> None:
         answer = await self._attempt_whole()
         view = view_answer(answer, self.request.kind)
+        self.ctx.routed(self.decoder)
         if view.rejected and not view.token_ids and not view.completion_tokens:
             self.decision = "pd"
             answer, view = await self._pd_whole()
@@ -304,7 +307,9 @@ class DecodeFirstFlow:
         leg = await self._attempt_stream()
         if leg is None:
             self.decision = "pd"
-            leg = await self._pd_stream()
+            self.ctx.routed(self.decoder)
+            return await self._pd_stream()
+        self.ctx.routed(self.decoder)
         return leg
 
     async def _relay_all(self, leg: _Leg | None, send: Send) -> None:

@@ -14,6 +14,7 @@ ask-all flow.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import secrets
@@ -63,7 +64,7 @@ from pd_orchestrator.policies import (
     ThresholdResolver,
     build_threshold,
 )
-from pd_orchestrator.routing.builtins import builtin_registry
+from pd_orchestrator.prefix.runtime import PrefixFields, PrefixRuntime
 from pd_orchestrator.routing.profiles import build_profiles
 from pd_orchestrator.routing.registry import RoutingConfigError
 from pd_orchestrator.routing.types import Candidate
@@ -127,7 +128,20 @@ def status_document(state: GatewayState, now: float) -> dict[str, Any]:
                 },
             }
         )
-    return {"mode": state.config.mode, "endpoints": endpoints}
+    report = state.prefix.report([state.planner.profiles.decode, state.planner.profiles.prefill])
+    prefix = {
+        "plugin_memory_bytes": dict(report.plugin_memory),
+        "kv_event_streams": dict(report.streams),
+        "index": None if report.index is None else _plain(report.index),
+    }
+    return {"mode": state.config.mode, "endpoints": endpoints, "prefix": prefix}
+
+
+def _plain(value: Any) -> Any:
+    """A dataclass of plain values as a dict (for JSON)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return str(value)
 
 
 @dataclass(frozen=True)
@@ -138,6 +152,7 @@ class GatewayState:
     fleet: FleetState
     threshold: ThresholdResolver
     planner: Planner
+    prefix: PrefixRuntime
     health: HealthMonitor
     scraper: LoadScraper
     allowed_prefillers: frozenset[str]
@@ -146,7 +161,7 @@ class GatewayState:
 def check_plugins(config: GatewayConfig) -> None:
     """Build the routing profiles and the threshold policies of ``config`` once, so
     that an unknown plugin or a bad parameter is reported (``RoutingConfigError``)."""
-    registry = builtin_registry()
+    registry = PrefixRuntime(config.prefix, []).registry()
     build_profiles(config.routing, registry)
     build_threshold(config.threshold, registry, pools={pool.name for pool in config.pools})
 
@@ -162,11 +177,13 @@ def build_state(
 
     Endpoints that keep their name and URL across a reload keep their health.
     """
-    fleet = FleetState(endpoints_from_config(config), config.health.unhealthy_after)
+    endpoints = endpoints_from_config(config)
+    fleet = FleetState(endpoints, config.health.unhealthy_after)
     if previous is not None:
         fleet.inherit(previous.fleet)
     pairs = frozenset((p.prefill_group, p.decode_group) for p in config.compatibility.host_staged)
-    registry = builtin_registry()
+    prefix = PrefixRuntime(config.prefix, endpoints)
+    registry = prefix.registry()
     return GatewayState(
         config=config,
         fleet=fleet,
@@ -174,6 +191,7 @@ def build_state(
             config.threshold, registry, pools={pool.name for pool in config.pools}
         ),
         planner=Planner(build_profiles(config.routing, registry), pairs),
+        prefix=prefix,
         health=HealthMonitor(fleet, upstream, config.health),
         scraper=LoadScraper(fleet, upstream, config.load, clock=clock),
         allowed_prefillers=frozenset(v.lower() for v in config.sidecar.allowed_prefillers),
@@ -260,6 +278,7 @@ class Gateway:
                 async with anyio.create_task_group() as tg:
                     await tg.start(state.health.run)
                     await tg.start(state.scraper.run)
+                    await tg.start(state.prefix.run)
                     task_status.started()
 
         await self._tasks.start(monitors)
@@ -337,11 +356,12 @@ class Gateway:
         path = request.url.path
         try:
             client_request, header_prefillers = await self._admit(request, _ROUTES[path])
-            plan = self._plan(client_request)
+            fields = await self._prefix_fields(client_request)
+            plan = self._plan(client_request, fields)
         except GatewayError as exc:
             self.metrics.requests.labels(path, "error", str(exc.status)).inc()
             return _error(exc.status, exc.message, exc.param)
-        context = self.flow_context(client_request, header_prefillers)
+        context = self.flow_context(client_request, header_prefillers, plan, fields)
         flow: DecodeFirstFlow
         if self.config.mode == "ask-all":
             flow = AskAllFlow(context, client_request, plan)
@@ -406,7 +426,19 @@ class Gateway:
         """Every endpoint with its health, in-flight count and fresh load reading."""
         return self.scraper.candidates(self.fleet.snapshot(), self.clock())
 
-    def _plan(self, request: ClientRequest) -> Plan:
+    async def _prefix_fields(self, request: ClientRequest) -> PrefixFields:
+        """The request's prompt, token ids, LoRA and salt for the prefix scorers."""
+        state = self.state
+        chat = request.kind == "chat"
+        fields = state.prefix.request_fields(request.body, chat=chat)
+        decoders = [c.endpoint for c in self.candidates() if c.healthy and c.endpoint.role.decodes]
+        if decoders:
+            fields = await state.prefix.tokenized(
+                fields, request.body, chat=chat, upstream=self.upstream, endpoint=decoders[0]
+            )
+        return fields
+
+    def _plan(self, request: ClientRequest, fields: PrefixFields | None = None) -> Plan:
         state = self.state
         candidates = self.candidates()
         now = self.clock()
@@ -416,7 +448,7 @@ class Gateway:
 
         def threshold(decoder: Candidate) -> ThresholdDecision:
             prefillers = state.planner.prefillers(
-                request, decoder.endpoint, candidates, now, next(self._sequence)
+                request, decoder.endpoint, candidates, now, next(self._sequence), fields
             )
             context = ThresholdContext(
                 model=request.model,
@@ -430,14 +462,20 @@ class Gateway:
             return state.threshold.decide(context)
 
         try:
-            plan = state.planner.plan(request, candidates, now, next(self._sequence), threshold)
+            plan = state.planner.plan(
+                request, candidates, now, next(self._sequence), threshold, fields
+            )
         except NoCandidateError as exc:
             raise GatewayError(503, str(exc)) from None
         self.metrics.record_threshold(plan.threshold)
         return plan
 
     def flow_context(
-        self, request: ClientRequest, header_prefillers: tuple[Endpoint, ...] | None
+        self,
+        request: ClientRequest,
+        header_prefillers: tuple[Endpoint, ...] | None,
+        plan: Plan,
+        fields: PrefixFields | None = None,
     ) -> FlowContext:
         """The request's view of the gateway: one state for its whole life."""
         state = self.state
@@ -449,11 +487,13 @@ class Gateway:
             if header_prefillers is not None:
                 return header_prefillers
             return state.planner.prefillers(
-                request, decoder, candidates(), self.clock(), next(self._sequence)
+                request, decoder, candidates(), self.clock(), next(self._sequence), fields
             )
 
         def pick_decoder() -> Endpoint:
-            ranking = state.planner.rank(request, candidates(), self.clock(), next(self._sequence))
+            ranking = state.planner.rank(
+                request, candidates(), self.clock(), next(self._sequence), fields
+            )
             if ranking.pick is None:
                 raise GatewayError(503, "no decoder can continue this request")
             return ranking.pick.endpoint
@@ -469,6 +509,9 @@ class Gateway:
                     request.model, request.prompt_chars, outcome.prompt_tokens
                 )
 
+        def routed(decoder: Endpoint) -> None:
+            state.planner.routed(plan, decoder)
+
         return FlowContext(
             upstream=self.upstream,
             config=state.config,
@@ -479,6 +522,7 @@ class Gateway:
             connector_for=self.connector_for,
             candidates=candidates,
             observe=observe,
+            routed=routed,
             clock=self.clock,
         )
 

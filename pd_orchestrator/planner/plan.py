@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pd_orchestrator.fleet.endpoints import Endpoint, Role
 from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.policies.base import ThresholdDecision
+from pd_orchestrator.prefix.runtime import PrefixFields
 from pd_orchestrator.routing.profiles import RoutingProfiles
 from pd_orchestrator.routing.types import Candidate, RoutingRequest, RoutingResult
 
@@ -32,6 +33,7 @@ class Plan:
     decoders: tuple[Endpoint, ...]
     threshold: ThresholdDecision
     ranking: RoutingResult
+    request: RoutingRequest
 
     @property
     def decoder(self) -> Endpoint:
@@ -46,9 +48,11 @@ def routing_request(
     *,
     decoder: Endpoint | None = None,
     allowed_pairs: frozenset[tuple[str, str]] = frozenset(),
+    fields: PrefixFields | None = None,
 ) -> RoutingRequest:
-    """What the routing plugins see of a client request."""
-    return RoutingRequest(
+    """What the routing plugins see of a client request (``fields``: its prompt text,
+    token ids, LoRA and cache salt, for the prefix-aware scorers)."""
+    routing = RoutingRequest(
         role=role,
         now=now,
         model=request.model,
@@ -57,6 +61,7 @@ def routing_request(
         allowed_pairs=allowed_pairs,
         sequence=sequence,
     )
+    return routing if fields is None else fields.apply(routing)
 
 
 @dataclass(frozen=True)
@@ -73,20 +78,31 @@ class Planner:
         now: float,
         sequence: int,
         threshold: Callable[[Candidate], ThresholdDecision],
+        fields: PrefixFields | None = None,
     ) -> Plan:
         """Rank decoders; ``threshold`` is asked about the first one."""
-        result = self.rank(request, candidates, now, sequence)
+        routing = routing_request(request, Role.DECODE, now, sequence, fields=fields)
+        result = self.profiles.decode.run(routing, candidates)
         pick = result.pick
         if pick is None:
             raise NoCandidateError(_why("decoder", result))
-        return Plan(result.endpoints, threshold(pick.candidate), result)
+        return Plan(result.endpoints, threshold(pick.candidate), result, routing)
+
+    def routed(self, plan: Plan, decoder: Endpoint) -> None:
+        """Tell the decode profile's learning plugins which decoder took the request."""
+        self.profiles.decode.observe(plan.request, decoder)
 
     def rank(
-        self, request: ClientRequest, candidates: Sequence[Candidate], now: float, sequence: int
+        self,
+        request: ClientRequest,
+        candidates: Sequence[Candidate],
+        now: float,
+        sequence: int,
+        fields: PrefixFields | None = None,
     ) -> RoutingResult:
         """The decode profile's ranking of the decoders for ``request``."""
         return self.profiles.decode.run(
-            routing_request(request, Role.DECODE, now, sequence), candidates
+            routing_request(request, Role.DECODE, now, sequence, fields=fields), candidates
         )
 
     def prefillers(
@@ -96,6 +112,7 @@ class Planner:
         candidates: Sequence[Candidate],
         now: float,
         sequence: int,
+        fields: PrefixFields | None = None,
     ) -> tuple[Endpoint, ...]:
         """Prefillers whose KV can reach ``decoder``, best first (may be empty)."""
         routing = routing_request(
@@ -105,6 +122,7 @@ class Planner:
             sequence,
             decoder=decoder,
             allowed_pairs=self.allowed_pairs,
+            fields=fields,
         )
         return self.profiles.prefill.run(routing, candidates).endpoints
 

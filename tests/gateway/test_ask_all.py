@@ -93,7 +93,7 @@ async def test_cold_conversations_spread_and_fall_back_to_pd_inside_one_group(
     race: Child,
 ) -> None:
     served = []
-    for _ in range(8):
+    for _ in range(16):
         answer = await call(race.url, "chat", _chat(uuid.uuid4().hex, ["hello"]))
         assert answer.decision == "pd"
         decoder, prefiller = answer.headers["x-pd-decoder"], answer.headers["x-pd-prefiller"]
@@ -101,8 +101,8 @@ async def test_cold_conversations_spread_and_fall_back_to_pd_inside_one_group(
         served.append(decoder)
     assert len(set(served)) >= 3, served
     text = await metrics_text(race.url)
-    assert metric(text, "pd_orchestrator_ask_all_total", outcome="fallback_pd") >= 8
-    assert metric(text, "pd_orchestrator_fanout_legs_total", outcome="rejected") >= 32
+    assert metric(text, "pd_orchestrator_ask_all_total", outcome="fallback_pd") >= 16
+    assert metric(text, "pd_orchestrator_fanout_legs_total", outcome="rejected") >= 64
 
 
 async def _running(child: Child) -> float:
