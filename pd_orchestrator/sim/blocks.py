@@ -63,18 +63,23 @@ class BlockHasher:
         hashes: list[bytes],
         tokens: Sequence[int],
         extra_keys: tuple[Any, ...] | None = None,
+        offset: int = 0,
     ) -> list[bytes]:
         """Append to ``hashes`` the hashes of every newly full block of ``tokens``.
 
         ``hashes`` holds the hashes of the first ``len(hashes)`` blocks already;
-        the list is modified in place and returned.
+        the list is modified in place and returned. ``tokens[i]`` is the token at
+        position ``offset + i`` of the sequence; ``offset`` (a multiple of the block
+        size, at most ``len(hashes) * block_size``) lets a caller keep only the
+        tokens after the blocks it already hashed.
         """
         size = self.block_size
-        for index in range(len(hashes), len(tokens) // size):
+        if offset % size or offset > len(hashes) * size:
+            raise ValueError(f"offset {offset} is not a hashed block boundary")
+        for index in range(len(hashes), (offset + len(tokens)) // size):
             parent = hashes[-1] if hashes else None
-            hashes.append(
-                self.hash_block(parent, tokens[index * size : (index + 1) * size], extra_keys)
-            )
+            start = index * size - offset
+            hashes.append(self.hash_block(parent, tokens[start : start + size], extra_keys))
         return hashes
 
 
