@@ -244,11 +244,12 @@ class _Req:
 
     @property
     def num_output(self) -> int:
-        return self.num_tokens - self.num_prompt
+        return self.offset + len(self.tokens) - self.num_prompt
 
     @property
     def decoding(self) -> bool:
-        return self.num_output > 0 and self.num_computed == self.num_tokens - 1
+        num_tokens = self.offset + len(self.tokens)
+        return num_tokens > self.num_prompt and self.num_computed == num_tokens - 1
 
 
 def hit_ratio(hit_tokens: int, num_tokens: int) -> float:
@@ -309,7 +310,12 @@ class Engine:
     ) -> int:
         """Tokens of ``token_ids`` the local prefix cache holds now (capped like admission)."""
         hashes = self.prompt_hashes(token_ids, extra_keys)
-        return self._local_hit_blocks_count(hashes, len(token_ids)) * self.config.block_size
+        return self.local_hit_tokens_of(hashes, len(token_ids))
+
+    def local_hit_tokens_of(self, block_hashes: Sequence[bytes], num_tokens: int) -> int:
+        """Like :meth:`local_hit_tokens` for a prompt given by its block hashes
+        (a :class:`~pd_orchestrator.sim.digest.PromptDigest`'s, for instance)."""
+        return self._local_hit_blocks_count(block_hashes, num_tokens) * self.config.block_size
 
     # -- request lifecycle ---------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
