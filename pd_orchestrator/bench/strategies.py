@@ -26,6 +26,7 @@ import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 from pydantic import ValidationError
@@ -44,6 +45,7 @@ from pd_orchestrator.policies import (
 __all__ = [
     "CHARS_PER_TOKEN",
     "DEFAULT_STRATEGIES",
+    "ConfiguredPolicy",
     "MinUncachedTokensRule",
     "Mode",
     "Strategy",
@@ -77,23 +79,29 @@ class Mode(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Strategy:
-    """A named mode; decode-first strategies carry their threshold policy."""
+    """A named mode; decode-first strategies carry their threshold policy.
+
+    ``config_block``: the gateway's ``threshold.policy`` block that runs the same
+    policy, when there is one (live runs need it).
+    """
 
     name: str
     mode: Mode
     policy: ThresholdPolicy | None = None
     description: str = ""
+    config_block: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if (self.mode is Mode.DECODE_FIRST) != (self.policy is not None):
             raise ValueError(f"strategy {self.name!r}: decode-first, and only it, needs a policy")
 
-    @property
-    def static_threshold(self) -> float | None:
-        """The fixed threshold of a static policy (what a gateway config can carry)."""
-        if self.mode is Mode.DECODE_ONLY:
-            return 0.0
-        return self.policy.value if isinstance(self.policy, StaticPolicy) else None
+
+@dataclass(frozen=True, slots=True)
+class ConfiguredPolicy:
+    """A policy built from a gateway ``threshold.policy`` block, and the block."""
+
+    policy: ThresholdPolicy
+    block: Mapping[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +141,7 @@ def decide_threshold(policy: ThresholdPolicy, context: ThresholdContext) -> Thre
     return resolve_threshold(policy, ThresholdConfig(), context)
 
 
-def load_policy_file(path: Path) -> dict[str, ThresholdPolicy]:
+def load_policy_file(path: Path) -> dict[str, ConfiguredPolicy]:
     """Named policies from YAML: ``{name: <threshold.policy block>}``.
 
     Each block is validated as the gateway's ``threshold.policy`` and built by
@@ -142,13 +150,13 @@ def load_policy_file(path: Path) -> dict[str, ThresholdPolicy]:
     data = yaml.safe_load(path.read_text()) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of policy names to policy blocks")
-    policies: dict[str, ThresholdPolicy] = {}
+    policies: dict[str, ConfiguredPolicy] = {}
     for name, block in data.items():
         try:
             config = ThresholdConfig.model_validate({"policy": block})
         except ValidationError as exc:
             raise ValueError(f"{path}: policy {name!r}: {exc}") from None
-        policies[str(name)] = build_policy(config.policy)
+        policies[str(name)] = ConfiguredPolicy(build_policy(config.policy), dict(block))
     return policies
 
 
@@ -159,45 +167,57 @@ def _static(name: str) -> Strategy:
         raise ValueError(f"{name!r}: static strategies are named static-<threshold>") from None
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"{name!r}: the threshold must be within [0, 1]")
+    block = {"type": "static", "value": value}
     return Strategy(
-        name, Mode.DECODE_FIRST, StaticPolicy(value), f"decode-first, threshold {value:g}"
+        name, Mode.DECODE_FIRST, StaticPolicy(value), f"decode-first, threshold {value:g}", block
     )
 
 
-def _builtin(name: str) -> Strategy | None:
-    if name == "always-pd":
-        return Strategy(name, Mode.PREFILL_FIRST, description="prefill-first for every request")
-    if name == "decode-only":
-        return Strategy(name, Mode.DECODE_ONLY, description="all instances decode, threshold 0")
-    if name == "dynamo":
-        rule = MinUncachedTokensRule()
-        return Strategy(name, Mode.DECODE_FIRST, rule, "decode-first, <= 2048 uncached tokens")
-    if name.startswith("static-"):
-        return _static(name)
-    return None
+def _fixed() -> dict[str, Strategy]:
+    """The built-in strategies with fixed names."""
+    return {
+        "always-pd": Strategy(
+            "always-pd", Mode.PREFILL_FIRST, None, "prefill-first for every request"
+        ),
+        "decode-only": Strategy(
+            "decode-only",
+            Mode.DECODE_ONLY,
+            None,
+            "all instances decode, threshold 0",
+            {"type": "static", "value": 0.0},
+        ),
+        "dynamo": Strategy(
+            "dynamo",
+            Mode.DECODE_FIRST,
+            MinUncachedTokensRule(),
+            "decode-first, at most 2048 uncached tokens",
+        ),
+    }
 
 
 def resolve_strategies(
-    names: Iterable[str], policies: Mapping[str, ThresholdPolicy] | None = None
+    names: Iterable[str], policies: Mapping[str, ConfiguredPolicy] | None = None
 ) -> list[Strategy]:
     """Strategies for ``names``: built-ins (module docstring) and ``policies`` by name."""
     policies = policies or {}
+    fixed = _fixed()
     strategies: list[Strategy] = []
     for name in names:
         if name in policies:
-            policy = policies[name]
+            configured = policies[name]
+            description = f"decode-first, {configured.policy.name}"
             strategies.append(
-                Strategy(name, Mode.DECODE_FIRST, policy, f"decode-first, {policy.name}")
+                Strategy(name, Mode.DECODE_FIRST, configured.policy, description, configured.block)
             )
-            continue
-        strategy = _builtin(name)
-        if strategy is None:
+        elif name in fixed:
+            strategies.append(fixed[name])
+        elif name.startswith("static-"):
+            strategies.append(_static(name))
+        else:
             known = ", ".join([*DEFAULT_STRATEGIES, "static-<v>", *policies])
             raise ValueError(f"unknown strategy {name!r} (known: {known})")
-        strategies.append(strategy)
-    duplicates = sorted(
-        {s.name for s in strategies if [t.name for t in strategies].count(s.name) > 1}
-    )
+    names_seen = [s.name for s in strategies]
+    duplicates = sorted({n for n in names_seen if names_seen.count(n) > 1})
     if duplicates:
         raise ValueError(f"strategies named twice: {', '.join(duplicates)}")
     return strategies
