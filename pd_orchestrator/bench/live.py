@@ -430,9 +430,13 @@ def router_executable(version: str = VLLM_ROUTER_VERSION, python: str = "python3
     executable = venv / "bin" / "vllm-router"
     if executable.exists():
         return executable
-    subprocess.run([python, "-m", "venv", str(venv)], check=True)
+    subprocess.run([python, "-m", "venv", str(venv)], check=True, capture_output=True)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
-    subprocess.run([*pip, f"vllm-router=={version}"], check=True)
+    installed = subprocess.run(
+        [*pip, f"vllm-router=={version}"], capture_output=True, text=True, check=False
+    )
+    if installed.returncode != 0:
+        raise RuntimeError(f"installing vllm-router {version} failed:\n{installed.stderr[-2000:]}")
     return executable
 
 

@@ -94,7 +94,7 @@ class VirtualOptions:
     between two load snapshots (the scraper's poll interval). ``handback``: the
     gateway's hand-back settings."""
 
-    hop: float = 0.0005
+    hop: float = 0.002
     load_interval: float = LoadConfig().interval
     handback: HandbackConfig = field(default_factory=HandbackConfig)
 

@@ -24,7 +24,9 @@ Generators (every one seeded; the same arguments give the same list):
   group, a question of 256-1200 tokens per user, 256 output tokens, Poisson
   arrivals.
 * :func:`multi_turn` -- conversations of 5-20 turns on a common short system
-  prompt; each turn re-sends the history plus a new user message.
+  prompt; each turn re-sends the history plus a new user message. The first message
+  (704-1600 tokens, context pasted by the user) puts the conversation's own tokens
+  within its first 1024, the prefix a gateway keys a token prompt's affinity on.
 * :func:`long_doc` -- documents of 8k-32k tokens with a short question; a small
   share of requests ask about a document seen before.
 """
@@ -369,7 +371,7 @@ def multi_turn(options: WorkloadOptions, conversations: int = 48, think: float =
     for c, start in enumerate(starts):
         previous: int | None = None
         for turn in range(rng.randint(5, 20)):
-            size = rng.randint(200, 800) if turn == 0 else rng.randint(40, 400)
+            size = rng.randint(704, 1600) if turn == 0 else rng.randint(40, 400)
             message = Segment(content_key("chat-user", c, turn), options.tokens(size))
             request = BenchRequest(
                 index=len(requests),
