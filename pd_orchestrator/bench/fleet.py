@@ -62,13 +62,19 @@ class InstanceSpec:
 
 @dataclass(frozen=True, slots=True)
 class FleetSpec:
-    """Instances and the engine settings they share."""
+    """Instances and the engine settings they share; ``kv_capacity_tokens`` overrides
+    every profile's KV capacity (memory-pressure experiments)."""
 
     name: str
     instances: tuple[InstanceSpec, ...]
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    kv_capacity_tokens: int | None = None
+
+    def capacity(self, instance: InstanceSpec) -> int:
+        """KV capacity of ``instance`` in tokens."""
+        return self.kv_capacity_tokens or instance.latency.capacity_tokens
 
     def __post_init__(self) -> None:
         names = [i.name for i in self.instances]

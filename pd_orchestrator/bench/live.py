@@ -290,6 +290,7 @@ def _sim_argv(instance: InstanceSpec, fleet: FleetSpec, time_scale: float) -> li
         "--kv-connector", "nixl",
         "--engine-id", instance.name,
         "--model", fleet.model,
+        "--num-kv-blocks", str(max(1, fleet.capacity(instance) // fleet.block_size)),
     )  # fmt: skip
 
 

@@ -121,7 +121,7 @@ class _Instance:
             profile=self.profile,
             model=self.profile.model,
             block_size=fleet.block_size,
-            num_kv_blocks=max(1, self.profile.capacity_tokens // fleet.block_size),
+            num_kv_blocks=max(1, fleet.capacity(spec) // fleet.block_size),
             max_num_seqs=fleet.max_num_seqs,
             max_num_batched_tokens=fleet.max_num_batched_tokens,
             kv_connector="nixl",

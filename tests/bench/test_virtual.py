@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,20 @@ def test_policy_file_strategies_and_errors(tmp_path: Path) -> None:
         resolve_strategies(["nope"])
     with pytest.raises(ValueError, match="named twice"):
         resolve_strategies(["static-0.5", "static-0.5"])
+
+
+def test_preempted_requests_are_handed_back_and_complete() -> None:
+    warm_up = [(float(i), (Segment(50 + i, 400),), 4) for i in range(4)]
+    burst = [(100.0 + 0.01 * i, (Segment(50 + i, 400),), 400) for i in range(4)]
+    requests = tuple(
+        BenchRequest(i, f"s{i}", 0, segments, max_tokens, arrival=at)
+        for i, (at, segments, max_tokens) in enumerate(warm_up + burst)
+    )
+    fleet = replace(preset_fleet("tiny"), kv_capacity_tokens=2048)
+    result = _run("static-0.9", Workload("burst", "", requests), fleet)
+    later = result.records[4:]
+    assert [r.decision for r in later] == ["decode"] * 4  # warm: admitted at 0.9
+    assert result.preemptions > 0 and sum(r.handbacks for r in later) > 0
+    assert all(r.ok and r.output_tokens == 400 for r in later)
+    handed = [r for r in later if r.handbacks]
+    assert all(r.prefiller == "h200-p0" and r.kv_bytes > 0 for r in handed)
