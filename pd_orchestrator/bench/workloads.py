@@ -326,7 +326,7 @@ def _mooncake_request(
 
 
 def shared_prefix(
-    options: WorkloadOptions, groups: int = 16, users: int = 24, output: int = 256
+    options: WorkloadOptions, groups: int = 16, users: int = 64, output: int = 256
 ) -> Workload:
     """Groups x users sharing one system prompt per group; Poisson arrivals."""
     rng = random.Random(options.seed)
@@ -340,7 +340,7 @@ def shared_prefix(
         for u in range(users)
     ]
     rng.shuffle(prompts)
-    rate = options.rate or 12.0
+    rate = options.rate or 40.0
     times = _poisson(rng, len(prompts), rate)
     requests = [
         BenchRequest(
@@ -361,11 +361,11 @@ def shared_prefix(
     )
 
 
-def multi_turn(options: WorkloadOptions, conversations: int = 48, think: float = 4.0) -> Workload:
+def multi_turn(options: WorkloadOptions, conversations: int = 128, think: float = 4.0) -> Workload:
     """Conversations of 5-20 turns; each turn re-sends the history and a new message."""
     rng = random.Random(options.seed)
     system = Segment(content_key("chat-system"), options.tokens(320))
-    rate = options.rate or 1.0
+    rate = options.rate or 2.0
     starts = _poisson(rng, conversations, rate)
     requests: list[BenchRequest] = []
     for c, start in enumerate(starts):
@@ -397,7 +397,7 @@ def multi_turn(options: WorkloadOptions, conversations: int = 48, think: float =
 def long_doc(options: WorkloadOptions, count: int = 240, reuse: float = 0.1) -> Workload:
     """Questions about long documents (8k-32k tokens); ``reuse`` of them re-ask one."""
     rng = random.Random(options.seed)
-    rate = options.rate or 2.0
+    rate = options.rate or 3.0
     documents: list[Segment] = []
     requests: list[BenchRequest] = []
     for i, t in enumerate(_poisson(rng, count, rate)):

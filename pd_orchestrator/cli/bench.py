@@ -152,6 +152,8 @@ def _run_virtual(
         for strategy in strategies:
             advance = _tracked(progress, strategy.name, len(workload))
             results.append(VirtualFleet(fleet, strategy, routing, options).run(workload, advance))
+            if not console.is_terminal:
+                console.print(f"{strategy.name}: {results[-1].wall_seconds:.1f}s", highlight=False)
     return results
 
 

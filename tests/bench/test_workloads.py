@@ -74,7 +74,7 @@ def test_mooncake_needs_a_well_formed_trace(tmp_path: Path) -> None:
 def test_shared_prefix_shape() -> None:
     workload = build_workload("shared-prefix", WorkloadOptions())
     systems = {r.segments[0] for r in workload.requests}
-    assert len(workload) == 16 * 24 and len(systems) == 16
+    assert len(workload) == 16 * 64 and len(systems) == 16
     assert all(2048 <= r.segments[0].length <= 6000 for r in workload.requests)
     assert all(256 <= r.segments[1].length <= 1200 for r in workload.requests)
     assert {r.max_tokens for r in workload.requests} == {256}
