@@ -28,6 +28,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -425,7 +426,7 @@ def _cache_root() -> Path:
     return Path(base) / "pd-orchestrator"
 
 
-def router_executable(version: str = VLLM_ROUTER_VERSION, python: str = "python3") -> Path:
+def router_executable(version: str = VLLM_ROUTER_VERSION, python: str = sys.executable) -> Path:
     """vllm-router's executable in a cached venv outside the clone (built on first use)."""
     venv = _cache_root() / f"vllm-router-{version}"
     executable = venv / "bin" / "vllm-router"
