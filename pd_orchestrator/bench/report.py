@@ -17,7 +17,7 @@ from typing import Any
 
 from rich.table import Table
 
-from pd_orchestrator.bench.results import RunResult, Slo, Summary, percentile
+from pd_orchestrator.bench.results import RunResult, Slo, Summary, percentiles
 
 __all__ = ["PLOTS", "plot_results", "quantiles", "summary_table", "write_json"]
 
@@ -93,8 +93,7 @@ def quantiles(values: Sequence[float]) -> list[float] | None:
     """The 0th..100th percentiles of ``values`` (101 points); None when empty."""
     if not values:
         return None
-    ordered = sorted(values)
-    return [percentile(ordered, q) or 0.0 for q in range(101)]
+    return [p or 0.0 for p in percentiles(values, range(101))]
 
 
 def _curves(result: RunResult) -> dict[str, list[float] | None]:

@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["RequestRecord", "RunResult", "Slo", "Summary", "percentile", "summarize"]
+__all__ = ["RequestRecord", "RunResult", "Slo", "Summary", "percentile", "percentiles", "summarize"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,9 +96,18 @@ class RunResult:
 
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The ``q``-th percentile (0..100, linear interpolation); None for no values."""
+    return percentiles(values, (q,))[0]
+
+
+def percentiles(values: Sequence[float], qs: Sequence[float]) -> list[float | None]:
+    """Several percentiles of ``values`` with one sort (each None for no values)."""
     if not values:
-        return None
+        return [None] * len(qs)
     ordered = sorted(values)
+    return [_interpolate(ordered, q) for q in qs]
+
+
+def _interpolate(ordered: Sequence[float], q: float) -> float:
     rank = (len(ordered) - 1) * q / 100
     low = math.floor(rank)
     high = min(low + 1, len(ordered) - 1)
@@ -142,7 +151,9 @@ def summarize(result: RunResult, slo: Slo) -> Summary:
     tpots = [r.tpot for r in done if r.tpot is not None]
     met = sum(r.meets(slo) for r in result.records)
     span = result.span
-    samples = list(result.itl_samples)
+    itl_p50, itl_p99 = percentiles(result.itl_samples, (50, 99))
+    ttft_p50, ttft_p90, ttft_p99 = percentiles(ttfts, (50, 90, 99))
+    e2e_p50, e2e_p99 = percentiles(e2es, (50, 99))
     return Summary(
         strategy=result.strategy,
         mode=result.mode,
@@ -150,14 +161,14 @@ def summarize(result: RunResult, slo: Slo) -> Summary:
         requests=len(result.records),
         completed=len(done),
         errors=sum(r.error is not None for r in result.records),
-        ttft_p50=percentile(ttfts, 50),
-        ttft_p90=percentile(ttfts, 90),
-        ttft_p99=percentile(ttfts, 99),
-        itl_p50=percentile(samples, 50),
-        itl_p99=percentile(samples, 99),
+        ttft_p50=ttft_p50,
+        ttft_p90=ttft_p90,
+        ttft_p99=ttft_p99,
+        itl_p50=itl_p50,
+        itl_p99=itl_p99,
         tpot_p50=percentile(tpots, 50),
-        e2e_p50=percentile(e2es, 50),
-        e2e_p99=percentile(e2es, 99),
+        e2e_p50=e2e_p50,
+        e2e_p99=e2e_p99,
         goodput=met / span if span > 0 else 0.0,
         slo_share=met / len(result.records) if result.records else 0.0,
         decisions=dict(sorted(Counter(r.decision for r in done).items())),
