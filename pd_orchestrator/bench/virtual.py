@@ -183,6 +183,7 @@ class VirtualFleet:
         self._records: list[RequestRecord] = []
         self._remaining = 0
         self._progress: Callable[[int], None] | None = None
+        self._ran = False
 
     # -- the event loop ---------------------------------------------------------------------
     def at(self, when: float, action: Action) -> None:
@@ -190,9 +191,17 @@ class VirtualFleet:
         heapq.heappush(self._events, (when, next(self._seq), action))
 
     def run(self, workload: Workload, progress: Callable[[int], None] | None = None) -> RunResult:
-        """Replay ``workload``; ``progress(n)`` is called as each request completes."""
+        """Replay ``workload``; ``progress(n)`` is called as each request completes.
+
+        A fleet runs once (its engines keep their state); ``RuntimeError`` otherwise.
+        Objects alive at the start are kept out of garbage collection while it runs
+        (``gc.freeze``; the engines' block pools are large and long-lived).
+        """
+        if self._ran:
+            raise RuntimeError("a virtual fleet runs once; build a new one")
+        self._ran = True
         started = time.perf_counter()
-        gc.freeze()  # the engines' block pools are long-lived: keep them out of collections
+        gc.freeze()
         self._progress = progress
         self._remaining = len(workload)
         for request in workload.requests:

@@ -146,3 +146,11 @@ def test_preempted_requests_are_handed_back_and_complete() -> None:
     assert all(r.ok and r.output_tokens == 400 for r in later)
     handed = [r for r in later if r.handbacks]
     assert all(r.prefiller == "h200-p0" and r.kv_bytes > 0 for r in handed)
+
+
+def test_a_fleet_runs_once() -> None:
+    (strategy,) = resolve_strategies(["static-0.5"])
+    fleet = VirtualFleet(preset_fleet("tiny"), strategy, AFFINITY)
+    fleet.run(COLD_THEN_WARM)
+    with pytest.raises(RuntimeError, match="runs once"):
+        fleet.run(COLD_THEN_WARM)
