@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PORT ?= 8000
 
-.PHONY: run test lint format unit e2e lock clean vllm-env tiny-model e2e-vllm
+.PHONY: run test lint format unit e2e lock clean vllm-env tiny-model e2e-vllm bench
 
 $(STAMP): requirements/lock.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,6 +16,11 @@ $(STAMP): requirements/lock.txt pyproject.toml
 ## run: start the simulated pools and the gateway on loopback (configs/local.yaml)
 run: $(STAMP)
 	$(BIN)/pd-orchestrator up --config configs/local.yaml --port $(PORT)
+
+## bench: a small benchmark (virtual fleet, shared-prefix workload, every strategy) into bench-results/
+BENCH_ARGS ?= --workload shared-prefix --virtual --fleet h200
+bench: $(STAMP)
+	$(BIN)/pd-orchestrator bench $(BENCH_ARGS) --out bench-results/make-bench
 
 ## lint: ruff check + format check, mypy --strict on both packages
 lint: $(STAMP)

@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable, Sequence
 
 from pd_orchestrator import __version__
-from pd_orchestrator.cli import gateway, sim, top
+from pd_orchestrator.cli import bench, gateway, sim, top
 
 __all__ = ["build_parser", "main"]
 
@@ -14,6 +14,7 @@ _COMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]],
     sim.add_parser,
     gateway.add_parsers,
     top.add_parser,
+    bench.add_parser,
 )
 
 

@@ -164,15 +164,27 @@ class VllmBlockHasher:
         return self._hash((parent or self.none_hash, tuple(tokens), extra_keys))
 
     def extend(
-        self, hashes: list[bytes], tokens: Sequence[int], extras: BlockExtras | None = None
+        self,
+        hashes: list[bytes],
+        tokens: Sequence[int],
+        extras: BlockExtras | None = None,
+        offset: int = 0,
     ) -> list[bytes]:
-        """Append to ``hashes`` (the hashes of the first ``len(hashes)`` blocks of
-        ``tokens``) the hashes of the remaining full blocks; returns ``hashes``."""
+        """Append to ``hashes`` (the hashes of the first ``len(hashes)`` blocks of the
+        sequence) the hashes of its remaining full blocks; returns ``hashes``.
+
+        ``tokens[i]`` is the token at position ``offset + i`` of the sequence;
+        ``offset`` (a multiple of the block size, at most ``len(hashes) * block_size``)
+        lets a caller keep only the tokens after the blocks it already hashed.
+        """
         size = self.block_size
-        for index in range(len(hashes), len(tokens) // size):
+        if offset % size or offset > len(hashes) * size:
+            raise ValueError(f"offset {offset} is not a hashed block boundary")
+        for index in range(len(hashes), (offset + len(tokens)) // size):
             keys = extras.keys(index) if extras is not None else None
             parent = hashes[-1] if hashes else None
-            hashes.append(self.hash_block(parent, tokens[index * size : (index + 1) * size], keys))
+            start = index * size - offset
+            hashes.append(self.hash_block(parent, tokens[start : start + size], keys))
         return hashes
 
     def block_hashes(

@@ -31,6 +31,12 @@ sequence has hit ratio 1.0 (nothing to compute), so it is never rejected.
 KV pulled from a producer (``external_tokens``) serves the first admission only; a
 preempted request that re-enters counts its local hits (and shared storage) alone.
 
+A request may carry a :class:`~pd_orchestrator.sim.digest.PromptDigest` instead of
+its prompt tokens (an opt-in fast path for fleet simulations): the engine then
+uses the digest's block hashes and generation state and keeps only the tokens after
+the last full prompt block. Such requests cannot be used with ``record_events``
+(the events carry the blocks' tokens).
+
 A finished producer request that ended by length keeps its blocks referenced under
 a lease until :meth:`Engine.release` (a consumer pulled them) or expiry.
 """
@@ -46,6 +52,7 @@ from typing import Protocol
 
 from pd_orchestrator.prefix.hashing import BlockExtras, HashAlgo
 from pd_orchestrator.sim.blocks import BlockHasher, BlockPool
+from pd_orchestrator.sim.digest import PromptDigest
 from pd_orchestrator.sim.generation import advance, advance_all, initial_state, next_token
 from pd_orchestrator.sim.profiles import LatencyProfile
 from pd_orchestrator.sim.tokenizer import EOS_TOKEN_ID
@@ -58,6 +65,7 @@ __all__ = [
     "ExternalKV",
     "FinishReason",
     "HeldTransfer",
+    "PromptDigest",
     "RequestOutput",
     "SamplingSpec",
     "StepResult",
@@ -89,6 +97,8 @@ class EngineRequest:
 
     ``external_tokens`` is what a pull-based connector (NIXL) already fetched for
     this request: the number of leading prompt tokens whose KV is loadable.
+    ``digest``: the prompt as a digest (then ``prompt_token_ids`` is ignored and
+    may be empty); see the module docstring.
     """
 
     request_id: str
@@ -99,6 +109,14 @@ class EngineRequest:
     external_tokens: int = 0
     force_reject: bool = False
     extras: BlockExtras | None = None
+    digest: PromptDigest | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt length, from the digest when there is one."""
+        if self.digest is not None:
+            return self.digest.num_tokens
+        return len(self.prompt_token_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,14 +237,21 @@ class _Req:
     external_tokens: int = 0
     prompt_saved: bool = False
     load_seconds: float = 0.0
+    offset: int = 0
+    """Position of ``tokens[0]``: 0, or the digest's tokens covered by block hashes."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.offset + len(self.tokens)
 
     @property
     def num_output(self) -> int:
-        return len(self.tokens) - self.num_prompt
+        return self.offset + len(self.tokens) - self.num_prompt
 
     @property
     def decoding(self) -> bool:
-        return self.num_output > 0 and self.num_computed == len(self.tokens) - 1
+        num_tokens = self.offset + len(self.tokens)
+        return num_tokens > self.num_prompt and self.num_computed == num_tokens - 1
 
 
 def hit_ratio(hit_tokens: int, num_tokens: int) -> float:
@@ -285,31 +310,56 @@ class Engine:
     def local_hit_tokens(self, token_ids: Sequence[int], extras: BlockExtras | None = None) -> int:
         """Tokens of ``token_ids`` the local prefix cache holds now (capped like admission)."""
         hashes = self.prompt_hashes(token_ids, extras)
-        return self._local_hit_blocks_count(hashes, len(token_ids)) * self.config.block_size
+        return self.local_hit_tokens_of(hashes, len(token_ids))
+
+    def local_hit_tokens_of(self, block_hashes: Sequence[bytes], num_tokens: int) -> int:
+        """Like :meth:`local_hit_tokens` for a prompt given by its block hashes
+        (a :class:`~pd_orchestrator.sim.digest.PromptDigest`'s, for instance)."""
+        return self._local_hit_blocks_count(block_hashes, num_tokens) * self.config.block_size
 
     # -- request lifecycle ---------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
-        """Queue ``request``; ``ValueError`` if its id is in use or it cannot ever fit."""
+        """Queue ``request``; ``ValueError`` if its id is in use, it cannot ever fit, or
+        its digest does not match the block size (or events are recorded)."""
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if not request.prompt_token_ids:
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
             raise ValueError("the prompt must not be empty")
-        needed = len(request.prompt_token_ids) + request.sampling.max_tokens
+        needed = num_prompt + request.sampling.max_tokens
         if needed > self.capacity_tokens():
             raise ValueError(
                 f"prompt plus max_tokens is {needed} tokens, more than this instance's "
                 f"KV capacity of {self.capacity_tokens()} tokens"
             )
+        req = self._new_req(request) if request.digest is None else self._digest_req(request)
+        self._requests[request.request_id] = req
+        self._waiting.append(req)
+
+    def _new_req(self, request: EngineRequest) -> _Req:
         tokens = list(request.prompt_token_ids)
-        req = _Req(
+        return _Req(
             spec=request,
             tokens=tokens,
             num_prompt=len(tokens),
             state=advance_all(self._root_state, tokens),
             hashes=self.prompt_hashes(tokens, request.extras),
         )
-        self._requests[request.request_id] = req
-        self._waiting.append(req)
+
+    def _digest_req(self, request: EngineRequest) -> _Req:
+        digest = request.digest
+        assert digest is not None
+        digest.check(self.config.block_size)
+        if self.config.record_events:
+            raise ValueError("requests with a prompt digest cannot be used with record_events")
+        return _Req(
+            spec=request,
+            tokens=list(digest.tail),
+            num_prompt=digest.num_tokens,
+            state=digest.state,
+            hashes=list(digest.block_hashes),
+            offset=digest.offset,
+        )
 
     def abort(self, request_id: str) -> bool:
         """Drop a waiting or running request and free its blocks; False if unknown."""
@@ -358,7 +408,7 @@ class Engine:
         index = 0
         while index < len(self._running):
             req = self._running[index]
-            count = 1 if req.decoding else min(len(req.tokens) - req.num_computed, budget)
+            count = 1 if req.decoding else min(req.num_tokens - req.num_computed, budget)
             if count <= 0:
                 index += 1
                 continue
@@ -390,7 +440,7 @@ class Engine:
 
     def _try_admit(self, req: _Req, budget: int, outputs: list[RequestOutput]) -> int | None:
         """Admit, reject (returns 0) or leave waiting (returns None) the head request."""
-        num_tokens = len(req.tokens)
+        num_tokens = req.num_tokens
         hit_blocks = self.pool.longest_hit(req.hashes, self._max_hit_blocks(num_tokens))
         local = len(hit_blocks) * self.config.block_size
         external = self._external_beyond(req, local, num_tokens)
@@ -446,10 +496,10 @@ class Engine:
 
     def _count_queries(self, req: _Req, local: int, external: int) -> None:
         stats = self.stats
-        stats.prefix_queries += len(req.tokens)
+        stats.prefix_queries += req.num_tokens
         stats.prefix_hits += local
         if self.config.kv_connector is not None:
-            stats.external_queries += len(req.tokens) - local
+            stats.external_queries += req.num_tokens - local
             stats.external_hits += external
 
     def _max_hit_blocks(self, num_tokens: int) -> int:
@@ -501,7 +551,7 @@ class Engine:
         if not was_decoding:
             self.stats.prefill_computed_tokens += count
         self._cache_full_blocks(req)
-        if req.num_computed < len(req.tokens):
+        if req.num_computed < req.num_tokens:
             return None
         if not req.prompt_saved and req.num_computed >= req.num_prompt:
             req.prompt_saved = True
@@ -514,7 +564,7 @@ class Engine:
         token = next_token(req.state, allow_eos=allow_eos)
         req.tokens.append(token)
         req.state = advance(req.state, token)
-        self.hasher.extend(req.hashes, req.tokens, req.spec.extras)
+        self.hasher.extend(req.hashes, req.tokens, req.spec.extras, req.offset)
         self.stats.generation_tokens += 1
         if token == EOS_TOKEN_ID:
             return self._finish(req, FinishReason.STOP, (token,))

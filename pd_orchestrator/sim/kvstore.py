@@ -65,7 +65,7 @@ class SharedKVStore:
 
     def loadable_tokens(self, request: EngineRequest, block_hashes: Sequence[bytes]) -> int:
         """Tokens loadable for ``request``: its whole aligned prompt, or nothing."""
-        size = len(request.prompt_token_ids)
+        size = request.num_prompt_tokens
         key = prompt_key(size, block_hashes, self.block_size)
         if key is None or key not in self.keys:
             return 0
@@ -73,6 +73,6 @@ class SharedKVStore:
 
     def save(self, request: EngineRequest, block_hashes: Sequence[bytes]) -> None:
         """Store the KV of ``request``'s prompt (a marker under its key)."""
-        key = prompt_key(len(request.prompt_token_ids), block_hashes, self.block_size)
+        key = prompt_key(request.num_prompt_tokens, block_hashes, self.block_size)
         if key is not None:
             self.keys.add(key)

@@ -1,0 +1,522 @@
+"""Live runs: the workload over HTTP against a gateway (ours or another) or a simulator.
+
+:func:`run_target` sends a workload to one base URL: open-loop arrivals at the
+workload's times (conversation turns ``think_time`` after the previous turn
+finished), every request a streamed ``/v1/completions`` call with a token-id prompt,
+``ignore_eos`` and the workload's ``max_tokens``, at most ``concurrency`` in
+flight. It records TTFT, every inter-token gap and end-to-end latency from the
+request's scheduled time (so a saturated client does not hide queueing), the
+``x-pd-decision`` header, and -- from the simulators' ``/metrics`` read before and
+after -- prefill tokens computed (``vllm:prefill_tokens_computed_total``), KV bytes
+moved (``vllm:nixl_bytes_transferred_sum``) and preemptions.
+
+Simulators run at a time scale (real seconds per simulated second); arrivals are
+sent at that scale and every latency is divided by it, so results are in simulated
+seconds like the virtual fleet's. A conversation's next prompt is its previous
+prompt, the answer's token ids (the simulator's tokenizer is reversible, so the
+streamed text re-encodes to them) and the new message.
+
+:func:`run_fleet_strategy` starts a fresh simulated fleet and our gateway for one
+strategy, runs the workload and stops everything; :func:`run_vllm_router` does the
+same with vllm-router (PyPI ``vllm-router``, in P/D mode with the NIXL connector)
+in front of the simulators, built into a cached venv outside the clone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from pd_orchestrator.bench.fleet import FleetSpec, InstanceSpec
+from pd_orchestrator.bench.results import RequestRecord, RunResult
+from pd_orchestrator.bench.strategies import Mode, Strategy
+from pd_orchestrator.bench.workloads import BenchRequest, Workload, materialize
+from pd_orchestrator.children import Child, ChildStartError, python_command, start_child, stop_child
+from pd_orchestrator.fleet.endpoints import Role
+from pd_orchestrator.sim.tokenizer import SimTokenizer
+
+__all__ = [
+    "VLLM_ROUTER_VERSION",
+    "FleetCounters",
+    "LiveOptions",
+    "live_policy",
+    "read_counters",
+    "router_executable",
+    "run_fleet_strategy",
+    "run_target",
+    "run_vllm_router",
+    "start_fleet",
+]
+
+VLLM_ROUTER_VERSION = "0.1.17"
+_COUNTERS = {
+    "vllm:prefill_tokens_computed": "prefill_tokens",
+    "vllm:nixl_bytes_transferred": "kv_bytes",
+    "vllm:num_preemptions": "preemptions",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class LiveOptions:
+    """``sim_time_scale``: real seconds per simulated second of the simulators (and of
+    the arrivals). ``concurrency``: requests in flight at most. ``timeout``: seconds
+    one request may take (real time)."""
+
+    sim_time_scale: float = 1.0
+    concurrency: int = 256
+    timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.sim_time_scale <= 0 or self.concurrency < 1 or self.timeout <= 0:
+            raise ValueError("time scale and timeout must be > 0, concurrency >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class FleetCounters:
+    """Fleet-wide counters read from the simulators' ``/metrics``."""
+
+    prefill_tokens: float = 0.0
+    kv_bytes: float = 0.0
+    preemptions: float = 0.0
+
+    def __sub__(self, other: FleetCounters) -> FleetCounters:
+        return FleetCounters(
+            self.prefill_tokens - other.prefill_tokens,
+            self.kv_bytes - other.kv_bytes,
+            self.preemptions - other.preemptions,
+        )
+
+
+async def read_counters(client: httpx.AsyncClient, urls: Sequence[str]) -> FleetCounters:
+    """Sum the counters of every ``urls``'s ``/metrics`` (an unreadable one counts 0)."""
+    totals = dict.fromkeys(_COUNTERS.values(), 0.0)
+    for url in urls:
+        response = await client.get(f"{url}/metrics")
+        if response.status_code != 200:
+            continue
+        for family in text_string_to_metric_families(response.text):
+            field = _COUNTERS.get(family.name)
+            if field is None:
+                continue
+            for sample in family.samples:
+                if sample.name.endswith(("_total", "_sum")):
+                    totals[field] += sample.value
+    return FleetCounters(**totals)
+
+
+# -- one target -------------------------------------------------------------------------------
+@dataclass
+class _Conversation:
+    prompt: list[int]
+    output: list[int]
+    done: anyio.Event
+
+
+class _Runner:
+    """Sends one workload to one URL; see :func:`run_target`."""
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        workload: Workload,
+        model: str,
+        options: LiveOptions,
+        default_decision: str,
+        progress: Callable[[int], None] | None,
+    ) -> None:
+        self.client = client
+        self.workload = workload
+        self.model = model
+        self.options = options
+        self.default_decision = default_decision
+        self.progress = progress
+        self.tokenizer = SimTokenizer()
+        self.records: list[RequestRecord | None] = [None] * len(workload)
+        self.itl: list[float] = []
+        self.limiter = anyio.CapacityLimiter(options.concurrency)
+        self.turns = {r.index: _Conversation([], [], anyio.Event()) for r in workload.requests}
+        self.started = 0.0
+
+    def real(self, simulated: float) -> float:
+        return simulated * self.options.sim_time_scale
+
+    async def run(self) -> list[RequestRecord]:
+        self.started = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for request in self.workload.requests:
+                tg.start_soon(self.one, request)
+        return [r for r in self.records if r is not None]
+
+    async def one(self, request: BenchRequest) -> None:
+        previous = None if request.after is None else self.turns[request.after]
+        if previous is None:
+            due = self.real(request.arrival)
+        else:
+            await previous.done.wait()
+            due = time.perf_counter() - self.started + self.real(request.think_time)
+        await anyio.sleep(max(0.0, due - (time.perf_counter() - self.started)))
+        prompt = materialize(request.segments)
+        if request.extends and previous is not None:
+            prompt = [*previous.prompt, *previous.output, *prompt]
+        record = RequestRecord(
+            request.index, request.session, due / self.options.sim_time_scale, len(prompt)
+        )
+        turn = self.turns[request.index]
+        turn.prompt = prompt
+        try:
+            async with self.limiter:
+                turn.output = await self.send(request, prompt, record, self.started + due)
+        except (httpx.HTTPError, ValueError) as exc:
+            record.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.records[request.index] = record
+            turn.done.set()
+            if self.progress is not None:
+                self.progress(1)
+
+    async def send(
+        self, request: BenchRequest, prompt: list[int], record: RequestRecord, due: float
+    ) -> list[int]:
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": request.max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        scale = self.options.sim_time_scale
+        pieces: list[str] = []
+        first: float | None = None
+        last = 0.0
+        async with self.client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                record.error = f"HTTP {response.status_code}: {response.text[:200]}"
+                return []
+            record.decision = response.headers.get("x-pd-decision", self.default_decision)
+            record.decoder = response.headers.get("x-pd-decoder", "")
+            record.prefiller = response.headers.get("x-pd-prefiller")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or {}
+                details = usage.get("prompt_tokens_details") or {}
+                record.cached_tokens = int(details.get("cached_tokens") or record.cached_tokens)
+                text = "".join(str(c.get("text") or "") for c in chunk.get("choices") or [])
+                if not text:
+                    continue
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                    record.ttft = (now - due) / scale
+                else:
+                    self.itl.append((now - last) / scale)
+                last = now
+                pieces.append(text)
+        output = self.tokenizer.encode("".join(pieces))
+        record.output_tokens = len(output)
+        record.e2e = (time.perf_counter() - due) / scale
+        if first is not None and len(output) > 1:
+            record.tpot = (last - first) / scale / (len(output) - 1)
+        return output
+
+
+async def run_target(
+    url: str,
+    workload: Workload,
+    model: str,
+    options: LiveOptions,
+    *,
+    strategy: str,
+    mode: str,
+    fleet: str,
+    metrics_urls: Sequence[str] = (),
+    default_decision: str = "",
+    progress: Callable[[int], None] | None = None,
+) -> RunResult:
+    """Send ``workload`` to ``url``; see the module docstring."""
+    limits = httpx.Limits(max_connections=options.concurrency, max_keepalive_connections=64)
+    timeout = httpx.Timeout(options.timeout, connect=10.0)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
+        before = await read_counters(client, metrics_urls)
+        runner = _Runner(client, workload, model, options, default_decision, progress)
+        started = time.perf_counter()
+        records = await runner.run()
+        wall = time.perf_counter() - started
+        counters = await read_counters(client, metrics_urls) - before
+    result = RunResult(
+        strategy=strategy,
+        mode=mode,
+        workload=workload.name,
+        fleet=fleet,
+        runner="live",
+        records=records,
+        prefill_tokens=int(counters.prefill_tokens),
+        kv_bytes=int(counters.kv_bytes),
+        preemptions=int(counters.preemptions),
+        wall_seconds=wall,
+    )
+    result.itl_samples.extend(runner.itl)
+    return result
+
+
+# -- simulated fleets -----------------------------------------------------------------------
+def _sim_argv(instance: InstanceSpec, fleet: FleetSpec, time_scale: float) -> list[str]:
+    return python_command(
+        "sim",
+        "--host", "127.0.0.1",
+        "--port", "0",
+        "--profile", instance.profile,
+        "--time-scale", str(time_scale),
+        "--block-size", str(fleet.block_size),
+        "--max-num-seqs", str(fleet.max_num_seqs),
+        "--max-num-batched-tokens", str(fleet.max_num_batched_tokens),
+        "--kv-connector", "nixl",
+        "--engine-id", instance.name,
+        "--model", fleet.model,
+        "--num-kv-blocks", str(max(1, fleet.capacity(instance) // fleet.block_size)),
+    )  # fmt: skip
+
+
+def start_fleet(fleet: FleetSpec, time_scale: float, stack: ExitStack) -> dict[str, Child]:
+    """Start one simulator per instance (stopped when ``stack`` closes), by name."""
+    children: dict[str, Child] = {}
+    for instance in fleet.instances:
+        child = start_child(instance.name, _sim_argv(instance, fleet, time_scale), timeout=60)
+        stack.callback(stop_child, child)
+        children[instance.name] = child
+    return children
+
+
+def _gateway_config(
+    fleet: FleetSpec, urls: dict[str, str], policy: dict[str, Any]
+) -> dict[str, Any]:
+    pools: dict[str, dict[str, Any]] = {}
+    for instance in fleet.instances:
+        endpoint = instance.endpoint(urls[instance.name])
+        pool = pools.setdefault(
+            endpoint.pool,
+            {
+                "name": endpoint.pool,
+                "hardware": endpoint.hardware,
+                "role": endpoint.role.value,
+                "group": endpoint.group,
+                "model": fleet.model,
+                "endpoints": [],
+            },
+        )
+        pool["endpoints"].append({"name": instance.name, "url": endpoint.url})
+    return {
+        "version": 1,
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "connector": "nixl",
+        "pools": list(pools.values()),
+        "threshold": {"policy": policy, "honour_client": False},
+        "health": {"interval": 1.0},
+        "upstream": {"max_connections": 4096},
+    }
+
+
+def _live_fleet(fleet: FleetSpec, strategy: Strategy) -> FleetSpec:
+    """Decode-only runs every instance as ``both`` (the gateway wants a prefiller)."""
+    if strategy.mode is not Mode.DECODE_ONLY:
+        return fleet
+    return replace(fleet, instances=tuple(replace(i, role=Role.BOTH) for i in fleet.instances))
+
+
+def live_policy(strategy: Strategy) -> dict[str, Any] | None:
+    """The gateway's ``threshold.policy`` block for ``strategy``; None when the gateway
+    cannot express it. Prefill-first is run as threshold 1 (every attempt rejected:
+    one cheap extra round trip), decode-only as threshold 0."""
+    if strategy.mode is Mode.PREFILL_FIRST:
+        return {"type": "static", "value": 1.0}
+    if strategy.mode is Mode.DECODE_ONLY:
+        return {"type": "static", "value": 0.0}
+    return strategy.config_block
+
+
+def run_fleet_strategy(
+    fleet: FleetSpec,
+    strategy: Strategy,
+    workload: Workload,
+    options: LiveOptions,
+    progress: Callable[[int], None] | None = None,
+) -> RunResult:
+    """A fresh simulated fleet and gateway for ``strategy``; ``ValueError`` if the
+    gateway cannot run the strategy's policy."""
+    policy = live_policy(strategy)
+    if policy is None:
+        raise ValueError(f"the gateway cannot run strategy {strategy.name!r} from its config")
+    served = _live_fleet(fleet, strategy)
+    with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="pdo-bench-") as tmp:
+        sims = start_fleet(served, options.sim_time_scale, stack)
+        urls = {name: child.url for name, child in sims.items()}
+        path = Path(tmp) / "gateway.yaml"
+        path.write_text(yaml.safe_dump(_gateway_config(served, urls, policy)))
+        gateway = start_child("gateway", python_command("serve", "--config", str(path)), timeout=60)
+        stack.callback(stop_child, gateway)
+        return anyio.run(
+            _run_bound,
+            gateway.url,
+            workload,
+            served,
+            options,
+            strategy,
+            list(urls.values()),
+            progress,
+        )
+
+
+async def _run_bound(
+    url: str,
+    workload: Workload,
+    fleet: FleetSpec,
+    options: LiveOptions,
+    strategy: Strategy,
+    metrics_urls: list[str],
+    progress: Callable[[int], None] | None,
+) -> RunResult:
+    await _wait_ready(url, "/ready")
+    return await run_target(
+        url,
+        workload,
+        fleet.model,
+        options,
+        strategy=strategy.name,
+        mode=strategy.mode.value,
+        fleet=fleet.name,
+        metrics_urls=metrics_urls,
+        progress=progress,
+    )
+
+
+async def _wait_ready(url: str, path: str, limit: float = 30.0) -> None:
+    """Poll ``url + path`` until it answers 200 (``TimeoutError`` after ``limit`` s)."""
+    async with httpx.AsyncClient(base_url=url, timeout=2.0) as client:
+        with anyio.fail_after(limit):
+            while True:
+                try:
+                    if (await client.get(path)).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                await anyio.sleep(0.2)
+
+
+# -- vllm-router ------------------------------------------------------------------------------
+def _cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "pd-orchestrator"
+
+
+def router_executable(version: str = VLLM_ROUTER_VERSION, python: str = sys.executable) -> Path:
+    """vllm-router's executable in a cached venv outside the clone (built on first use)."""
+    venv = _cache_root() / f"vllm-router-{version}"
+    executable = venv / "bin" / "vllm-router"
+    if executable.exists():
+        return executable
+    subprocess.run([python, "-m", "venv", str(venv)], check=True, capture_output=True)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
+    installed = subprocess.run(
+        [*pip, f"vllm-router=={version}"], capture_output=True, text=True, check=False
+    )
+    if installed.returncode != 0:
+        raise RuntimeError(f"installing vllm-router {version} failed:\n{installed.stderr[-2000:]}")
+    return executable
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextmanager
+def _router(fleet: FleetSpec, urls: dict[str, str], policy: str) -> Iterator[Child]:
+    """vllm-router in P/D mode over the fleet's prefillers and decoders."""
+    port = _free_port()
+    argv = [str(router_executable()), "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--vllm-pd-disaggregation", "--kv-connector", "nixl", "--policy", policy]
+    for instance in fleet.prefillers:
+        argv += ["--prefill", urls[instance.name]]
+    for instance in fleet.decoders:
+        argv += ["--decode", urls[instance.name]]
+    log = tempfile.NamedTemporaryFile(mode="w", prefix="vllm-router-", suffix=".log", delete=False)
+    process = subprocess.Popen(
+        argv,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        text=True,
+    )
+    log.close()
+    child = Child("vllm-router", f"http://127.0.0.1:{port}", process, Path(log.name))
+    try:
+        yield child
+    finally:
+        stop_child(child)
+
+
+def run_vllm_router(
+    fleet: FleetSpec,
+    workload: Workload,
+    options: LiveOptions,
+    policy: str = "round_robin",
+    progress: Callable[[int], None] | None = None,
+) -> RunResult:
+    """The workload through vllm-router (P/D, NIXL) in front of a fresh simulated fleet."""
+    if not fleet.prefillers:
+        raise ValueError("vllm-router's P/D mode needs prefillers")
+    with ExitStack() as stack:
+        sims = start_fleet(fleet, options.sim_time_scale, stack)
+        urls = {name: child.url for name, child in sims.items()}
+        router = stack.enter_context(_router(fleet, urls, policy))
+        return anyio.run(
+            _run_router, router, workload, fleet, options, list(urls.values()), policy, progress
+        )
+
+
+async def _run_router(
+    router: Child,
+    workload: Workload,
+    fleet: FleetSpec,
+    options: LiveOptions,
+    metrics_urls: list[str],
+    policy: str,
+    progress: Callable[[int], None] | None,
+) -> RunResult:
+    try:
+        await _wait_ready(router.url, "/health", limit=60.0)
+    except TimeoutError:
+        raise ChildStartError(f"vllm-router was not ready:\n{router.log_tail()}") from None
+    return await run_target(
+        router.url,
+        workload,
+        fleet.model,
+        options,
+        strategy=f"vllm-router ({policy})",
+        mode=Mode.PREFILL_FIRST.value,
+        fleet=fleet.name,
+        metrics_urls=metrics_urls,
+        default_decision="pd",
+        progress=progress,
+    )

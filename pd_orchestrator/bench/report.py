@@ -1,0 +1,186 @@
+"""Benchmark output: a rich table, a JSON result file and PNG plots.
+
+``results.json`` holds the run's settings, one summary per strategy (times in
+seconds, bytes, token counts) and, per strategy, the TTFT and ITL quantiles
+(0..100) the CDF plots are drawn from. Plots (matplotlib, Agg backend, no global
+pyplot state): ``ttft_cdf.png``, ``itl_cdf.png``, ``decisions.png`` (requests
+served by decode vs P/D), ``kv_bytes.png`` (KV bytes moved between instances).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from pd_orchestrator.bench.results import RunResult, Slo, Summary, percentiles
+
+__all__ = ["PLOTS", "plot_results", "quantiles", "summary_table", "write_json"]
+
+PLOTS = ("ttft_cdf.png", "itl_cdf.png", "decisions.png", "kv_bytes.png")
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:,.0f}" if value >= 1 else f"{value * 1e3:.1f}"
+
+
+def _decisions(summary: Summary) -> str:
+    return " / ".join(str(summary.decisions.get(d, 0)) for d in ("decode", "pd"))
+
+
+def summary_table(summaries: Sequence[Summary], title: str, slo: Slo) -> Table:
+    """One row per strategy; the best value of each latency/goodput column in bold."""
+    caption = (
+        f"times in ms; goodput: requests/s meeting TTFT <= {slo.ttft:g} s and "
+        f"TPOT <= {slo.tpot * 1e3:g} ms; decode / pd: requests served where cached / "
+        "prefilled remotely"
+    )
+    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
+    columns = (
+        "strategy", "decode / pd", "TTFT p50", "TTFT p99", "ITL p99", "TPOT p50",
+        "goodput", "SLO met", "prefill Mtok", "KV GB", "err",
+    )  # fmt: skip
+    for column in columns:
+        table.add_column(column, justify="left" if column == "strategy" else "right")
+    best = _best(summaries)
+    for s in summaries:
+        cells = {
+            "ttft_p50": _ms(s.ttft_p50),
+            "ttft_p99": _ms(s.ttft_p99),
+            "itl_p99": _ms(s.itl_p99),
+            "tpot_p50": _ms(s.tpot_p50),
+            "goodput": f"{s.goodput:.2f}",
+        }
+        marked = {k: f"[bold]{v}[/]" if best.get(k) == s.strategy else v for k, v in cells.items()}
+        table.add_row(
+            s.strategy,
+            _decisions(s),
+            marked["ttft_p50"],
+            marked["ttft_p99"],
+            marked["itl_p99"],
+            marked["tpot_p50"],
+            marked["goodput"],
+            f"{s.slo_share:.0%}",
+            f"{s.prefill_tokens / 1e6:.1f}",
+            f"{s.kv_bytes / 1e9:.1f}",
+            str(s.errors),
+        )
+    return table
+
+
+def _best(summaries: Sequence[Summary]) -> dict[str, str]:
+    """Strategy name of the best value per column (lowest latency, highest goodput)."""
+    best: dict[str, str] = {}
+    for key, higher in (
+        ("ttft_p50", False),
+        ("ttft_p99", False),
+        ("itl_p99", False),
+        ("tpot_p50", False),
+        ("goodput", True),
+    ):
+        scored = [(getattr(s, key), s.strategy) for s in summaries if getattr(s, key) is not None]
+        if scored:
+            pick = max(scored) if higher else min(scored)
+            best[key] = pick[1]
+    return best
+
+
+def quantiles(values: Sequence[float]) -> list[float] | None:
+    """The 0th..100th percentiles of ``values`` (101 points); None when empty."""
+    if not values:
+        return None
+    return [p or 0.0 for p in percentiles(values, range(101))]
+
+
+def _curves(result: RunResult) -> dict[str, list[float] | None]:
+    ttfts = [r.ttft for r in result.records if r.ok and r.ttft is not None]
+    return {"ttft": quantiles(ttfts), "itl": quantiles(result.itl_samples)}
+
+
+def write_json(
+    path: Path,
+    settings: Mapping[str, Any],
+    results: Sequence[RunResult],
+    summaries: Sequence[Summary],
+) -> None:
+    """Write ``results.json``: settings, summaries and CDF quantiles per strategy."""
+    document = {
+        "settings": dict(settings),
+        "strategies": [
+            {**asdict(summary), "quantiles": _curves(result)}
+            for result, summary in zip(results, summaries, strict=True)
+        ],
+    }
+    path.write_text(json.dumps(document, indent=2, sort_keys=False) + "\n")
+
+
+def _figure() -> Any:
+    """A new matplotlib figure (Agg canvas); ``RuntimeError`` when matplotlib is missing."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise RuntimeError("plots need matplotlib: pip install 'pd-orchestrator[bench]'") from exc
+    return Figure(figsize=(7, 4.5), layout="constrained")
+
+
+def plot_results(
+    directory: Path, title: str, results: Sequence[RunResult], summaries: Sequence[Summary]
+) -> list[Path]:
+    """Draw the four PNG plots (:data:`PLOTS`) into ``directory``; returns their paths."""
+    curves = [_curves(result) for result in results]
+    names = [s.strategy for s in summaries]
+    return [
+        _cdf(directory / "ttft_cdf.png", f"{title}: TTFT", names, [c["ttft"] for c in curves], 1.0),
+        _cdf(directory / "itl_cdf.png", f"{title}: ITL", names, [c["itl"] for c in curves], 1e3),
+        _decision_bars(directory / "decisions.png", f"{title}: decision mix", summaries),
+        _kv_bars(directory / "kv_bytes.png", f"{title}: KV bytes moved", summaries),
+    ]
+
+
+def _cdf(
+    path: Path, title: str, names: Sequence[str], curves: Sequence[list[float] | None], unit: float
+) -> Path:
+    figure = _figure()
+    axes = figure.add_subplot()
+    for name, points in zip(names, curves, strict=True):
+        if points is not None:
+            axes.plot([p * unit for p in points], [q / 100 for q in range(101)], label=name)
+    axes.set_xscale("log")
+    axes.set_xlabel("seconds" if unit == 1.0 else "milliseconds")
+    axes.set_ylabel("cumulative share")
+    axes.set_title(f"{title} CDF", fontsize=10)
+    axes.grid(True, alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.savefig(path, dpi=110)
+    return path
+
+
+def _decision_bars(path: Path, title: str, summaries: Sequence[Summary]) -> Path:
+    figure = _figure()
+    axes = figure.add_subplot()
+    names = [s.strategy for s in summaries]
+    decode = [s.decisions.get("decode", 0) for s in summaries]
+    pd = [s.decisions.get("pd", 0) for s in summaries]
+    axes.bar(names, decode, label="decode (served where cached)")
+    axes.bar(names, pd, bottom=decode, label="pd (prefilled remotely)")
+    axes.set_ylabel("requests")
+    axes.set_title(title, fontsize=10)
+    axes.tick_params(axis="x", labelrotation=30)
+    axes.legend(fontsize=8)
+    figure.savefig(path, dpi=110)
+    return path
+
+
+def _kv_bars(path: Path, title: str, summaries: Sequence[Summary]) -> Path:
+    figure = _figure()
+    axes = figure.add_subplot()
+    axes.bar([s.strategy for s in summaries], [s.kv_bytes / 1e9 for s in summaries])
+    axes.set_ylabel("KV moved between instances (GB)")
+    axes.set_title(title, fontsize=10)
+    axes.tick_params(axis="x", labelrotation=30)
+    figure.savefig(path, dpi=110)
+    return path

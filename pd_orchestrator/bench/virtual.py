@@ -1,0 +1,576 @@
+"""A virtual-time fleet: simulator engines, the routing pipeline and the threshold
+policies, driven by an event loop instead of a clock.
+
+One :class:`~pd_orchestrator.sim.engine.Engine` per instance, with its latency
+profile. Events sit in a heap ordered by (time, sequence). An engine steps as the
+HTTP simulator's runner steps it: a step starts when the engine has work, its
+outputs are delivered ``duration`` later, and the next step starts then; requests
+added meanwhile wait for that next step.
+
+Flows (what the gateway does, in virtual time; ``hop`` is one HTTP leg's one-way
+latency, the same for every leg):
+
+* decode-first: the routing pipeline's decode profile picks a decoder (candidates
+  carry load snapshots polled from the engines every ``load_interval`` and the
+  flows' own in-flight counts, like the live scraper and fleet state); the policy
+  sets the threshold (:func:`~pd_orchestrator.bench.strategies.decide_threshold`);
+  the attempt goes to the decoder. Admitted: it is served there (``decode``).
+  Rejected (``cache_threshold`` with no token): the prefill profile (with the
+  compatibility filter) picks a prefiller for that decoder, which prefills with
+  ``do_remote_decode`` and one output token and holds the KV; the decode leg goes
+  to the decoder with threshold 0, which first pulls the KV (a side-channel round
+  trip, then ``transfer_seconds`` of the tokens it lacks, as the HTTP simulator
+  does) and decodes (``pd``). A request preempted on a decoder and rejected there
+  after it produced tokens is handed back: prompt + generated tokens are prefilled
+  and decoded again with the remaining ``max_tokens`` (after
+  ``handback.max_handbacks`` hand-backs, straight on a decoder with threshold 0).
+* prefill-first (``always-pd``): a decoder and then a compatible prefiller are
+  picked, then prefill and the decode leg as above (``pd``).
+* decode-only: every instance is a decoder and the threshold is 0 (``decode``).
+
+Not modelled: HTTP and gateway CPU time beyond the fixed ``hop`` (a real gateway
+under load adds queueing), network contention between transfers (each transfer
+gets the link's full bandwidth), the prefiller's discarded first token reaching
+the client, failures, retries and health checks, streaming of the client's
+response (tokens count as received ``hop`` after the step that made them).
+
+Prompts are :class:`~pd_orchestrator.sim.digest.PromptDigest` built from the
+workload's segments (:func:`~pd_orchestrator.bench.workloads.digest_segments`), so
+no engine hashes or folds prompt tokens: the whole Mooncake trace replays over 16
+instances in minutes on one core.
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+import itertools
+import time
+from array import array
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+from pd_orchestrator.bench.fleet import FleetSpec, InstanceSpec
+from pd_orchestrator.bench.results import RequestRecord, RunResult
+from pd_orchestrator.bench.strategies import Mode, Strategy
+from pd_orchestrator.bench.workloads import BenchRequest, Workload, digest_segments, materialize
+from pd_orchestrator.config.load import LoadConfig
+from pd_orchestrator.config.settings import HandbackConfig
+from pd_orchestrator.fleet.endpoints import Role
+from pd_orchestrator.policies import LatencyObservation, ThresholdContext
+from pd_orchestrator.routing import (
+    Candidate,
+    LoadSnapshot,
+    Profile,
+    RoutingProfiles,
+    RoutingRequest,
+)
+from pd_orchestrator.sim.blocks import BlockHasher
+from pd_orchestrator.sim.digest import PromptDigest
+from pd_orchestrator.sim.engine import (
+    Engine,
+    EngineConfig,
+    EngineRequest,
+    FinishReason,
+    HeldTransfer,
+    RequestOutput,
+    SamplingSpec,
+)
+
+__all__ = ["AFFINITY_TOKENS", "VirtualFleet", "VirtualOptions", "affinity_key"]
+
+Handler = Callable[[float, RequestOutput], None]
+Action = Callable[[float], None]
+
+AFFINITY_TOKENS = 1024
+"""The gateway keys a token-id prompt's affinity on its first 1024 tokens."""
+
+CHARS_PER_TOKEN = 4
+"""The gateway counts a token-id prompt as 4 characters per token."""
+
+
+@dataclass(frozen=True, slots=True)
+class VirtualOptions:
+    """``hop``: one-way latency of one HTTP leg (seconds). ``load_interval``: seconds
+    between two load snapshots (the scraper's poll interval). ``handback``: the
+    gateway's hand-back settings."""
+
+    hop: float = 0.002
+    load_interval: float = LoadConfig().interval
+    handback: HandbackConfig = field(default_factory=HandbackConfig)
+
+
+def affinity_key(digest: PromptDigest, block_size: int) -> str:
+    """A key equal for prompts whose first :data:`AFFINITY_TOKENS` tokens are equal."""
+    blocks = AFFINITY_TOKENS // block_size
+    hashes = digest.block_hashes
+    if len(hashes) >= blocks:
+        return hashes[blocks - 1].hex()
+    last = hashes[-1].hex() if hashes else ""
+    return f"{last}:{','.join(map(str, digest.tail))}"
+
+
+class _Instance:
+    """One engine with its handlers, in-flight count and latest load snapshot."""
+
+    def __init__(self, spec: InstanceSpec, fleet: FleetSpec) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.endpoint = spec.endpoint()
+        self.profile = spec.latency
+        config = EngineConfig(
+            profile=self.profile,
+            model=self.profile.model,
+            block_size=fleet.block_size,
+            num_kv_blocks=max(1, fleet.capacity(spec) // fleet.block_size),
+            max_num_seqs=fleet.max_num_seqs,
+            max_num_batched_tokens=fleet.max_num_batched_tokens,
+            kv_connector="nixl",
+        )
+        self.engine = Engine(config)
+        self.handlers: dict[str, Handler] = {}
+        self.stepping = False
+        self.expiry_at: float | None = None
+        self.in_flight = 0
+        self.load: LoadSnapshot | None = None
+        self._seen = (0, 0, 0)
+
+    def poll(self, now: float) -> None:
+        """Take a load snapshot, as the scraper does from ``/metrics``."""
+        engine, stats = self.engine, self.engine.stats
+        seen = (stats.prefix_queries, stats.prefix_hits, stats.preemptions)
+        queries, hits, preemptions = (a - b for a, b in zip(seen, self._seen, strict=True))
+        self._seen = seen
+        self.load = LoadSnapshot(
+            running=engine.num_running,
+            waiting=engine.num_waiting,
+            kv_usage=min(1.0, max(0.0, engine.pool.usage)),
+            observed_at=now,
+            prefix_hit_rate=hits / queries if queries else None,
+            preemptions=preemptions,
+        )
+
+    def candidate(self) -> Candidate:
+        return Candidate(self.endpoint, True, self.in_flight, self.load)
+
+
+class VirtualFleet:
+    """Runs one strategy over a workload in virtual time; see the module docstring."""
+
+    def __init__(
+        self,
+        fleet: FleetSpec,
+        strategy: Strategy,
+        routing: RoutingProfiles,
+        options: VirtualOptions | None = None,
+    ) -> None:
+        self.spec = fleet.aggregated() if strategy.mode is Mode.DECODE_ONLY else fleet
+        self.strategy = strategy
+        self.routing = routing
+        self.options = options or VirtualOptions()
+        self.model = self.spec.model
+        self.resolver = strategy.resolver()
+        self.decisions: Counter[str] = Counter()
+        self.hasher = BlockHasher(self.spec.block_size)
+        self.instances = [_Instance(spec, self.spec) for spec in self.spec.instances]
+        self._by_name = {i.name: i for i in self.instances}
+        self.decoders = [i for i in self.instances if i.spec.role.decodes]
+        self.prefillers = [i for i in self.instances if i.spec.role.prefills]
+        self.itl_samples: array[float] = array("d")
+        self.kv_bytes = 0
+        self._events: list[tuple[float, int, Action]] = []
+        self._seq = itertools.count()
+        self._routing_seq = itertools.count()
+        self._followers: dict[int, list[BenchRequest]] = defaultdict(list)
+        self._histories: dict[int, tuple[PromptDigest, list[int]]] = {}
+        self._records: list[RequestRecord] = []
+        self._remaining = 0
+        self._progress: Callable[[int], None] | None = None
+        self._ran = False
+
+    # -- the event loop ---------------------------------------------------------------------
+    def at(self, when: float, action: Action) -> None:
+        """Run ``action(when)`` at virtual time ``when``."""
+        heapq.heappush(self._events, (when, next(self._seq), action))
+
+    def run(self, workload: Workload, progress: Callable[[int], None] | None = None) -> RunResult:
+        """Replay ``workload``; ``progress(n)`` is called as each request completes.
+
+        A fleet runs once (its engines keep their state); ``RuntimeError`` otherwise.
+        Objects alive at the start are kept out of garbage collection while it runs
+        (``gc.freeze``; the engines' block pools are large and long-lived).
+        """
+        if self._ran:
+            raise RuntimeError("a virtual fleet runs once; build a new one")
+        self._ran = True
+        started = time.perf_counter()
+        gc.freeze()
+        self._progress = progress
+        self._remaining = len(workload)
+        for request in workload.requests:
+            if request.after is None:
+                self.at(request.arrival, partial(self._arrive, request))
+            else:
+                self._followers[request.after].append(request)
+        if workload.requests:
+            self.at(min(r.arrival for r in workload.requests), self._poll)
+        try:
+            while self._events:
+                when, _, action = heapq.heappop(self._events)
+                action(when)
+        finally:
+            gc.unfreeze()
+        return self._result(workload, time.perf_counter() - started)
+
+    def _result(self, workload: Workload, wall: float) -> RunResult:
+        stats = [i.engine.stats for i in self.instances]
+        return RunResult(
+            strategy=self.strategy.name,
+            mode=self.strategy.mode.value,
+            workload=workload.name,
+            fleet=self.spec.name,
+            runner="virtual",
+            records=sorted(self._records, key=lambda r: r.index),
+            itl_samples=self.itl_samples,
+            prefill_tokens=sum(s.prefill_computed_tokens for s in stats),
+            kv_bytes=self.kv_bytes,
+            preemptions=sum(s.preemptions for s in stats),
+            wall_seconds=wall,
+            reasons=dict(self.decisions),
+        )
+
+    def _poll(self, now: float) -> None:
+        for instance in self.instances:
+            instance.poll(now)
+        if self._remaining > 0:
+            self.at(now + self.options.load_interval, self._poll)
+
+    # -- requests ---------------------------------------------------------------------------
+    def _arrive(self, request: BenchRequest, now: float) -> None:
+        digest = self._prompt(request)
+        record = RequestRecord(request.index, request.session, now, digest.num_tokens)
+        self._records.append(record)
+        _Flow(self, request, digest, record).start(now)
+
+    def _prompt(self, request: BenchRequest) -> PromptDigest:
+        if not request.extends or request.after is None:
+            return digest_segments(request.segments, self.spec.block_size)
+        previous, output = self._histories.pop(request.after)
+        return previous.extend([*output, *materialize(request.segments)], self.hasher)
+
+    def complete(self, flow: _Flow, now: float) -> None:
+        """A request finished (or failed): start the turns that follow it."""
+        self._remaining -= 1
+        if self._progress is not None:
+            self._progress(1)
+        for follower in self._followers.pop(flow.request.index, ()):
+            if follower.extends:
+                self._histories[flow.request.index] = (flow.digest, flow.generated)
+            self.at(now + follower.think_time, partial(self._arrive, follower))
+
+    # -- routing and policy -----------------------------------------------------------------
+    def route_decoder(self, now: float, affinity: str) -> _Instance | None:
+        """The decode profile's pick among the decoders, None if it keeps none."""
+        request = RoutingRequest(
+            role=Role.DECODE,
+            now=now,
+            model=self.model,
+            affinity_key=affinity,
+            sequence=next(self._routing_seq),
+        )
+        return self._pick(self.routing.decode, request, self.decoders)
+
+    def route_prefiller(self, now: float, decoder: _Instance) -> _Instance | None:
+        """The prefill profile's pick of a prefiller whose KV can reach ``decoder``."""
+        request = RoutingRequest(
+            role=Role.PREFILL,
+            now=now,
+            model=self.model,
+            decoder=decoder.endpoint,
+            sequence=next(self._routing_seq),
+        )
+        return self._pick(self.routing.prefill, request, self.prefillers)
+
+    def _pick(
+        self, profile: Profile, request: RoutingRequest, pool: list[_Instance]
+    ) -> _Instance | None:
+        if not pool:
+            return None
+        pick = profile.run(request, [i.candidate() for i in pool]).pick
+        return None if pick is None else self._by_name[pick.endpoint.name]
+
+    def threshold(self, now: float, decoder: _Instance, prompt_tokens: int) -> float:
+        """The attempt's threshold: 0 for decode-only, else the strategy's resolver
+        given what the gateway gives it (prompt tokens are exact: token-id prompts)."""
+        resolver = self.resolver
+        if resolver is None:
+            return 0.0
+        request = RoutingRequest(
+            role=Role.PREFILL,
+            now=now,
+            model=self.model,
+            decoder=decoder.endpoint,
+            sequence=next(self._routing_seq),
+        )
+        compatible = self.routing.prefill.run(request, [i.candidate() for i in self.prefillers])
+        context = ThresholdContext(
+            model=self.model,
+            decoder=decoder.candidate(),
+            prompt_tokens=prompt_tokens,
+            prompt_chars=CHARS_PER_TOKEN * prompt_tokens,
+            prefillers=tuple(self._by_name[e.name].candidate() for e in compatible.endpoints),
+            now=now,
+        )
+        decision = resolver.decide(context)
+        self.decisions[f"{decision.policy}:{decision.reason}"] += 1
+        return decision.value
+
+    def observe(
+        self, now: float, decoder: _Instance, ttft: float | None, itl: float | None
+    ) -> None:
+        """A finished request's latencies, told to the resolver as the gateway does."""
+        if self.resolver is not None:
+            observation = LatencyObservation(self.model, decoder.endpoint.pool, now, ttft, itl)
+            self.resolver.observe(observation)
+
+    # -- engines ----------------------------------------------------------------------------
+    def submit(
+        self,
+        instance: _Instance,
+        when: float,
+        request: EngineRequest,
+        handler: Handler,
+        refused: Callable[[float, str], None],
+    ) -> None:
+        """Add ``request`` to ``instance``'s engine at ``when``; outputs go to ``handler``,
+        an engine refusal (``ValueError``: too long for the instance) to ``refused``."""
+        instance.in_flight += 1
+
+        def add(now: float) -> None:
+            try:
+                instance.engine.add_request(request)
+            except ValueError as exc:
+                instance.in_flight -= 1
+                refused(now, str(exc))
+                return
+            instance.handlers[request.request_id] = handler
+            self.kick(instance, now)
+
+        self.at(when, add)
+
+    def kick(self, instance: _Instance, now: float) -> None:
+        """Start a step on an idle engine that has work (or wait for its next lease)."""
+        if instance.stepping:
+            return
+        if not instance.engine.has_work():
+            self._watch_leases(instance, now)
+            return
+        result = instance.engine.step(now)
+        if not result.progressed:
+            self._watch_leases(instance, now)
+            return
+        instance.stepping = True
+        self.at(now + result.duration, partial(self._deliver, instance, result.outputs))
+
+    def _deliver(self, instance: _Instance, outputs: Sequence[RequestOutput], now: float) -> None:
+        instance.stepping = False
+        handlers = instance.handlers
+        for output in outputs:
+            if output.finish_reason is None:
+                handlers[output.request_id](now, output)
+                continue
+            instance.in_flight -= 1
+            handlers.pop(output.request_id)(now, output)
+        self.kick(instance, now)
+
+    def _watch_leases(self, instance: _Instance, now: float) -> None:
+        deadline = instance.engine.next_deadline()
+        if deadline is None or instance.expiry_at == deadline:
+            return
+        instance.expiry_at = deadline
+
+        def expire(when: float) -> None:
+            instance.expiry_at = None
+            instance.engine.expire_leases(when)
+            self.kick(instance, when)
+
+        self.at(max(now, deadline), expire)
+
+    def release(self, instance: _Instance, transfer: HeldTransfer, now: float) -> None:
+        """A consumer pulled ``transfer``: free the producer's blocks."""
+        instance.engine.release(transfer.request_id)
+        self.kick(instance, now)
+
+
+class _Flow:
+    """One client request through the strategy's legs; see the module docstring."""
+
+    def __init__(
+        self,
+        fleet: VirtualFleet,
+        request: BenchRequest,
+        digest: PromptDigest,
+        record: RequestRecord,
+    ) -> None:
+        self.fleet = fleet
+        self.request = request
+        self.digest = digest
+        self.record = record
+        self.hop = fleet.options.hop
+        self.generated: list[int] = []
+        self.first_at: float | None = None
+        self.last_at = 0.0
+        self.legs = 0
+        self.decoder: _Instance | None = None
+
+    # -- start ------------------------------------------------------------------------------
+    def start(self, now: float) -> None:
+        fleet = self.fleet
+        decoder = fleet.route_decoder(now, affinity_key(self.digest, fleet.spec.block_size))
+        if decoder is None:
+            self.fail(now, "no decoder")
+            return
+        self.decoder = decoder
+        self.record.decoder = decoder.name
+        if fleet.strategy.mode is Mode.PREFILL_FIRST:
+            self.record.decision = "pd"
+            self.prefill(now + self.hop, self.digest, self.request.max_tokens, 0.0)
+            return
+        threshold = fleet.threshold(now, decoder, self.digest.num_tokens)
+        self.record.threshold = threshold
+        self.record.decision = "decode"
+        attempt = self.leg(self.digest, self.request.max_tokens, threshold)
+        fleet.submit(decoder, now + self.hop, attempt, self.on_attempt, self.fail)
+
+    def leg(
+        self,
+        digest: PromptDigest,
+        max_tokens: int,
+        threshold: float,
+        *,
+        producer: bool = False,
+        external: int = 0,
+    ) -> EngineRequest:
+        self.legs += 1
+        return EngineRequest(
+            request_id=f"{self.request.index}.{self.legs}",
+            prompt_token_ids=(),
+            sampling=SamplingSpec(max_tokens=max_tokens, ignore_eos=True),
+            cache_hit_threshold=threshold,
+            do_remote_decode=producer,
+            external_tokens=external,
+            digest=digest,
+        )
+
+    # -- outputs ----------------------------------------------------------------------------
+    def on_attempt(self, now: float, output: RequestOutput) -> None:
+        if output.finish_reason is FinishReason.CACHE_THRESHOLD and not self.generated:
+            self.record.decision = "pd"
+            self.prefill(now + 2 * self.hop, self.digest, self.request.max_tokens, 0.0)
+            return
+        self.on_decode(now, output)
+
+    def on_decode(self, now: float, output: RequestOutput) -> None:
+        if output.finish_reason is FinishReason.CACHE_THRESHOLD:
+            self.hand_back(now)
+            return
+        self.on_tokens(now, output)
+
+    def on_tokens(self, now: float, output: RequestOutput) -> None:
+        if output.new_token_ids:
+            seen = now + self.hop
+            if self.first_at is None:
+                self.first_at = seen
+                self.record.ttft = seen - self.record.arrival
+                self.record.cached_tokens = output.num_cached_tokens
+            else:
+                self.fleet.itl_samples.append(seen - self.last_at)
+            self.last_at = seen
+            self.generated += output.new_token_ids
+        if output.finish_reason is not None:
+            self.finish(now + self.hop)
+
+    # -- P/D --------------------------------------------------------------------------------
+    def prefill(self, now: float, digest: PromptDigest, max_tokens: int, threshold: float) -> None:
+        """Prefill ``digest`` on a prefiller, then decode ``max_tokens`` with ``threshold``."""
+        assert self.decoder is not None
+        prefiller = self.fleet.route_prefiller(now, self.decoder)
+        if prefiller is None:
+            self.fail(now, f"no prefiller can reach {self.decoder.name}")
+            return
+        self.record.prefiller = prefiller.name
+
+        def on_prefill(when: float, output: RequestOutput) -> None:
+            if output.transfer is None:
+                self.on_tokens(when, output)  # finished without KV: its answer is the answer
+            else:
+                pulled = when + 2 * self.hop
+                self.fleet.at(
+                    pulled,
+                    partial(self.pull, prefiller, output.transfer, digest, max_tokens, threshold),
+                )
+
+        request = self.leg(digest, 1, 0.0, producer=True)
+        self.fleet.submit(prefiller, now, request, on_prefill, self.fail)
+
+    def pull(
+        self,
+        prefiller: _Instance,
+        transfer: HeldTransfer,
+        digest: PromptDigest,
+        max_tokens: int,
+        threshold: float,
+        now: float,
+    ) -> None:
+        """The decoder pulls the KV it lacks (side-channel round trip, then the transfer)."""
+        decoder = self.decoder
+        assert decoder is not None
+        now += 2 * self.hop
+        self.fleet.release(prefiller, transfer, now)
+        local = decoder.engine.local_hit_tokens_of(digest.block_hashes, digest.num_tokens)
+        moved = max(0, digest.num_tokens - local)
+        kv_bytes = moved * decoder.profile.kv_bytes_per_token
+        self.record.kv_bytes += kv_bytes
+        self.fleet.kv_bytes += kv_bytes
+        request = self.leg(digest, max_tokens, threshold, external=digest.num_tokens)
+        ready = now + decoder.profile.transfer_seconds(moved)
+        self.fleet.submit(decoder, ready, request, self.on_decode, self.fail)
+
+    def hand_back(self, now: float) -> None:
+        """Continue a preempted request elsewhere: prompt + generated tokens."""
+        record, handback = self.record, self.fleet.options.handback
+        record.handbacks += 1
+        left = self.request.max_tokens - len(self.generated)
+        if left <= 0:
+            self.finish(now + self.hop)
+            return
+        continuation = self.digest.extend(self.generated, self.fleet.hasher)
+        decoder = self.fleet.route_decoder(
+            now, affinity_key(continuation, self.fleet.spec.block_size)
+        )
+        if decoder is None:
+            self.fail(now, "no decoder for the hand-back")
+            return
+        self.decoder = decoder
+        if record.handbacks > handback.max_handbacks or not self.fleet.prefillers:
+            request = self.leg(continuation, left, 0.0)
+            self.fleet.submit(decoder, now + 2 * self.hop, request, self.on_decode, self.fail)
+            return
+        self.prefill(now + 2 * self.hop, continuation, left, handback.leg_threshold)
+
+    # -- end --------------------------------------------------------------------------------
+    def finish(self, now: float) -> None:
+        record = self.record
+        record.e2e = now - record.arrival
+        record.output_tokens = len(self.generated)
+        if len(self.generated) > 1 and self.first_at is not None:
+            record.tpot = (self.last_at - self.first_at) / (len(self.generated) - 1)
+        if self.decoder is not None:
+            self.fleet.observe(now, self.decoder, record.ttft, record.tpot)
+        self.fleet.complete(self, now)
+
+    def fail(self, now: float, why: str) -> None:
+        self.record.error = why
+        self.fleet.complete(self, now)

@@ -1,0 +1,286 @@
+"""``pd-orchestrator bench``: run a workload under every strategy and report.
+
+Virtual (``--virtual``): a virtual-time fleet of simulator engines driven by the
+routing pipeline and the threshold policies (fast: the whole Mooncake trace over
+16 instances in minutes). Live (default): for each strategy a fresh simulated
+fleet and our gateway on loopback, real HTTP; ``--vllm-router`` adds vllm-router
+in P/D mode in front of the same simulators; ``--target URL`` instead sends the
+workload to one running server (a gateway, a router or a simulator).
+
+Writes ``results.json`` and PNG plots to ``--out`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from pd_orchestrator.bench.fleet import FLEETS, FleetSpec, preset_fleet
+from pd_orchestrator.bench.live import (
+    LiveOptions,
+    live_policy,
+    run_fleet_strategy,
+    run_target,
+    run_vllm_router,
+)
+from pd_orchestrator.bench.report import plot_results, summary_table, write_json
+from pd_orchestrator.bench.results import RunResult, Slo, summarize
+from pd_orchestrator.bench.strategies import (
+    DEFAULT_STRATEGIES,
+    Strategy,
+    load_policy_file,
+    resolve_strategies,
+)
+from pd_orchestrator.bench.virtual import VirtualFleet, VirtualOptions
+from pd_orchestrator.bench.workloads import WORKLOADS, Workload, WorkloadOptions, build_workload
+from pd_orchestrator.config import ConfigError, load_config
+from pd_orchestrator.routing import RoutingConfig, RoutingProfiles, build_profiles, builtin_registry
+
+__all__ = ["ROUTING_PRESETS", "add_parser", "run"]
+
+TRACE_ENV = "PDO_MOONCAKE_TRACE"
+"""The environment variable naming the Mooncake trace when ``--trace`` is not given."""
+
+ROUTING_PRESETS: dict[str, dict[str, Any]] = {
+    # Decoders by rendezvous hashing of the prompt's first 1024 tokens (every healthy
+    # decoder ties), prefillers by queue depth: a conversation stays where its KV is.
+    "affinity": {
+        "decode": {
+            "scorers": [{"type": "queue-depth", "weight": 1.0}],
+            "picker": {"type": "max-score", "params": {"tolerance": 1.0}},
+        }
+    },
+    # The gateway's defaults: queue depth (weight 2) and KV usage (weight 1).
+    "load": {},
+}
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="benchmark decode-first policies against baselines",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--workload", choices=WORKLOADS, required=True)
+    add("--virtual", action="store_true", help="virtual-time fleet instead of live HTTP")
+    add("--fleet", default="h200", help=f"{', '.join(FLEETS)}, or a gateway config with sim blocks")
+    add("--decoders", type=int, default=None, help="decoders of a preset fleet (total)")
+    add("--prefillers", type=int, default=None, help="prefillers of a preset fleet (total)")
+    add("--policies", default=",".join(DEFAULT_STRATEGIES), help="comma-separated strategies")
+    add("--policy-file", type=Path, default=None, help="YAML {name: threshold.policy block}")
+    add("--routing", default="affinity", help="affinity, load, or a YAML file (routing block)")
+    add("--requests", type=int, default=None, help="at most this many requests")
+    add("--time-scale", type=float, default=1.0, help="multiply arrival and think times")
+    add("--size-scale", type=float, default=1.0, help="multiply prompt and output lengths")
+    add("--rate", type=float, default=None, help="arrivals/s of the synthetic workloads")
+    add("--seed", type=int, default=0)
+    add(
+        "--trace",
+        type=Path,
+        default=Path(os.environ[TRACE_ENV]) if os.environ.get(TRACE_ENV) else None,
+        help=f"the Mooncake trace (JSON lines; default ${TRACE_ENV})",
+    )
+    add("--slo-ttft", type=float, default=2.0, help="goodput SLO on TTFT (seconds)")
+    add("--slo-tpot", type=float, default=0.05, help="goodput SLO on mean ITL (seconds)")
+    add("--hop", type=float, default=VirtualOptions().hop, help="virtual: one HTTP leg (s)")
+    add("--out", type=Path, default=None, help="output directory (default under bench-results/)")
+    add("--no-plots", action="store_true")
+    live = parser.add_argument_group("live runs")
+    live.add_argument("--target", default=None, help="send to this running server only")
+    live.add_argument(
+        "--metrics-url", action="append", default=[], help="simulator /metrics to read"
+    )
+    live.add_argument("--sim-time-scale", type=float, default=1.0, help="simulators' time scale")
+    live.add_argument("--concurrency", type=int, default=256, help="requests in flight at most")
+    live.add_argument("--vllm-router", action="store_true", help="also run vllm-router (P/D)")
+    live.add_argument("--router-policy", default="round_robin", help="vllm-router's --policy")
+    parser.set_defaults(handler=run)
+
+
+def _fleet(args: argparse.Namespace) -> FleetSpec:
+    if args.fleet in FLEETS:
+        return preset_fleet(args.fleet, args.decoders, args.prefillers)
+    config = load_config(Path(args.fleet))
+    return FleetSpec.from_config(config, Path(args.fleet).stem)
+
+
+def _routing(name: str) -> tuple[str, RoutingProfiles]:
+    if name in ROUTING_PRESETS:
+        block: Any = ROUTING_PRESETS[name]
+    else:
+        data = yaml.safe_load(Path(name).read_text()) or {}
+        block = data.get("routing", data) if isinstance(data, dict) else data
+    config = RoutingConfig.model_validate(block)
+    return name, build_profiles(config, builtin_registry())
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("{task.description:<22}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+def _tracked(progress: Progress, name: str, total: int) -> Callable[[int], None]:
+    task = progress.add_task(name, total=total)
+
+    def advance(count: int) -> None:
+        progress.advance(task, count)
+
+    return advance
+
+
+def _run_virtual(
+    args: argparse.Namespace,
+    fleet: FleetSpec,
+    strategies: Sequence[Strategy],
+    workload: Workload,
+    console: Console,
+) -> list[RunResult]:
+    _, routing = _routing(args.routing)
+    options = VirtualOptions(hop=args.hop)
+    results = []
+    with _progress(console) as progress:
+        for strategy in strategies:
+            advance = _tracked(progress, strategy.name, len(workload))
+            results.append(VirtualFleet(fleet, strategy, routing, options).run(workload, advance))
+            if not console.is_terminal:
+                console.print(f"{strategy.name}: {results[-1].wall_seconds:.1f}s", highlight=False)
+    return results
+
+
+def _run_live(
+    args: argparse.Namespace,
+    fleet: FleetSpec,
+    strategies: Sequence[Strategy],
+    workload: Workload,
+    console: Console,
+) -> list[RunResult]:
+    options = LiveOptions(sim_time_scale=args.sim_time_scale, concurrency=args.concurrency)
+    results = []
+    with _progress(console) as progress:
+        if args.target is not None:
+            advance = _tracked(progress, "target", len(workload))
+            result = anyio.run(
+                _target, args.target, workload, fleet.model, options, args.metrics_url, advance
+            )
+            return [result]
+        for strategy in strategies:
+            if live_policy(strategy) is None:
+                console.print(
+                    f"[yellow]skipped {strategy.name}: the gateway cannot run it from config"
+                )
+                continue
+            advance = _tracked(progress, strategy.name, len(workload))
+            results.append(run_fleet_strategy(fleet, strategy, workload, options, advance))
+        if args.vllm_router:
+            advance = _tracked(progress, "vllm-router", len(workload))
+            results.append(run_vllm_router(fleet, workload, options, args.router_policy, advance))
+    return results
+
+
+async def _target(
+    url: str,
+    workload: Workload,
+    model: str,
+    options: LiveOptions,
+    metrics: list[str],
+    advance: Callable[[int], None],
+) -> RunResult:
+    return await run_target(
+        url,
+        workload,
+        model,
+        options,
+        strategy="target",
+        mode="unknown",
+        fleet=url,
+        metrics_urls=metrics,
+        progress=advance,
+    )
+
+
+def _settings(
+    args: argparse.Namespace, fleet: FleetSpec, workload: Workload, slo: Slo
+) -> dict[str, Any]:
+    return {
+        "workload": workload.name,
+        "description": workload.description,
+        "requests": len(workload),
+        "runner": "virtual" if args.virtual else "live",
+        "fleet": fleet.name,
+        "instances": fleet.describe(),
+        "routing": args.routing,
+        "time_scale": args.time_scale,
+        "size_scale": args.size_scale,
+        "sim_time_scale": None if args.virtual else args.sim_time_scale,
+        "hop_seconds": args.hop if args.virtual else None,
+        "seed": args.seed,
+        "slo": {"ttft": slo.ttft, "tpot": slo.tpot},
+    }
+
+
+def _report(
+    args: argparse.Namespace,
+    fleet: FleetSpec,
+    workload: Workload,
+    results: Sequence[RunResult],
+    console: Console,
+) -> None:
+    slo = Slo(args.slo_ttft, args.slo_tpot)
+    runner = "virtual" if args.virtual else "live"
+    out: Path = args.out or Path("bench-results") / f"{workload.name}-{runner}-{fleet.name}"
+    out.mkdir(parents=True, exist_ok=True)
+    summaries = [summarize(result, slo) for result in results]
+    title = f"{workload.name} ({len(workload)} requests), {runner}, {fleet.describe()}"
+    console.print(summary_table(summaries, title, slo))
+    write_json(out / "results.json", _settings(args, fleet, workload, slo), results, summaries)
+    if not args.no_plots:
+        plot_results(out, f"{workload.name}, {fleet.name}", results, summaries)
+    walls = ", ".join(f"{s.strategy} {s.wall_seconds:.1f}s" for s in summaries)
+    console.print(f"wall time: {walls}\nresults in {out}/", highlight=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console() if sys.stdout.isatty() else Console(width=150)
+    try:
+        fleet = _fleet(args)
+        policies = load_policy_file(args.policy_file) if args.policy_file else {}
+        strategies = resolve_strategies(
+            [name.strip() for name in args.policies.split(",") if name.strip()],
+            policies,
+            Slo(args.slo_ttft, args.slo_tpot),
+        )
+        options = WorkloadOptions(
+            requests=args.requests,
+            time_scale=args.time_scale,
+            size_scale=args.size_scale,
+            rate=args.rate,
+            seed=args.seed,
+            trace=args.trace,
+        )
+        workload = build_workload(args.workload, options)
+        _routing(args.routing)
+    except (ValueError, OSError, ConfigError) as exc:
+        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        return 2
+    console.print(f"{workload.description}\nfleet: {fleet.describe()}", highlight=False)
+    runner = _run_virtual if args.virtual else _run_live
+    results = runner(args, fleet, strategies, workload, console)
+    _report(args, fleet, workload, results, console)
+    return 0

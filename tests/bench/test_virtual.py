@@ -1,0 +1,175 @@
+"""The virtual fleet: decisions, transfers and routing on tiny cases."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from pd_orchestrator.bench.fleet import FleetSpec, preset_fleet
+from pd_orchestrator.bench.results import RunResult, Slo
+from pd_orchestrator.bench.strategies import (
+    DEFAULT_STRATEGIES,
+    load_policy_file,
+    resolve_strategies,
+)
+from pd_orchestrator.bench.virtual import VirtualFleet
+from pd_orchestrator.bench.workloads import (
+    BenchRequest,
+    Segment,
+    Workload,
+    WorkloadOptions,
+    build_workload,
+)
+from pd_orchestrator.cli.bench import ROUTING_PRESETS
+from pd_orchestrator.routing import RoutingConfig, build_profiles, builtin_registry
+from pd_orchestrator.sim.profiles import get_profile
+
+AFFINITY = build_profiles(
+    RoutingConfig.model_validate(ROUTING_PRESETS["affinity"]), builtin_registry()
+)
+KV_PER_TOKEN = get_profile("h200-llama3-8b").kv_bytes_per_token
+
+
+def _workload(*prompts: tuple[float, tuple[Segment, ...]]) -> Workload:
+    requests = tuple(
+        BenchRequest(index=i, session=f"s{i}", turn=0, segments=segments, max_tokens=8, arrival=at)
+        for i, (at, segments) in enumerate(prompts)
+    )
+    return Workload("test", "test", requests)
+
+
+def _run(strategy: str, workload: Workload, fleet: FleetSpec | None = None) -> RunResult:
+    (resolved,) = resolve_strategies([strategy])
+    return VirtualFleet(fleet or preset_fleet("tiny"), resolved, AFFINITY).run(workload)
+
+
+DOC = (Segment(11, 2000),)
+COLD_THEN_WARM = _workload((0.0, DOC), (5.0, DOC))
+
+
+def test_cold_goes_pd_and_warm_is_decoded_where_cached() -> None:
+    result = _run("static-0.5", COLD_THEN_WARM)
+    cold, warm = result.records
+    assert (cold.decision, warm.decision) == ("pd", "decode")
+    assert cold.prefiller == "h200-p0" and warm.prefiller is None
+    assert cold.kv_bytes == 2000 * KV_PER_TOKEN and warm.kv_bytes == 0
+    assert warm.cached_tokens == 1984  # full blocks, capped below the prompt length
+    assert warm.ttft is not None and cold.ttft is not None and warm.ttft < cold.ttft / 3
+    assert result.kv_bytes == cold.kv_bytes
+    assert all(r.output_tokens == 8 and r.ok for r in result.records)
+    assert len(result.itl_samples) == 2 * 7
+
+
+def test_decode_only_never_prefills_remotely() -> None:
+    result = _run("decode-only", COLD_THEN_WARM)
+    assert [r.decision for r in result.records] == ["decode", "decode"]
+    assert result.kv_bytes == 0 and {r.prefiller for r in result.records} == {None}
+    # both tiny instances decode: one cold prefill, then a hit
+    assert result.prefill_tokens <= 2000 + 16 + 2 * 8
+
+
+def test_always_pd_prefills_every_request_and_moves_only_missing_kv() -> None:
+    result = _run("always-pd", COLD_THEN_WARM)
+    assert [r.decision for r in result.records] == ["pd", "pd"]
+    cold, warm = result.records
+    assert cold.kv_bytes == 2000 * KV_PER_TOKEN
+    assert warm.kv_bytes == 16 * KV_PER_TOKEN  # the decoder already held all full blocks
+
+
+def test_threshold_one_sends_everything_pd_and_zero_nothing() -> None:
+    assert {r.decision for r in _run("static-1", COLD_THEN_WARM).records} == {"pd"}
+    assert {r.decision for r in _run("static-0", COLD_THEN_WARM).records} == {"decode"}
+
+
+def test_mixed_fleet_pairs_prefillers_within_their_group() -> None:
+    fleet = preset_fleet("mixed", decoders=4, prefillers=2)
+    prompts = [(0.1 * i, (Segment(100 + i, 3000),)) for i in range(24)]
+    result = _run("always-pd", _workload(*prompts), fleet)
+    pairs = {(r.decoder.split("-")[0], (r.prefiller or "").split("-")[0]) for r in result.records}
+    assert pairs == {("h200", "h200"), ("mi325x", "mi325x")}
+
+
+def test_multi_turn_later_turns_hit_their_decoder() -> None:
+    workload = build_workload("multi-turn", WorkloadOptions(requests=40))
+    result = _run("static-0.5", workload, preset_fleet("h200", decoders=4, prefillers=2))
+    later = [r for r, q in zip(result.records, workload.requests, strict=True) if q.turn > 0]
+    assert later and all(r.decision == "decode" for r in later)
+    assert all(r.ok for r in result.records)
+    assert len(result.records) == 40
+
+
+def test_dynamo_rule_prefills_remotely_only_long_uncached_prompts() -> None:
+    result = _run("dynamo", _workload((0.0, (Segment(5, 1500),)), (0.0, (Segment(6, 6000),))))
+    assert [r.decision for r in result.records] == ["decode", "pd"]
+    short, long = result.records
+    assert short.threshold == 0.0
+    assert long.threshold == pytest.approx(1 - 2047.5 / 6000)
+    assert result.reasons == {
+        "min-uncached-tokens:short-prompt": 1,
+        "min-uncached-tokens:uncached-tokens": 1,
+    }
+
+
+def test_every_default_strategy_runs_with_the_gateway_policies() -> None:
+    strategies = resolve_strategies(DEFAULT_STRATEGIES)
+    assert {s.name for s in strategies} >= {"load-adaptive", "slo-feedback", "dynamo"}
+    workload = build_workload("multi-turn", WorkloadOptions(requests=30))
+    for strategy in strategies:
+        fleet = preset_fleet("h200", decoders=2, prefillers=1)
+        result = VirtualFleet(fleet, strategy, AFFINITY).run(workload)
+        assert all(r.ok for r in result.records), strategy.name
+        if strategy.threshold is not None:
+            assert sum(result.reasons.values()) == len(workload), strategy.name
+
+
+def test_slo_feedback_learns_from_the_latencies_it_is_told() -> None:
+    """Targets no request can meet: ITL over target first, so the controller raises
+    the threshold from its base (0.7) as observations arrive."""
+    (strategy,) = resolve_strategies(["slo-feedback"], slo=Slo(ttft=0.001, tpot=0.0001))
+    prompts = [(0.5 * i, (Segment(300 + i, 1500),)) for i in range(160)]
+    result = VirtualFleet(preset_fleet("tiny"), strategy, AFFINITY).run(_workload(*prompts))
+    thresholds = [r.threshold for r in result.records if r.threshold is not None]
+    assert thresholds[0] == pytest.approx(0.7)
+    assert thresholds[-1] > 0.7
+    assert any(key.startswith("slo-feedback:") for key in result.reasons)
+
+
+def test_policy_file_strategies_and_errors(tmp_path: Path) -> None:
+    path = tmp_path / "policies.yaml"
+    path.write_text("strict:\n  type: static\n  value: 0.95\n")
+    (strategy,) = resolve_strategies(["strict"], load_policy_file(path))
+    assert strategy.config_block == {"type": "static", "value": 0.95}
+    path.write_text("broken:\n  type: static\n  value: 3\n")
+    with pytest.raises(ValueError, match="policy 'broken'"):
+        load_policy_file(path)
+    with pytest.raises(ValueError, match="unknown strategy 'nope'"):
+        resolve_strategies(["nope"])
+    with pytest.raises(ValueError, match="named twice"):
+        resolve_strategies(["static-0.5", "static-0.5"])
+
+
+def test_preempted_requests_are_handed_back_and_complete() -> None:
+    warm_up = [(float(i), (Segment(50 + i, 400),), 4) for i in range(4)]
+    burst = [(100.0 + 0.01 * i, (Segment(50 + i, 400),), 400) for i in range(4)]
+    requests = tuple(
+        BenchRequest(i, f"s{i}", 0, segments, max_tokens, arrival=at)
+        for i, (at, segments, max_tokens) in enumerate(warm_up + burst)
+    )
+    fleet = replace(preset_fleet("tiny"), kv_capacity_tokens=2048)
+    result = _run("static-0.9", Workload("burst", "", requests), fleet)
+    later = result.records[4:]
+    assert [r.decision for r in later] == ["decode"] * 4  # warm: admitted at 0.9
+    assert result.preemptions > 0 and sum(r.handbacks for r in later) > 0
+    assert all(r.ok and r.output_tokens == 400 for r in later)
+    handed = [r for r in later if r.handbacks]
+    assert all(r.prefiller == "h200-p0" and r.kv_bytes > 0 for r in handed)
+
+
+def test_a_fleet_runs_once() -> None:
+    (strategy,) = resolve_strategies(["static-0.5"])
+    fleet = VirtualFleet(preset_fleet("tiny"), strategy, AFFINITY)
+    fleet.run(COLD_THEN_WARM)
+    with pytest.raises(RuntimeError, match="runs once"):
+        fleet.run(COLD_THEN_WARM)

@@ -1,0 +1,128 @@
+"""Workload generators: deterministic, and shaped as specified."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from pd_orchestrator.bench.workloads import (
+    WORKLOADS,
+    BenchRequest,
+    Segment,
+    Workload,
+    WorkloadOptions,
+    build_workload,
+    digest_segments,
+    materialize,
+    mooncake,
+)
+from pd_orchestrator.sim.tokenizer import NUM_WORDS, WORD_BASE
+
+
+def _trace(tmp_path: Path) -> Path:
+    lines = [
+        {"timestamp": 0, "input_length": 1000, "output_length": 10, "hash_ids": [0, 1]},
+        {"timestamp": 500, "input_length": 1500, "output_length": 20, "hash_ids": [0, 1, 2]},
+        {"timestamp": 2000, "input_length": 600, "output_length": 5, "hash_ids": [0, 7]},
+    ]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+@pytest.mark.parametrize("name", [w for w in WORKLOADS if w != "mooncake"])
+def test_synthetic_workloads_are_deterministic(name: str) -> None:
+    first = build_workload(name, WorkloadOptions(seed=3))
+    again = build_workload(name, WorkloadOptions(seed=3))
+    other = build_workload(name, WorkloadOptions(seed=4))
+    assert first == again
+    assert first != other
+
+
+def test_mooncake_blocks_lengths_and_time_scaling(tmp_path: Path) -> None:
+    workload = mooncake(WorkloadOptions(trace=_trace(tmp_path), time_scale=0.5))
+    first, second, third = workload.requests
+    assert [s.length for s in first.segments] == [512, 488]
+    assert [r.own_tokens for r in workload.requests] == [1000, 1500, 600]
+    assert [r.max_tokens for r in workload.requests] == [10, 20, 5]
+    assert [r.arrival for r in workload.requests] == [0.0, 0.25, 1.0]
+    # a shared hash id is the same content: the second request extends the first
+    assert second.segments[0] == first.segments[0]
+    assert materialize(second.segments)[:512] == materialize(first.segments)[:512]
+    assert materialize(third.segments)[512:] != materialize(first.segments)[512:600]
+
+
+def test_mooncake_size_scale_and_limit(tmp_path: Path) -> None:
+    options = WorkloadOptions(trace=_trace(tmp_path), size_scale=0.25, requests=2)
+    workload = mooncake(options)
+    assert len(workload) == 2
+    assert [s.length for s in workload.requests[1].segments] == [128, 128, 119]
+
+
+def test_mooncake_needs_a_well_formed_trace(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="trace file"):
+        mooncake(WorkloadOptions())
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0}\n')
+    with pytest.raises(ValueError, match="trace line 1"):
+        mooncake(WorkloadOptions(trace=bad))
+
+
+def test_shared_prefix_shape() -> None:
+    workload = build_workload("shared-prefix", WorkloadOptions())
+    systems = {r.segments[0] for r in workload.requests}
+    assert len(workload) == 16 * 64 and len(systems) == 16
+    assert all(2048 <= r.segments[0].length <= 6000 for r in workload.requests)
+    assert all(256 <= r.segments[1].length <= 1200 for r in workload.requests)
+    assert {r.max_tokens for r in workload.requests} == {256}
+    arrivals = [r.arrival for r in workload.requests]
+    assert arrivals == sorted(arrivals)
+
+
+def test_multi_turn_shape() -> None:
+    workload = build_workload("multi-turn", WorkloadOptions())
+    sessions: dict[str, list[BenchRequest]] = {}
+    for request in workload.requests:
+        sessions.setdefault(request.session, []).append(request)
+    assert all(5 <= len(turns) <= 20 for turns in sessions.values())
+    for turns in sessions.values():
+        assert turns[0].after is None and not turns[0].extends
+        assert all(t.after == p.index and t.extends for p, t in itertools.pairwise(turns))
+
+
+def test_long_doc_shape() -> None:
+    workload = build_workload("long-doc", WorkloadOptions())
+    documents = [r.segments[0] for r in workload.requests]
+    assert all(8192 <= d.length <= 32768 for d in documents)
+    reused = len(documents) - len(set(documents))
+    assert 0 < reused < len(documents) * 0.25
+
+
+def test_time_scale_compresses_arrivals_and_limit_keeps_predecessors() -> None:
+    base = build_workload("multi-turn", WorkloadOptions())
+    fast = build_workload("multi-turn", WorkloadOptions(time_scale=0.5, requests=30))
+    assert len(fast) == 30
+    assert fast.requests[5].arrival == pytest.approx(base.requests[5].arrival * 0.5)
+    assert all(r.after is None or r.after < r.index for r in fast.requests)
+
+
+def test_tokens_are_words_and_digests_share_exactly_the_common_prefix() -> None:
+    a = (Segment(1, 40), Segment(2, 30))
+    b = (Segment(1, 40), Segment(3, 30))
+    tokens = materialize(a)
+    assert len(tokens) == 70 and all(WORD_BASE <= t < WORD_BASE + NUM_WORDS for t in tokens)
+    da, db = digest_segments(a, 16), digest_segments(b, 16)
+    assert da.num_tokens == 70 and len(da.block_hashes) == 4 and len(da.tail) == 6
+    common = sum(x == y for x, y in zip(da.block_hashes, db.block_hashes, strict=True))
+    assert common == 2  # 40 shared tokens: two full blocks of 16
+    assert digest_segments(a, 16) == da
+    assert da.tail == tuple(tokens[64:])
+
+
+def test_workload_rejects_out_of_order_requests() -> None:
+    request = BenchRequest(index=1, session="s", turn=0, segments=(Segment(1, 4),), max_tokens=1)
+    with pytest.raises(ValueError, match="position 0"):
+        Workload("w", "", (request,))
