@@ -32,16 +32,21 @@ def _decisions(summary: Summary) -> str:
     return " / ".join(str(summary.decisions.get(d, 0)) for d in ("decode", "pd"))
 
 
+def _thresholds(summary: Summary) -> str:
+    values = (summary.threshold_p10, summary.threshold_p50, summary.threshold_p90)
+    return "-" if None in values else "/".join(f"{v:.2f}" for v in values if v is not None)
+
+
 def summary_table(summaries: Sequence[Summary], title: str, slo: Slo) -> Table:
     """One row per strategy; the best value of each latency/goodput column in bold."""
     caption = (
         f"times in ms; goodput: requests/s meeting TTFT <= {slo.ttft:g} s and "
         f"TPOT <= {slo.tpot * 1e3:g} ms; decode / pd: requests served where cached / "
-        "prefilled remotely"
+        "prefilled remotely; threshold: p10/p50/p90 of the values sent"
     )
     table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
     columns = (
-        "strategy", "decode / pd", "TTFT p50", "TTFT p99", "ITL p99", "TPOT p50",
+        "strategy", "decode / pd", "threshold", "TTFT p50", "TTFT p99", "ITL p99", "TPOT p50",
         "goodput", "SLO met", "prefill Mtok", "KV GB", "err",
     )  # fmt: skip
     for column in columns:
@@ -59,6 +64,7 @@ def summary_table(summaries: Sequence[Summary], title: str, slo: Slo) -> Table:
         table.add_row(
             s.strategy,
             _decisions(s),
+            _thresholds(s),
             marked["ttft_p50"],
             marked["ttft_p99"],
             marked["itl_p99"],

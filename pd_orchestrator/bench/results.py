@@ -138,6 +138,9 @@ class Summary:
     slo_share: float
     decisions: dict[str, int]
     reasons: dict[str, int]
+    threshold_p10: float | None
+    threshold_p50: float | None
+    threshold_p90: float | None
     handbacks: int
     prefill_tokens: int
     kv_bytes: int
@@ -157,6 +160,8 @@ def summarize(result: RunResult, slo: Slo) -> Summary:
     itl_p50, itl_p99 = percentiles(result.itl_samples, (50, 99))
     ttft_p50, ttft_p90, ttft_p99 = percentiles(ttfts, (50, 90, 99))
     e2e_p50, e2e_p99 = percentiles(e2es, (50, 99))
+    thresholds = [r.threshold for r in result.records if r.threshold is not None]
+    threshold_p10, threshold_p50, threshold_p90 = percentiles(thresholds, (10, 50, 90))
     return Summary(
         strategy=result.strategy,
         mode=result.mode,
@@ -176,6 +181,9 @@ def summarize(result: RunResult, slo: Slo) -> Summary:
         slo_share=met / len(result.records) if result.records else 0.0,
         decisions=dict(sorted(Counter(r.decision for r in done).items())),
         reasons=dict(sorted(result.reasons.items())),
+        threshold_p10=threshold_p10,
+        threshold_p50=threshold_p50,
+        threshold_p90=threshold_p90,
         handbacks=sum(r.handbacks for r in result.records),
         prefill_tokens=result.prefill_tokens,
         kv_bytes=result.kv_bytes,

@@ -22,8 +22,10 @@ sending more work to a queue only adds waiting.
 
 Per decoder, the target is smoothed exponentially in time: the first request
 takes it as is; then ``s += (1 - exp(-dt / smoothing_seconds)) * (target - s)``
-with ``dt`` the time since that decoder's previous request. The value sent moves
-to ``s`` only when ``|s - sent| >= dead_band``, so a steady load gives a steady
+with ``dt`` the time since that decoder's previous request, and ``s`` takes the
+target outright once within ``dead_band`` of it (so a threshold can settle at
+exactly 0, the only value that admits a prompt with no cached token). The value
+sent moves to ``s`` only when ``|s - sent| >= dead_band``, so a steady load gives a steady
 threshold (once ``s`` settles within the band the value stops changing) and noise
 smaller than the band never moves it. All values stay in ``[floor, ceiling]``.
 
@@ -166,6 +168,8 @@ class LoadAdaptivePolicy:
         dt = max(0.0, now - track.at)
         weight = 1.0 if tau == 0.0 else 1.0 - math.exp(-dt / tau)
         track.smoothed += weight * (target - track.smoothed)
+        if abs(target - track.smoothed) < self.params.dead_band:
+            track.smoothed = target  # settle: an exponential never reaches its target
         track.at = max(track.at, now)
         if abs(track.smoothed - track.sent) >= self.params.dead_band:
             track.sent = track.smoothed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -106,6 +107,23 @@ def test_a_load_change_is_smoothed_in_time() -> None:
     assert same_instant == first  # no time passed: no move
     later = policy.decide(context(dec=BUSY, now=60.0)).value
     assert later == pytest.approx(0.95, abs=1e-4)
+
+
+def test_a_queueing_prefill_pool_settles_the_threshold_at_exactly_the_floor() -> None:
+    """Only a threshold of exactly 0 admits a prompt with no cached token: smoothing
+    must settle there, not approach it forever."""
+    policy = _policy(floor=0.0, lower_by=0.7)
+    values = [
+        policy.decide(context(prefillers=QUEUEING, now=0.5 * step)).value for step in range(200)
+    ]
+    assert values[0] == 0.0  # the first request takes the target as is
+    policy = _policy(floor=0.0, lower_by=0.7)
+    policy.decide(context(now=0.0))  # idle: 0.7
+    values = [
+        policy.decide(context(prefillers=QUEUEING, now=0.5 * step)).value for step in range(1, 200)
+    ]
+    assert values[-1] == 0.0
+    assert all(a >= b for a, b in itertools.pairwise(values))  # monotone descent
 
 
 def test_without_smoothing_the_value_follows_the_target() -> None:
