@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -40,7 +41,7 @@ from pd_orchestrator.children import Child, python_command, start_child, stop_ch
 from pd_orchestrator.sim.tokenizer import NUM_WORDS, WORD_BASE
 
 MODEL = "sim-model"
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake-conversation.jsonl"
+TRACE_ENV = "PDO_MOONCAKE_TRACE"
 DECODE_ONLY = {"policy": {"type": "static", "value": 0.0}, "honour_client": False}
 MODES: dict[str, dict[str, Any]] = {
     "round-robin": {
@@ -240,7 +241,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=os.environ.get(TRACE_ENV),
+        required=not os.environ.get(TRACE_ENV),
+        help=f"Mooncake conversation trace (JSON lines; default ${TRACE_ENV})",
+    )
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument(
         "--compress", type=float, default=20.0, help="trace seconds per replay second"
