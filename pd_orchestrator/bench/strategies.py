@@ -9,12 +9,9 @@ a threshold policy.
   conditional disaggregation (remote prefill unless the uncached part is short)
   expressed as a threshold.
 * ``static-<v>`` -- decode-first with a fixed threshold ``v`` (a sweep).
-* ``load-adaptive`` -- decode-first with the ``load-adaptive`` policy, its
-  defaults but ``floor: 0`` and ``lower_by: 0.7``: a fully queued prefill pool
-  takes the threshold to 0, the only value at which a decoder admits a prompt with
-  nothing cached (with the default floor of 0.3 cold prompts always go remote).
-* ``slo-feedback`` -- decode-first with the ``slo-feedback`` policy, its targets
-  the benchmark's SLO (TTFT p90 and ITL p99), ``floor: 0`` for the same reason.
+* ``load-adaptive`` -- decode-first with the ``load-adaptive`` policy (defaults).
+* ``slo-feedback`` -- decode-first with the ``slo-feedback`` policy (defaults), its
+  targets the benchmark's SLO (TTFT p90 and ITL p99).
 * any name bound in a policy file (:func:`load_policy_file`): decode-first with a
   ``threshold.policy`` block, so every policy the gateway can run drops in without
   code here.
@@ -140,7 +137,7 @@ def _static(name: str) -> Strategy:
 
 def _fixed(slo: Slo) -> dict[str, Strategy]:
     """The built-in strategies with fixed names."""
-    slo_params = {"ttft_p90": slo.ttft, "itl_p99": slo.tpot, "floor": 0.0}
+    slo_params = {"ttft_p90": slo.ttft, "itl_p99": slo.tpot}
     return {
         "always-pd": Strategy("always-pd", Mode.PREFILL_FIRST, None, "prefill-first always"),
         "decode-only": Strategy(
@@ -155,8 +152,8 @@ def _fixed(slo: Slo) -> dict[str, Strategy]:
         "load-adaptive": Strategy(
             "load-adaptive",
             Mode.DECODE_FIRST,
-            _threshold({"type": "load-adaptive", "params": {"floor": 0.0, "lower_by": 0.7}}),
-            "decode-first, load-adaptive (floor 0, lower_by 0.7)",
+            _threshold({"type": "load-adaptive"}),
+            "decode-first, load-adaptive (defaults)",
         ),
         "slo-feedback": Strategy(
             "slo-feedback",

@@ -70,9 +70,9 @@ Ratio = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 class LoadAdaptiveParams(NoParams):
     """Parameters of ``load-adaptive`` (defaults in brackets).
 
-    ``base`` [0.7], ``floor`` [0.3], ``ceiling`` [0.95]: the threshold without
+    ``base`` [0.7], ``floor`` [0.0], ``ceiling`` [0.95]: the threshold without
     pressure and its bounds (``floor <= base <= ceiling``). ``raise_by`` [0.25]: the
-    rise at full decoder pressure with an idle prefill pool. ``lower_by`` [0.4]: the
+    rise at full decoder pressure with an idle prefill pool. ``lower_by`` [0.7]: the
     fall at full prefill queueing. ``decoder_requests_full`` [64],
     ``decoder_waiting_full`` [4], ``kv_usage_low`` [0.5], ``kv_usage_high`` [0.9]: the
     decoder pressure ramps. ``prefill_waiting_full`` [8]: the prefill queue ramp.
@@ -81,10 +81,10 @@ class LoadAdaptiveParams(NoParams):
     """
 
     base: Ratio = 0.7
-    floor: Ratio = 0.3
+    floor: Ratio = 0.0
     ceiling: Ratio = 0.95
     raise_by: Ratio = 0.25
-    lower_by: Ratio = 0.4
+    lower_by: Ratio = 0.7
     decoder_requests_full: Annotated[int, Field(ge=1)] = 64
     decoder_waiting_full: Annotated[int, Field(ge=1)] = 4
     kv_usage_low: Ratio = 0.5

@@ -60,7 +60,7 @@ class SloFeedbackParams(NoParams):
     """Parameters of ``slo-feedback`` (defaults in brackets).
 
     ``ttft_p90`` [None], ``itl_p99`` [None]: the targets in seconds (at least one).
-    ``base`` [0.7], ``floor`` [0.3], ``ceiling`` [0.95]: the starting threshold and
+    ``base`` [0.7], ``floor`` [0.0], ``ceiling`` [0.95]: the starting threshold and
     its bounds. ``gain`` [0.05]: the largest move per step. ``tolerance`` [0.1]:
     the relative dead band around each target. ``interval`` [5 s]: time between
     steps. ``window`` [30 s, >= interval]: how old a sample may be.
@@ -71,7 +71,7 @@ class SloFeedbackParams(NoParams):
     ttft_p90: Seconds | None = None
     itl_p99: Seconds | None = None
     base: Ratio = 0.7
-    floor: Ratio = 0.3
+    floor: Ratio = 0.0
     ceiling: Ratio = 0.95
     gain: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 0.05
     tolerance: Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)] = 0.1

@@ -36,18 +36,18 @@ QUEUEING = (prefiller(reading=load(running=4, waiting=8)),)
         (decoder(reading=load(kv=0.5)), IDLE_PREFILL, 0.7, "balanced"),
         (decoder(in_flight=16), IDLE_PREFILL, 0.7625, "decoder-busy"),
         (decoder(in_flight=64, reading=load(running=3)), IDLE_PREFILL, 0.95, "decoder-busy"),
-        (decoder(reading=load()), QUEUEING, 0.3, "prefill-queueing"),
+        (decoder(reading=load()), QUEUEING, 0.0, "prefill-queueing"),
         (
             BUSY,
             (prefiller(reading=load(waiting=4)),),
-            0.7 + 0.25 * 0.5 - 0.4 * 0.5,
+            0.7 + 0.25 * 0.5 - 0.7 * 0.5,
             "prefill-queueing",
         ),
         (BUSY, (*QUEUEING, prefiller("p1", reading=load(waiting=0))), 0.95, "decoder-busy"),
-        (BUSY, (), 0.3, "no-prefiller"),
-        (BUSY, (prefiller(healthy=False, reading=load()),), 0.3, "no-prefiller"),
-        (decoder(reading=load()), (prefiller(in_flight=8),), 0.3, "prefill-queueing"),
-        (decoder(reading=load()), (prefiller(in_flight=2),), 0.6, "prefill-queueing"),
+        (BUSY, (), 0.0, "no-prefiller"),
+        (BUSY, (prefiller(healthy=False, reading=load()),), 0.0, "no-prefiller"),
+        (decoder(reading=load()), (prefiller(in_flight=8),), 0.0, "prefill-queueing"),
+        (decoder(reading=load()), (prefiller(in_flight=2),), 0.525, "prefill-queueing"),
     ],
     ids=[
         "idle",
@@ -112,12 +112,12 @@ def test_a_load_change_is_smoothed_in_time() -> None:
 def test_a_queueing_prefill_pool_settles_the_threshold_at_exactly_the_floor() -> None:
     """Only a threshold of exactly 0 admits a prompt with no cached token: smoothing
     must settle there, not approach it forever."""
-    policy = _policy(floor=0.0, lower_by=0.7)
+    policy = _policy()  # the defaults: floor 0, lower_by 0.7
     values = [
         policy.decide(context(prefillers=QUEUEING, now=0.5 * step)).value for step in range(200)
     ]
     assert values[0] == 0.0  # the first request takes the target as is
-    policy = _policy(floor=0.0, lower_by=0.7)
+    policy = _policy()
     policy.decide(context(now=0.0))  # idle: 0.7
     values = [
         policy.decide(context(prefillers=QUEUEING, now=0.5 * step)).value for step in range(1, 200)

@@ -133,8 +133,8 @@ def test_sustained_violations_stop_at_the_bounds() -> None:
         _step(up, 5.0 * k, 0.1, 1.0)
         _step(down, 5.0 * k, 10.0, 0.01)
     assert up.decide(context(now=1000.0)).value == 0.95
-    assert down.decide(context(now=1000.0)).value == 0.3
-    assert up.bounds == (0.3, 0.95)
+    assert down.decide(context(now=1000.0)).value == 0.0
+    assert up.bounds == (0.0, 0.95)
 
 
 @pytest.mark.parametrize(
