@@ -54,7 +54,7 @@ __all__ = [
     "VLLM_ROUTER_VERSION",
     "FleetCounters",
     "LiveOptions",
-    "live_policy",
+    "live_threshold",
     "read_counters",
     "router_executable",
     "run_fleet_strategy",
@@ -306,7 +306,7 @@ def start_fleet(fleet: FleetSpec, time_scale: float, stack: ExitStack) -> dict[s
 
 
 def _gateway_config(
-    fleet: FleetSpec, urls: dict[str, str], policy: dict[str, Any]
+    fleet: FleetSpec, urls: dict[str, str], threshold: dict[str, Any]
 ) -> dict[str, Any]:
     pools: dict[str, dict[str, Any]] = {}
     for instance in fleet.instances:
@@ -328,7 +328,7 @@ def _gateway_config(
         "listen": {"host": "127.0.0.1", "port": 0},
         "connector": "nixl",
         "pools": list(pools.values()),
-        "threshold": {"policy": policy, "honour_client": False},
+        "threshold": threshold,
         "health": {"interval": 1.0},
         "upstream": {"max_connections": 4096},
     }
@@ -341,15 +341,14 @@ def _live_fleet(fleet: FleetSpec, strategy: Strategy) -> FleetSpec:
     return replace(fleet, instances=tuple(replace(i, role=Role.BOTH) for i in fleet.instances))
 
 
-def live_policy(strategy: Strategy) -> dict[str, Any] | None:
-    """The gateway's ``threshold.policy`` block for ``strategy``; None when the gateway
-    cannot express it. Prefill-first is run as threshold 1 (every attempt rejected:
-    one cheap extra round trip), decode-only as threshold 0."""
-    if strategy.mode is Mode.PREFILL_FIRST:
-        return {"type": "static", "value": 1.0}
-    if strategy.mode is Mode.DECODE_ONLY:
-        return {"type": "static", "value": 0.0}
-    return strategy.config_block
+def live_threshold(strategy: Strategy) -> dict[str, Any]:
+    """The gateway's ``threshold`` block for ``strategy`` (client thresholds ignored).
+    Prefill-first runs as threshold 1 (every attempt rejected: one cheap extra round
+    trip), decode-only as threshold 0, decode-first with the strategy's own block."""
+    if strategy.threshold is not None:
+        return strategy.threshold.model_dump(mode="json", exclude_unset=True)
+    value = 1.0 if strategy.mode is Mode.PREFILL_FIRST else 0.0
+    return {"policy": {"type": "static", "value": value}, "honour_client": False}
 
 
 def run_fleet_strategy(
@@ -359,17 +358,13 @@ def run_fleet_strategy(
     options: LiveOptions,
     progress: Callable[[int], None] | None = None,
 ) -> RunResult:
-    """A fresh simulated fleet and gateway for ``strategy``; ``ValueError`` if the
-    gateway cannot run the strategy's policy."""
-    policy = live_policy(strategy)
-    if policy is None:
-        raise ValueError(f"the gateway cannot run strategy {strategy.name!r} from its config")
+    """A fresh simulated fleet and gateway for ``strategy``."""
     served = _live_fleet(fleet, strategy)
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="pdo-bench-") as tmp:
         sims = start_fleet(served, options.sim_time_scale, stack)
         urls = {name: child.url for name, child in sims.items()}
         path = Path(tmp) / "gateway.yaml"
-        path.write_text(yaml.safe_dump(_gateway_config(served, urls, policy)))
+        path.write_text(yaml.safe_dump(_gateway_config(served, urls, live_threshold(strategy))))
         gateway = start_child("gateway", python_command("serve", "--config", str(path)), timeout=60)
         stack.callback(stop_child, gateway)
         return anyio.run(

@@ -59,6 +59,7 @@ from pd_orchestrator.bench.workloads import BenchRequest, Workload, digest_segme
 from pd_orchestrator.config.load import LoadConfig
 from pd_orchestrator.config.settings import HandbackConfig
 from pd_orchestrator.fleet.endpoints import Role
+from pd_orchestrator.flows.request import TOKEN_ID_CHARS
 from pd_orchestrator.policies import LatencyObservation, ThresholdContext
 from pd_orchestrator.routing import (
     Candidate,
@@ -86,9 +87,6 @@ Action = Callable[[float], None]
 
 AFFINITY_TOKENS = 1024
 """The gateway keys a token-id prompt's affinity on its first 1024 tokens."""
-
-CHARS_PER_TOKEN = 4
-"""The gateway counts a token-id prompt as 4 characters per token."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,14 +282,18 @@ class VirtualFleet:
 
     def route_prefiller(self, now: float, decoder: _Instance) -> _Instance | None:
         """The prefill profile's pick of a prefiller whose KV can reach ``decoder``."""
-        request = RoutingRequest(
+        return self._pick(
+            self.routing.prefill, self._prefill_request(now, decoder), self.prefillers
+        )
+
+    def _prefill_request(self, now: float, decoder: _Instance) -> RoutingRequest:
+        return RoutingRequest(
             role=Role.PREFILL,
             now=now,
             model=self.model,
             decoder=decoder.endpoint,
             sequence=next(self._routing_seq),
         )
-        return self._pick(self.routing.prefill, request, self.prefillers)
 
     def _pick(
         self, profile: Profile, request: RoutingRequest, pool: list[_Instance]
@@ -307,19 +309,13 @@ class VirtualFleet:
         resolver = self.resolver
         if resolver is None:
             return 0.0
-        request = RoutingRequest(
-            role=Role.PREFILL,
-            now=now,
-            model=self.model,
-            decoder=decoder.endpoint,
-            sequence=next(self._routing_seq),
-        )
+        request = self._prefill_request(now, decoder)
         compatible = self.routing.prefill.run(request, [i.candidate() for i in self.prefillers])
         context = ThresholdContext(
             model=self.model,
             decoder=decoder.candidate(),
             prompt_tokens=prompt_tokens,
-            prompt_chars=CHARS_PER_TOKEN * prompt_tokens,
+            prompt_chars=TOKEN_ID_CHARS * prompt_tokens,
             prefillers=tuple(self._by_name[e.name].candidate() for e in compatible.endpoints),
             now=now,
         )

@@ -27,7 +27,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from pd_orchestrator.bench.fleet import FLEETS, FleetSpec, preset_fleet
 from pd_orchestrator.bench.live import (
     LiveOptions,
-    live_policy,
     run_fleet_strategy,
     run_target,
     run_vllm_router,
@@ -181,11 +180,6 @@ def _run_live(
             )
             return [result]
         for strategy in strategies:
-            if live_policy(strategy) is None:
-                console.print(
-                    f"[yellow]skipped {strategy.name}: the gateway cannot run it from config"
-                )
-                continue
             advance = _tracked(progress, strategy.name, len(workload))
             results.append(run_fleet_strategy(fleet, strategy, workload, options, advance))
         if args.vllm_router:

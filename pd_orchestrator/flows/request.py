@@ -9,7 +9,10 @@ from typing import Any
 from pd_orchestrator.openai.protocol import ChatCompletionRequest, OpenAIRequest, message_text
 from pd_orchestrator.openai.responses import Kind
 
-__all__ = ["CHAT_ONLY_FIELDS", "ClientRequest"]
+__all__ = ["CHAT_ONLY_FIELDS", "TOKEN_ID_CHARS", "ClientRequest"]
+
+TOKEN_ID_CHARS = 4
+"""Characters a token-id prompt counts per token in :attr:`ClientRequest.prompt_chars`."""
 
 CHAT_ONLY_FIELDS = frozenset(
     {
@@ -74,7 +77,7 @@ class ClientRequest:
             return sum(len(message_text(m)) + len(m.role) + 8 for m in view.messages)
         if isinstance(view.prompt, str):
             return len(view.prompt)
-        return 4 * len(view.prompt)
+        return TOKEN_ID_CHARS * len(view.prompt)
 
     def affinity_key(self, limit: int = 4096) -> str:
         """The start of the prompt: up to and including the first user message for chat.
