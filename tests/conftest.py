@@ -9,10 +9,19 @@ from typing import Any
 
 import pytest
 import yaml
+from hypothesis import HealthCheck, settings
 
 from pd_orchestrator.children import Child, python_command, start_child, stop_child
 
 SimFactory = Callable[..., Child]
+
+# CI shares a 2-core machine with other work: no property test may fail for being slow.
+settings.register_profile(
+    "shared-machine",
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+settings.load_profile("shared-machine")
 
 
 @pytest.fixture

@@ -10,20 +10,23 @@ added meanwhile wait for that next step.
 Flows (what the gateway does, in virtual time; ``hop`` is one HTTP leg's one-way
 latency, the same for every leg):
 
-* decode-first: the routing pipeline's decode profile picks a decoder (candidates
-  carry load snapshots polled from the engines every ``load_interval`` and the
-  flows' own in-flight counts, like the live scraper and fleet state); the policy
-  sets the threshold (:func:`~pd_orchestrator.bench.strategies.decide_threshold`);
-  the attempt goes to the decoder. Admitted: it is served there (``decode``).
-  Rejected (``cache_threshold`` with no token): the prefill profile (with the
-  compatibility filter) picks a prefiller for that decoder, which prefills with
+* decode-first: the gateway's own planner
+  (:class:`~pd_orchestrator.planner.plan.Planner`) plans each request -- decoder,
+  compatible prefillers and the policy's threshold -- over candidates that carry load
+  snapshots polled from the engines every ``load_interval`` and the flows' own
+  in-flight counts (like the live scraper and fleet state); the attempt goes to the
+  plan's decoder. Admitted: it is served there (``decode``).
+  Rejected (``cache_threshold`` with no token): the plan's first prefiller for that
+  decoder (the prefill profile, with the compatibility filter), which prefills with
   ``do_remote_decode`` and one output token and holds the KV; the decode leg goes
   to the decoder with threshold 0, which first pulls the KV (a side-channel round
   trip, then ``transfer_seconds`` of the tokens it lacks, as the HTTP simulator
   does) and decodes (``pd``). A request preempted on a decoder and rejected there
   after it produced tokens is handed back: prompt + generated tokens are prefilled
-  and decoded again with the remaining ``max_tokens`` (after
-  ``handback.max_handbacks`` hand-backs, straight on a decoder with threshold 0).
+  and decoded again with the remaining ``max_tokens`` on the plan's decoder, as the
+  gateway does (after ``handback.max_handbacks`` hand-backs, straight on the decoder
+  with threshold 0). A finished request is fed back to the planner
+  (:meth:`~pd_orchestrator.planner.plan.Planner.learn`), as the gateway does.
 * prefill-first (``always-pd``): a decoder and then a compatible prefiller are
   picked, then prefill and the decode leg as above (``pd``).
 * decode-only: every instance is a decoder and the threshold is 0 (``decode``).
@@ -58,16 +61,9 @@ from pd_orchestrator.bench.strategies import Mode, Strategy
 from pd_orchestrator.bench.workloads import BenchRequest, Workload, digest_segments, materialize
 from pd_orchestrator.config.load import LoadConfig
 from pd_orchestrator.config.settings import HandbackConfig
-from pd_orchestrator.fleet.endpoints import Role
 from pd_orchestrator.flows.request import TOKEN_ID_CHARS
-from pd_orchestrator.policies import LatencyObservation, ThresholdContext
-from pd_orchestrator.routing import (
-    Candidate,
-    LoadSnapshot,
-    Profile,
-    RoutingProfiles,
-    RoutingRequest,
-)
+from pd_orchestrator.planner.plan import NoCandidateError, Plan, Planner, RequestFacts, Served
+from pd_orchestrator.routing import Candidate, LoadSnapshot, RoutingProfiles
 from pd_orchestrator.sim.blocks import BlockHasher
 from pd_orchestrator.sim.digest import PromptDigest
 from pd_orchestrator.sim.engine import (
@@ -169,7 +165,7 @@ class VirtualFleet:
         self.routing = routing
         self.options = options or VirtualOptions()
         self.model = self.spec.model
-        self.resolver = strategy.resolver()
+        self.planner = Planner(routing, strategy.resolver())
         self.decisions: Counter[str] = Counter()
         self.hasher = BlockHasher(self.spec.block_size)
         self.instances = [_Instance(spec, self.spec) for spec in self.spec.instances]
@@ -180,7 +176,7 @@ class VirtualFleet:
         self.kv_bytes = 0
         self._events: list[tuple[float, int, Action]] = []
         self._seq = itertools.count()
-        self._routing_seq = itertools.count()
+        self._ordinals = itertools.count()
         self._followers: dict[int, list[BenchRequest]] = defaultdict(list)
         self._histories: dict[int, tuple[PromptDigest, list[int]]] = {}
         self._records: list[RequestRecord] = []
@@ -268,68 +264,27 @@ class VirtualFleet:
                 self._histories[flow.request.index] = (flow.digest, flow.generated)
             self.at(now + follower.think_time, partial(self._arrive, follower))
 
-    # -- routing and policy -----------------------------------------------------------------
-    def route_decoder(self, now: float, affinity: str) -> _Instance | None:
-        """The decode profile's pick among the decoders, None if it keeps none."""
-        request = RoutingRequest(
-            role=Role.DECODE,
-            now=now,
+    # -- planning ---------------------------------------------------------------------------
+    def plan(self, now: float, digest: PromptDigest) -> tuple[Plan, RequestFacts] | None:
+        """The gateway planner's plan for a prompt (None when no decoder can take it)."""
+        facts = RequestFacts(
             model=self.model,
-            affinity_key=affinity,
-            sequence=next(self._routing_seq),
+            prompt_chars=TOKEN_ID_CHARS * digest.num_tokens,
+            affinity_key=affinity_key(digest, self.spec.block_size),
+            prompt_tokens=digest.num_tokens,
         )
-        return self._pick(self.routing.decode, request, self.decoders)
-
-    def route_prefiller(self, now: float, decoder: _Instance) -> _Instance | None:
-        """The prefill profile's pick of a prefiller whose KV can reach ``decoder``."""
-        return self._pick(
-            self.routing.prefill, self._prefill_request(now, decoder), self.prefillers
-        )
-
-    def _prefill_request(self, now: float, decoder: _Instance) -> RoutingRequest:
-        return RoutingRequest(
-            role=Role.PREFILL,
-            now=now,
-            model=self.model,
-            decoder=decoder.endpoint,
-            sequence=next(self._routing_seq),
-        )
-
-    def _pick(
-        self, profile: Profile, request: RoutingRequest, pool: list[_Instance]
-    ) -> _Instance | None:
-        if not pool:
+        candidates = [instance.candidate() for instance in self.instances]
+        try:
+            plan = self.planner.plan(facts, candidates, now, next(self._ordinals))
+        except NoCandidateError:
             return None
-        pick = profile.run(request, [i.candidate() for i in pool]).pick
-        return None if pick is None else self._by_name[pick.endpoint.name]
+        if self.planner.threshold is not None:
+            decision = plan.threshold
+            self.decisions[f"{decision.policy}:{decision.reason}"] += 1
+        return plan, facts
 
-    def threshold(self, now: float, decoder: _Instance, prompt_tokens: int) -> float:
-        """The attempt's threshold: 0 for decode-only, else the strategy's resolver
-        given what the gateway gives it (prompt tokens are exact: token-id prompts)."""
-        resolver = self.resolver
-        if resolver is None:
-            return 0.0
-        request = self._prefill_request(now, decoder)
-        compatible = self.routing.prefill.run(request, [i.candidate() for i in self.prefillers])
-        context = ThresholdContext(
-            model=self.model,
-            decoder=decoder.candidate(),
-            prompt_tokens=prompt_tokens,
-            prompt_chars=TOKEN_ID_CHARS * prompt_tokens,
-            prefillers=tuple(self._by_name[e.name].candidate() for e in compatible.endpoints),
-            now=now,
-        )
-        decision = resolver.decide(context)
-        self.decisions[f"{decision.policy}:{decision.reason}"] += 1
-        return decision.value
-
-    def observe(
-        self, now: float, decoder: _Instance, ttft: float | None, itl: float | None
-    ) -> None:
-        """A finished request's latencies, told to the resolver as the gateway does."""
-        if self.resolver is not None:
-            observation = LatencyObservation(self.model, decoder.endpoint.pool, now, ttft, itl)
-            self.resolver.observe(observation)
+    def instance(self, name: str) -> _Instance:
+        return self._by_name[name]
 
     # -- engines ----------------------------------------------------------------------------
     def submit(
@@ -420,21 +375,23 @@ class _Flow:
         self.last_at = 0.0
         self.legs = 0
         self.decoder: _Instance | None = None
+        self.planned: tuple[Plan, RequestFacts] | None = None
 
     # -- start ------------------------------------------------------------------------------
     def start(self, now: float) -> None:
         fleet = self.fleet
-        decoder = fleet.route_decoder(now, affinity_key(self.digest, fleet.spec.block_size))
-        if decoder is None:
+        self.planned = fleet.plan(now, self.digest)
+        if self.planned is None:
             self.fail(now, "no decoder")
             return
-        self.decoder = decoder
+        plan = self.planned[0]
+        decoder = self.decoder = fleet.instance(plan.decoder.name)
         self.record.decoder = decoder.name
         if fleet.strategy.mode is Mode.PREFILL_FIRST:
             self.record.decision = "pd"
             self.prefill(now + self.hop, self.digest, self.request.max_tokens, 0.0)
             return
-        threshold = fleet.threshold(now, decoder, self.digest.num_tokens)
+        threshold = plan.threshold.value
         self.record.threshold = threshold
         self.record.decision = "decode"
         attempt = self.leg(self.digest, self.request.max_tokens, threshold)
@@ -491,11 +448,12 @@ class _Flow:
     # -- P/D --------------------------------------------------------------------------------
     def prefill(self, now: float, digest: PromptDigest, max_tokens: int, threshold: float) -> None:
         """Prefill ``digest`` on a prefiller, then decode ``max_tokens`` with ``threshold``."""
-        assert self.decoder is not None
-        prefiller = self.fleet.route_prefiller(now, self.decoder)
-        if prefiller is None:
+        assert self.decoder is not None and self.planned is not None
+        prefillers = self.planned[0].prefillers_for(self.decoder.endpoint)
+        if not prefillers:
             self.fail(now, f"no prefiller can reach {self.decoder.name}")
             return
+        prefiller = self.fleet.instance(prefillers[0].name)
         self.record.prefiller = prefiller.name
 
         def on_prefill(when: float, output: RequestOutput) -> None:
@@ -543,13 +501,8 @@ class _Flow:
             self.finish(now + self.hop)
             return
         continuation = self.digest.extend(self.generated, self.fleet.hasher)
-        decoder = self.fleet.route_decoder(
-            now, affinity_key(continuation, self.fleet.spec.block_size)
-        )
-        if decoder is None:
-            self.fail(now, "no decoder for the hand-back")
-            return
-        self.decoder = decoder
+        decoder = self.decoder
+        assert decoder is not None
         if record.handbacks > handback.max_handbacks or not self.fleet.prefillers:
             request = self.leg(continuation, left, 0.0)
             self.fleet.submit(decoder, now + 2 * self.hop, request, self.on_decode, self.fail)
@@ -563,8 +516,10 @@ class _Flow:
         record.output_tokens = len(self.generated)
         if len(self.generated) > 1 and self.first_at is not None:
             record.tpot = (self.last_at - self.first_at) / (len(self.generated) - 1)
-        if self.decoder is not None:
-            self.fleet.observe(now, self.decoder, record.ttft, record.tpot)
+        if self.decoder is not None and self.planned is not None:
+            plan, facts = self.planned
+            served = Served(self.decoder.endpoint, now, record.ttft, record.tpot)
+            self.fleet.planner.learn(plan, facts, served)
         self.fleet.complete(self, now)
 
     def fail(self, now: float, why: str) -> None:

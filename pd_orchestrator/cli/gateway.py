@@ -54,7 +54,7 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
 
 def _load(path: Path, console: Console) -> GatewayConfig | None:
     """The validated config (plugins included), or None after printing why not."""
-    from pd_orchestrator.gateway.app import check_plugins
+    from pd_orchestrator.gateway.state import check_plugins
     from pd_orchestrator.routing.registry import RoutingConfigError
 
     try:
@@ -90,7 +90,15 @@ def serve_gateway(
     url = f"http://{config.listen.host}:{sock.getsockname()[1]}"
     gateway = Gateway(config, config_path=config_path)
     server = uvicorn.Server(
-        uvicorn.Config(gateway.app(), log_level="warning", timeout_graceful_shutdown=5)
+        uvicorn.Config(
+            gateway.app(),
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+            http="httptools",
+            interface="asgi3",
+            proxy_headers=False,
+            server_header=False,
+        )
     )
 
     async def main() -> None:
@@ -100,7 +108,7 @@ def serve_gateway(
                 await anyio.sleep(0.02)
             (on_ready or _announce)(url)
 
-    anyio.run(main)
+    anyio.run(main, backend_options={"use_uvloop": True})
 
 
 def _announce(url: str) -> None:

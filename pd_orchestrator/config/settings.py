@@ -236,13 +236,18 @@ class SidecarConfig(_Strict):
 
 
 class UpstreamConfig(_Strict):
-    """The shared HTTP client towards vLLM instances."""
+    """The HTTP client towards vLLM instances (limits are per endpoint)."""
 
-    max_connections: Annotated[int, Field(ge=1)] = 1024
-    max_keepalive_connections: Annotated[int, Field(ge=0)] = 256
-    pool_shards: Annotated[int, Field(ge=1, le=256)] = Field(
-        default=16,
-        description="connection pools sharing the limits; more keep each pool small",
+    max_connections: Annotated[int, Field(ge=1)] = Field(
+        default=1024, description="open connections per endpoint"
+    )
+    max_keepalive_connections: Annotated[int, Field(ge=0)] = Field(
+        default=256, description="idle connections kept per endpoint"
+    )
+    keepalive_expiry: Seconds = Field(
+        default=4.0,
+        description="idle connections are dropped after this; keep it below the upstream "
+        "servers' keep-alive timeout (uvicorn, so vLLM: 5 s)",
     )
     prefill_attempts: Annotated[int, Field(ge=1, le=10)] = 3
     retry_backoff: Annotated[float, Field(ge=0.0)] = 0.05

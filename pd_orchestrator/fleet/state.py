@@ -90,15 +90,24 @@ class FleetState:
         self._failures[name] = max(self._failures[name], self.unhealthy_after)
         self._healthy[name] = False
 
+    def enter(self, name: str) -> None:
+        """One more request in flight on ``name`` (pair with :meth:`leave`)."""
+        if name not in self._in_flight:
+            self._track(name)
+        self._in_flight[name] += 1
+
+    def leave(self, name: str) -> None:
+        """One request in flight on ``name`` ended."""
+        self._in_flight[name] -= 1
+
     @contextmanager
     def in_flight(self, name: str) -> Iterator[None]:
         """Count one request in flight on ``name`` for the duration of the block."""
-        self._track(name)
-        self._in_flight[name] += 1
+        self.enter(name)
         try:
             yield
         finally:
-            self._in_flight[name] -= 1
+            self.leave(name)
 
     def any_decoder_healthy(self) -> bool:
         return any(self._healthy[e.name] for e in self.endpoints(Role.DECODE))

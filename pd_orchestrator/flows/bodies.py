@@ -1,4 +1,9 @@
-"""Upstream request bodies derived from the client's (pure; inputs never mutated)."""
+"""Upstream request bodies derived from the client's (pure; inputs never mutated).
+
+Bodies are shallow copies of the client's body with top-level fields set or
+replaced; nested values are shared and never changed, so no body is deep-copied on
+the request path.
+"""
 
 from __future__ import annotations
 
@@ -11,20 +16,30 @@ __all__ = ["continuation_body", "leg_body", "with_threshold"]
 Json = dict[str, Any]
 
 
-def leg_body(request: ClientRequest, threshold: float) -> Json:
+def _streaming(body: Json, stream: bool, client_options: Any) -> None:
+    """Make ``body`` stream with usage when ``stream`` (the gateway strips or merges
+    usage before the client sees it), else answer whole."""
+    if not stream:
+        body["stream"] = False
+        body.pop("stream_options", None)
+        return
+    options = dict(client_options) if isinstance(client_options, dict) else {}
+    options["include_usage"] = True
+    body["stream"] = True
+    body["stream_options"] = options
+
+
+def leg_body(request: ClientRequest, threshold: float, *, stream: bool | None = None) -> Json:
     """The client's body as a decoder leg sends it.
 
     Adds the threshold and ``return_token_ids`` (the gateway tracks every token to
-    hand a preempted request back); streams always ask for usage, which the
-    gateway strips or merges before the client sees it.
+    hand a preempted request back). ``stream`` (default: as the client asked) says
+    whether the leg streams; a streamed leg always asks for usage.
     """
-    body = request.copy_body()
+    body = dict(request.body)
     body["cache_hit_threshold"] = threshold
     body["return_token_ids"] = True
-    if request.stream:
-        options = dict(body.get("stream_options") or {})
-        options["include_usage"] = True
-        body["stream_options"] = options
+    _streaming(body, request.stream if stream is None else stream, body.get("stream_options"))
     return body
 
 
@@ -34,15 +49,21 @@ def with_threshold(body: Json, threshold: float) -> Json:
 
 
 def continuation_body(
-    request: ClientRequest, token_prompt: list[int], generated: int, threshold: float
+    request: ClientRequest,
+    token_prompt: list[int],
+    generated: int,
+    threshold: float,
+    *,
+    stream: bool | None = None,
 ) -> Json:
     """A ``/v1/completions`` body that continues ``request`` after ``generated`` tokens.
 
     The prompt becomes the token ids of the original prompt and of every token
     generated so far; ``max_tokens`` and ``min_tokens`` shrink by ``generated``.
     Chat-only fields are dropped (chat requests continue as token prompts).
+    ``stream`` as in :func:`leg_body`.
     """
-    body = {k: v for k, v in request.copy_body().items() if k not in CHAT_ONLY_FIELDS}
+    body = {k: v for k, v in request.body.items() if k not in CHAT_ONLY_FIELDS}
     body["prompt"] = token_prompt
     limit = request.max_tokens
     if limit is not None:
@@ -53,6 +74,5 @@ def continuation_body(
         body["min_tokens"] = max(0, int(body["min_tokens"] or 0) - generated)
     body["cache_hit_threshold"] = threshold
     body["return_token_ids"] = True
-    if request.stream:
-        body["stream_options"] = {"include_usage": True}
+    _streaming(body, request.stream if stream is None else stream, None)
     return body

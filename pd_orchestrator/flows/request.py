@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +95,3 @@ class ClientRequest:
         if isinstance(view.prompt, str):
             return view.prompt[:limit]
         return ",".join(map(str, view.prompt[: limit // 4]))
-
-    def copy_body(self) -> dict[str, Any]:
-        return copy.deepcopy(self.body)

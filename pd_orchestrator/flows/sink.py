@@ -21,9 +21,12 @@ class GatewayError(Exception):
 class ClientSink(Protocol):
     """The client's side of a response.
 
-    A flow calls :meth:`start` exactly once (status and headers), then
-    :meth:`send` for each piece of the body. Errors raised before :meth:`start`
-    become a JSON error answer; after it, an SSE error event.
+    A flow calls :meth:`start` exactly once (status and headers), then :meth:`send`
+    for each piece of the body and :meth:`end` with the last piece; or :meth:`answer`
+    once with the whole answer. Errors raised before either become a JSON error
+    answer; after :meth:`start` of a stream, an SSE error event. The last piece (or
+    the whole answer) is held until the gateway closes the response, so the gateway
+    learns from a request before its client can send the next one.
     """
 
     @property
@@ -32,3 +35,11 @@ class ClientSink(Protocol):
     async def start(self, status: int, headers: Mapping[str, str], media_type: str) -> None: ...
 
     async def send(self, data: bytes) -> None: ...
+
+    def end(self, data: bytes) -> None:
+        """The last piece of a started body (sent when the response is closed)."""
+        ...
+
+    def answer(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
+        """A whole JSON answer of ``body`` (sent when the response is closed)."""
+        ...

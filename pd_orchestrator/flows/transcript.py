@@ -3,12 +3,12 @@
 A request may be served by several legs: the decoder's attempt, a decode leg after
 a prefill, continuations after hand-backs. The transcript records the original
 prompt, every generated token, the text, the finish and the usage figures, and
-builds the merged usage and the whole answer from them.
+builds the merged usage and the whole answer from them. Text is kept only when a
+whole answer will be built (``keep_text``); a stream's text goes straight out.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,7 @@ class Transcript:
     completion_tokens: int = 0
     handbacks: int = 0
     template: Json | None = None
+    keep_text: bool = True
 
     @property
     def remaining(self) -> int | None:
@@ -65,7 +66,7 @@ class Transcript:
             self.prompt_ids = list(view.prompt_token_ids)
         if view.token_ids is not None:
             self.generated.extend(view.token_ids)
-        if view.text:
+        if view.text and self.keep_text:
             self.text.append(view.text)
         if view.finish_reason is not None:
             self.finish_reason = view.finish_reason
@@ -106,10 +107,11 @@ class Transcript:
         )
 
     def whole_answer(self) -> Json:
-        """The non-streamed answer: the first same-API answer with merged contents."""
+        """The non-streamed answer: the template (the first same-API answer, which this
+        takes over and changes) with merged contents."""
         if self.template is None:
             raise ValueError("no answer was recorded")
-        answer = copy.deepcopy(self.template)
+        answer = self.template
         identity = self.identity
         if identity is not None:
             answer["id"], answer["created"] = identity.response_id, identity.created

@@ -1,30 +1,40 @@
-"""An ASGI response that runs a flow and watches the client at the same time.
+"""Answering one client: a flow run against an ASGI connection, watched for disconnects.
 
-The flow and a disconnect watcher share one task group: when the client goes, the
-flow is cancelled, and the flow's cleanup closes its upstream connections (which
-is how vLLM learns to abort). Errors raised before the flow started the response
-become a JSON error answer with their status; after it, an SSE error event in
-vLLM's shape followed by ``[DONE]``.
+:func:`respond` runs ``serve(sink)`` and a disconnect watcher in one task group:
+when the client goes, the flow is cancelled, and the flow's cleanup closes its
+upstream connections (which is how vLLM learns to abort). The answer's last piece
+(or the whole answer) is held: :func:`respond` returns a :class:`Pending` answer,
+the gateway learns from it, then :meth:`Pending.finish` sends the rest -- so a
+client never sends its next request before the gateway learned from this one.
+
+Errors raised before the flow started the response become a JSON error answer
+with their status; after it, an SSE error event in vLLM's shape followed by
+``[DONE]``. :func:`error_response` answers an error on its own (admission refusals),
+in the same shape.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Generic, TypeVar
 
 import anyio
-from starlette.types import Message, Receive, Scope, Send
+import orjson
+from starlette.types import Message, Receive, Send
 
 from pd_orchestrator.flows.sink import ClientSink, GatewayError
 from pd_orchestrator.openai.errors import error_body
 from pd_orchestrator.openai.sse import DONE, encode_event
 from pd_orchestrator.upstream.errors import UpstreamError, client_error
 
-__all__ = ["FlowResponse", "error_of"]
+__all__ = ["DISCONNECTED", "Pending", "error_of", "error_response", "respond"]
 
-FlowRunner = Callable[[ClientSink], Awaitable[None]]
+T = TypeVar("T")
 logger = logging.getLogger("pd_orchestrator.gateway")
+DISCONNECTED = 499
+"""The status recorded for a client that left before its answer ended."""
+_JSON = "application/json"
 
 
 def error_of(exc: Exception) -> tuple[int, str, str | None]:
@@ -39,13 +49,22 @@ def error_of(exc: Exception) -> tuple[int, str, str | None]:
 
 
 class _AsgiSink:
+    """A :class:`~pd_orchestrator.flows.sink.ClientSink` over an ASGI ``send``."""
+
     def __init__(self, send: Send) -> None:
         self._send = send
         self.started = False
         self.status = 0
         self.streaming = False
+        self.tail = b""
+        self._whole: tuple[int, Mapping[str, str], bytes] | None = None
 
     async def start(self, status: int, headers: Mapping[str, str], media_type: str) -> None:
+        await self._start(status, headers, media_type, None)
+
+    async def _start(
+        self, status: int, headers: Mapping[str, str], media_type: str, length: int | None
+    ) -> None:
         if self.started:
             raise RuntimeError("the response was already started")
         self.started = True
@@ -54,70 +73,118 @@ class _AsgiSink:
         raw = [(b"content-type", media_type.encode())]
         if self.streaming:
             raw.append((b"cache-control", b"no-cache"))
+        if length is not None:
+            raw.append((b"content-length", b"%d" % length))
         raw += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
         await self._send({"type": "http.response.start", "status": status, "headers": raw})
 
     async def send(self, data: bytes) -> None:
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
 
+    def end(self, data: bytes) -> None:
+        self.tail += data
+
+    def answer(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
+        self.status = status
+        self._whole = (status, headers, body)
+
+    @property
+    def answered(self) -> bool:
+        return self.started or self._whole is not None
+
     async def finish(self) -> None:
-        await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+        """Send what is held and end the response."""
+        if self._whole is not None:
+            status, headers, body = self._whole
+            await self._start(status, headers, _JSON, len(body))
+            await self._send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        tail, self.tail = self.tail, b""
+        await self._send({"type": "http.response.body", "body": tail, "more_body": False})
 
 
-class FlowResponse:
-    """Run ``runner`` against the client; ``on_done(status, error)`` reports the outcome."""
+async def error_response(send: Send, status: int, message: str, param: str | None = None) -> None:
+    """A whole JSON error answer in vLLM's shape."""
+    sink = _AsgiSink(send)
+    sink.answer(status, {}, orjson.dumps(error_body(message, status, param=param)))
+    await sink.finish()
+
+
+class Pending(Generic[T]):
+    """An answer whose flow has run and whose last bytes are still held.
+
+    ``status``: what the client will get (499: it left). ``result``: what ``serve``
+    returned (None when it failed). ``error``: what it raised, if anything.
+    """
 
     def __init__(
         self,
-        runner: FlowRunner,
-        on_done: Callable[[int, Exception | None], None],
-        error_headers: Callable[[], Mapping[str, str]] = dict,
+        sink: _AsgiSink,
+        result: T | None,
+        error: Exception | None,
+        headers: Callable[[], Mapping[str, str]],
+        disconnected: bool,
     ) -> None:
-        self.runner = runner
-        self.on_done = on_done
-        self.error_headers = error_headers
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        sink = _AsgiSink(send)
-        error: Exception | None = None
-        disconnected = False
-        async with anyio.create_task_group() as tg:
-
-            async def watch() -> None:
-                nonlocal disconnected
-                while True:
-                    message: Message = await receive()
-                    if message["type"] == "http.disconnect":
-                        disconnected = True
-                        tg.cancel_scope.cancel()
-                        return
-
-            tg.start_soon(watch)
-            try:
-                await self.runner(sink)
-            except Exception as exc:
-                error = exc
-            tg.cancel_scope.cancel()
+        self._sink = sink
+        self._headers = headers
+        self.result = result if error is None else None
+        self.error = error
+        self._mapped = None if error is None else error_of(error)
         if disconnected:
-            self.on_done(499, None)
-            return
-        try:
-            await self._close(sink, error)
-        except OSError:
-            self.on_done(499, error)
-            return
-        self.on_done(sink.status, error)
+            self.status = DISCONNECTED
+        elif self._mapped is not None and not sink.answered:
+            self.status = self._mapped[0]
+        else:
+            self.status = sink.status
 
-    async def _close(self, sink: _AsgiSink, error: Exception | None) -> None:
-        if error is None:
-            await sink.finish()
-            return
-        status, message, param = error_of(error)
-        body = error_body(message, status, param=param)
-        if not sink.started:
-            await sink.start(status, self.error_headers(), "application/json")
-            await sink.send(json.dumps(body).encode())
-        elif sink.streaming:
-            await sink.send(encode_event(body))
-            await sink.send(DONE)
+    async def finish(self) -> int:
+        """Send the rest of the answer (or the error); the final status."""
+        if self.status == DISCONNECTED:
+            return DISCONNECTED
+        try:
+            await self._finish()
+        except OSError:
+            self.status = DISCONNECTED
+        return self.status
+
+    async def _finish(self) -> None:
+        sink = self._sink
+        if self._mapped is not None:
+            status, message, param = self._mapped
+            body = error_body(message, status, param=param)
+            if not sink.answered:
+                sink.answer(status, self._headers(), orjson.dumps(body))
+            elif sink.streaming:
+                sink.end(encode_event(body) + DONE)
         await sink.finish()
+
+
+async def respond(
+    receive: Receive,
+    send: Send,
+    serve: Callable[[ClientSink], Awaitable[T]],
+    error_headers: Callable[[], Mapping[str, str]] = dict,
+) -> Pending[T]:
+    """Run ``serve`` against the client (see the module docstring)."""
+    sink = _AsgiSink(send)
+    error: Exception | None = None
+    result: T | None = None
+    disconnected = False
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            nonlocal disconnected
+            while True:
+                message: Message = await receive()
+                if message["type"] == "http.disconnect":
+                    disconnected = True
+                    tg.cancel_scope.cancel()
+                    return
+
+        tg.start_soon(watch)
+        try:
+            result = await serve(sink)
+        except Exception as exc:
+            error = exc
+        tg.cancel_scope.cancel()
+    return Pending(sink, result, error, error_headers, disconnected)

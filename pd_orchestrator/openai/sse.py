@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
+
+import orjson
 
 __all__ = ["DONE", "encode_event", "iter_sse_data"]
 
@@ -13,7 +14,7 @@ DONE = b"data: [DONE]\n\n"
 
 def encode_event(payload: dict[str, Any]) -> bytes:
     """One ``data:`` event carrying ``payload`` as compact JSON."""
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
 async def iter_sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -1,5 +1,21 @@
 """Planning (pure): which decoders to ask, in which order, with which threshold."""
 
-from pd_orchestrator.planner.plan import Plan, Planner, routing_request
+from pd_orchestrator.planner.plan import (
+    DECODE_ONLY,
+    NoCandidateError,
+    Plan,
+    Planner,
+    RequestFacts,
+    Served,
+    compatibility_class,
+)
 
-__all__ = ["Plan", "Planner", "routing_request"]
+__all__ = [
+    "DECODE_ONLY",
+    "NoCandidateError",
+    "Plan",
+    "Planner",
+    "RequestFacts",
+    "Served",
+    "compatibility_class",
+]

@@ -1,25 +1,57 @@
-"""Plans from the routing pipeline (pure: candidates and the clock come in).
+"""The planner: the whole routing decision for one request (pure; no I/O).
 
-The decode profile ranks decoders for a request; the plan keeps that order (the
-first is asked first, the others are fallbacks or, in ask-all mode, the other
-legs) and the threshold the policy chose for the first. Prefillers are ranked
-later, for the decoder that actually needs them, by the prefill profile with that
-decoder on the request (the compatibility filter keeps its group).
+Given what the request is (:class:`RequestFacts`: model, prompt size, affinity key,
+prefix fields, the client's own threshold), a snapshot of the fleet (candidates
+with health, in-flight counts and load) and the request's ordinal, the planner
+returns a :class:`Plan`:
+
+1. **Decoders**, ranked by the decode profile (filters, weighted scorers, picker):
+   the first is asked first; the rest are where a failed attempt, an ask-all
+   fan-out or a continuation goes, in that order.
+   Each profile sees the endpoints of its role only.
+2. **Fan-out**: the decoders the attempt asks (``asked``): all of them in turn for
+   decode-first (one at a time; the next only if one cannot be reached), the top
+   ``width`` at once for ask-all.
+3. **Prefillers per decoder**: the prefill profile's ranking for each class of
+   decoder in the plan (compatibility group and connector: the compatibility
+   filter looks at nothing else of the decoder), or the prefillers the request
+   named itself (a sidecar's header).
+4. **Threshold**: the policy's decision for the first decoder, which sees that
+   decoder's load, the prompt's size and its compatible prefillers' load.
+
+Routing state is per request: every profile run of one request carries the same
+ordinal (``RoutingRequest.sequence``), which the gateway advances once per request,
+so a rotating picker rotates once per request and ties spread requests evenly.
+What the planner learns comes back after the request: :meth:`Planner.learn`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from pd_orchestrator.fleet.endpoints import Endpoint, Role
-from pd_orchestrator.flows.request import ClientRequest
-from pd_orchestrator.policies.base import ThresholdDecision
+from pd_orchestrator.policies.base import LatencyObservation, ThresholdContext, ThresholdDecision
+from pd_orchestrator.policies.threshold import ThresholdResolver
 from pd_orchestrator.prefix.runtime import PrefixFields
 from pd_orchestrator.routing.profiles import RoutingProfiles
 from pd_orchestrator.routing.types import Candidate, RoutingRequest, RoutingResult
 
-__all__ = ["NoCandidateError", "Plan", "Planner", "routing_request"]
+__all__ = [
+    "DECODE_ONLY",
+    "NoCandidateError",
+    "Plan",
+    "Planner",
+    "RequestFacts",
+    "Served",
+    "compatibility_class",
+]
+
+DECODE_ONLY = ThresholdDecision(0.0, "none", "no-threshold")
+"""The decision of a planner without a threshold resolver (every decoder admits)."""
+
+Width = Literal["all"] | int
 
 
 class NoCandidateError(LookupError):
@@ -27,104 +59,185 @@ class NoCandidateError(LookupError):
 
 
 @dataclass(frozen=True, slots=True)
+class RequestFacts:
+    """What the planner knows of a request.
+
+    ``prompt_chars`` sizes the prompt when ``prompt_tokens`` (an exact count) is not
+    known; ``affinity_key`` keeps a conversation's turns together among equals;
+    ``fields`` are the prefix scorers' inputs; ``client_threshold`` is the request's
+    own ``cache_hit_threshold``; ``prefillers`` are the prefillers the request names
+    itself (None: the prefill profile ranks them).
+    """
+
+    model: str
+    prompt_chars: int
+    affinity_key: str | None = None
+    fields: PrefixFields = field(default_factory=PrefixFields)
+    client_threshold: float | None = None
+    prompt_tokens: int | None = None
+    prefillers: tuple[Endpoint, ...] | None = None
+
+
+def compatibility_class(decoder: Endpoint) -> tuple[str, str]:
+    """What of a decoder decides which prefillers can reach it."""
+    return (decoder.group, decoder.connector)
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
-    """Decoders in the order to try them, the chosen one's candidate and the threshold."""
+    """The routing decision for one request (see the module docstring)."""
 
     decoders: tuple[Endpoint, ...]
+    asked: tuple[Endpoint, ...]
     threshold: ThresholdDecision
+    prefillers: Mapping[tuple[str, str], tuple[Endpoint, ...]]
+    candidates: tuple[Candidate, ...]
+    routing: RoutingRequest
     ranking: RoutingResult
-    request: RoutingRequest
 
     @property
     def decoder(self) -> Endpoint:
         return self.decoders[0]
 
+    @property
+    def ordinal(self) -> int:
+        return self.routing.sequence
 
-def routing_request(
-    request: ClientRequest,
-    role: Role,
-    now: float,
-    sequence: int,
-    *,
-    decoder: Endpoint | None = None,
-    allowed_pairs: frozenset[tuple[str, str]] = frozenset(),
-    fields: PrefixFields | None = None,
-) -> RoutingRequest:
-    """What the routing plugins see of a client request (``fields``: its prompt text,
-    token ids, LoRA and cache salt, for the prefix-aware scorers)."""
-    routing = RoutingRequest(
-        role=role,
-        now=now,
-        model=request.model,
-        affinity_key=request.affinity_key(),
-        decoder=decoder,
-        allowed_pairs=allowed_pairs,
-        sequence=sequence,
-    )
-    return routing if fields is None else fields.apply(routing)
+    def prefillers_for(self, decoder: Endpoint) -> tuple[Endpoint, ...]:
+        """Prefillers whose KV can reach ``decoder``, best first (may be empty)."""
+        return self.prefillers.get(compatibility_class(decoder), ())
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """What a served request teaches the planner: where it went and how it went.
+
+    ``decoder``: the decoder that served it (None: no decoder served it); ``ttft`` and
+    ``itl`` in seconds; ``prompt_tokens``: what upstream counted for the prompt.
+    """
+
+    decoder: Endpoint | None
+    now: float
+    ttft: float | None = None
+    itl: float | None = None
+    prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)
 class Planner:
-    """Runs the routing profiles; ``allowed_pairs`` are the host-staged group pairs."""
+    """The routing profiles, the threshold resolver (None: threshold 0, as in a
+    decode-only fleet), the host-staged group pairs and the ask-all width (None:
+    decode-first, the decoders are asked one at a time)."""
 
     profiles: RoutingProfiles
+    threshold: ThresholdResolver | None = None
     allowed_pairs: frozenset[tuple[str, str]] = frozenset()
+    width: Width | None = None
 
     def plan(
         self,
-        request: ClientRequest,
+        facts: RequestFacts,
         candidates: Sequence[Candidate],
         now: float,
-        sequence: int,
-        threshold: Callable[[Candidate], ThresholdDecision],
-        fields: PrefixFields | None = None,
+        ordinal: int,
     ) -> Plan:
-        """Rank decoders; ``threshold`` is asked about the first one."""
-        routing = routing_request(request, Role.DECODE, now, sequence, fields=fields)
-        result = self.profiles.decode.run(routing, candidates)
-        pick = result.pick
-        if pick is None:
-            raise NoCandidateError(_why("decoder", result))
-        return Plan(result.endpoints, threshold(pick.candidate), result, routing)
-
-    def routed(self, plan: Plan, decoder: Endpoint) -> None:
-        """Tell the decode profile's learning plugins which decoder took the request."""
-        self.profiles.decode.observe(plan.request, decoder)
-
-    def rank(
-        self,
-        request: ClientRequest,
-        candidates: Sequence[Candidate],
-        now: float,
-        sequence: int,
-        fields: PrefixFields | None = None,
-    ) -> RoutingResult:
-        """The decode profile's ranking of the decoders for ``request``."""
-        return self.profiles.decode.run(
-            routing_request(request, Role.DECODE, now, sequence, fields=fields), candidates
+        """The plan for one request; :class:`NoCandidateError` when no decoder passes."""
+        candidates = tuple(candidates)
+        decoders_in = tuple(c for c in candidates if c.endpoint.role.decodes)
+        prefillers_in = tuple(c for c in candidates if c.endpoint.role.prefills)
+        routing = facts.fields.apply(
+            RoutingRequest(
+                role=Role.DECODE,
+                now=now,
+                model=facts.model,
+                affinity_key=facts.affinity_key,
+                sequence=ordinal,
+            )
+        )
+        ranking = self.profiles.decode.run(routing, decoders_in)
+        if ranking.pick is None:
+            raise NoCandidateError(_why("decoder", ranking))
+        decoders = ranking.endpoints
+        prefillers = self._prefillers(facts, routing, decoders, prefillers_in)
+        threshold = self._threshold(facts, ranking.pick.candidate, prefillers, prefillers_in, now)
+        return Plan(
+            decoders=decoders,
+            asked=self._asked(decoders),
+            threshold=threshold,
+            prefillers=prefillers,
+            candidates=candidates,
+            routing=routing,
+            ranking=ranking,
         )
 
-    def prefillers(
+    def _asked(self, decoders: tuple[Endpoint, ...]) -> tuple[Endpoint, ...]:
+        width = self.width
+        if width is None or width == "all":
+            return decoders
+        return decoders[:width]
+
+    def _prefillers(
         self,
-        request: ClientRequest,
-        decoder: Endpoint,
-        candidates: Sequence[Candidate],
+        facts: RequestFacts,
+        routing: RoutingRequest,
+        decoders: tuple[Endpoint, ...],
+        candidates: tuple[Candidate, ...],
+    ) -> dict[tuple[str, str], tuple[Endpoint, ...]]:
+        ranked: dict[tuple[str, str], tuple[Endpoint, ...]] = {}
+        for decoder in decoders:
+            key = compatibility_class(decoder)
+            if key in ranked:
+                continue
+            if facts.prefillers is not None:
+                ranked[key] = facts.prefillers
+                continue
+            request = replace(
+                routing, role=Role.PREFILL, decoder=decoder, allowed_pairs=self.allowed_pairs
+            )
+            ranked[key] = self.profiles.prefill.run(request, candidates).endpoints
+        return ranked
+
+    def _threshold(
+        self,
+        facts: RequestFacts,
+        decoder: Candidate,
+        prefillers: Mapping[tuple[str, str], tuple[Endpoint, ...]],
+        candidates: tuple[Candidate, ...],
         now: float,
-        sequence: int,
-        fields: PrefixFields | None = None,
-    ) -> tuple[Endpoint, ...]:
-        """Prefillers whose KV can reach ``decoder``, best first (may be empty)."""
-        routing = routing_request(
-            request,
-            Role.PREFILL,
-            now,
-            sequence,
+    ) -> ThresholdDecision:
+        resolver = self.threshold
+        if resolver is None:
+            return DECODE_ONLY
+        compatible = {e.name for e in prefillers.get(compatibility_class(decoder.endpoint), ())}
+        tokens = facts.prompt_tokens
+        if tokens is None:
+            tokens = resolver.estimate_tokens(facts.model, facts.prompt_chars)
+        context = ThresholdContext(
+            model=facts.model,
             decoder=decoder,
-            allowed_pairs=self.allowed_pairs,
-            fields=fields,
+            prompt_tokens=tokens,
+            prompt_chars=facts.prompt_chars,
+            prefillers=tuple(c for c in candidates if c.endpoint.name in compatible),
+            client_threshold=facts.client_threshold,
+            now=now,
         )
-        return self.profiles.prefill.run(routing, candidates).endpoints
+        return resolver.decide(context)
+
+    def learn(self, plan: Plan, facts: RequestFacts, served: Served) -> None:
+        """Feed a finished request back: the decode profile's learning plugins see
+        where it was served; the threshold policies its latencies and prompt size."""
+        decoder = served.decoder
+        if decoder is None:
+            return
+        self.profiles.decode.observe(plan.routing, decoder)
+        resolver = self.threshold
+        if resolver is None:
+            return
+        resolver.observe(
+            LatencyObservation(facts.model, decoder.pool, served.now, served.ttft, served.itl)
+        )
+        if served.prompt_tokens and facts.prompt_tokens is None:
+            resolver.observe_usage(facts.model, facts.prompt_chars, served.prompt_tokens)
 
 
 def _why(what: str, result: RoutingResult) -> str:

@@ -10,7 +10,7 @@ subscriber, and offers what the request path needs::
         await tg.start(runtime.run)                  # subscribes to KV events
         ...
     # per request, before routing:
-    fields = runtime.request_fields(body, chat=is_chat)
+    fields = runtime.view_fields(parsed_request)
     fields = await runtime.tokenized(fields, body, chat=is_chat, upstream=upstream,
                                      endpoint=any_healthy_endpoint_of_the_model)
     request = fields.apply(RoutingRequest(role=Role.DECODE, now=now, ...))
@@ -19,7 +19,7 @@ subscriber, and offers what the request path needs::
     # decoder that admitted it):
     runtime.observe(profiles.decode, request, served_by)
 
-:meth:`PrefixRuntime.request_fields` is pure: the prompt text (a completion's
+:meth:`PrefixRuntime.view_fields` is pure: the prompt text (a completion's
 string prompt, or the chat messages rendered by the simulator's prefix-stable
 template), token ids when the prompt is given as ids, the LoRA adapter (the
 requested model, when it is a configured adapter) and the ``cache_salt``.
@@ -39,11 +39,16 @@ from urllib.parse import urlsplit
 
 import anyio
 from anyio.abc import TaskStatus
-from pydantic import ValidationError
 
 from pd_orchestrator.config.prefix import EventsConfig, PreciseConfig, PrefixConfig
 from pd_orchestrator.fleet.endpoints import Endpoint
-from pd_orchestrator.openai.protocol import ChatMessage, render_chat
+from pd_orchestrator.openai.protocol import (
+    ChatCompletionRequest,
+    OpenAIRequest,
+    RequestError,
+    parse_for,
+    render_chat,
+)
 from pd_orchestrator.prefix.hashing import VllmBlockHasher
 from pd_orchestrator.prefix.index import IndexStats, PreciseIndex
 from pd_orchestrator.routing.builtins import builtin_registry
@@ -122,17 +127,6 @@ def event_sources(events: EventsConfig, endpoints: Iterable[Endpoint]) -> list[E
     return sources
 
 
-def _chat_text(body: Mapping[str, Any]) -> str | None:
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        return None
-    try:
-        parsed = [ChatMessage.model_validate(m) for m in messages]
-    except ValidationError:
-        return None
-    return render_chat(parsed, bool(body.get("add_generation_prompt", True)))
-
-
 def _token_ids(prompt: Any) -> tuple[int, ...] | None:
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return tuple(prompt)
@@ -191,19 +185,37 @@ class PrefixRuntime:
         await self.subscriber.run(task_status=task_status)
 
     # -- per request -----------------------------------------------------------------
-    def request_fields(self, body: Mapping[str, Any], *, chat: bool) -> PrefixFields:
-        """The prefix fields of a completions (``chat=False``) or chat request body."""
-        model = body.get("model")
-        lora = model if isinstance(model, str) and model in self.config.lora_adapters else None
-        salt = body.get("cache_salt")
-        prompt = body.get("prompt")
-        text = _chat_text(body) if chat else (prompt if isinstance(prompt, str) else None)
+    def view_fields(self, view: OpenAIRequest) -> PrefixFields:
+        """The prefix fields of a parsed request (the gateway parses each body once)."""
+        model = view.model
+        salt = (view.model_extra or {}).get("cache_salt")
+        if isinstance(view, ChatCompletionRequest):
+            text: str | None = render_chat(view.messages, view.add_generation_prompt)
+            token_ids = None
+        elif isinstance(view.prompt, str):
+            text, token_ids = view.prompt, None
+        else:
+            text, token_ids = None, _token_ids(view.prompt)
         return PrefixFields(
             prompt=text,
-            token_ids=None if chat else _token_ids(prompt),
-            lora=lora,
+            token_ids=token_ids,
+            lora=model if model in self.config.lora_adapters else None,
             cache_salt=salt if isinstance(salt, str) and salt else None,
         )
+
+    def request_fields(self, body: Mapping[str, Any], *, chat: bool) -> PrefixFields:
+        """The prefix fields of a completions (``chat=False``) or chat request body;
+        none for a body that does not parse (see :meth:`view_fields`)."""
+        try:
+            view = parse_for("chat" if chat else "completion", dict(body))
+        except RequestError:
+            return PrefixFields()
+        return self.view_fields(view)
+
+    def needs_tokens(self, fields: PrefixFields) -> bool:
+        """Whether :meth:`tokenized` would ask a decoder for ``fields``' token ids."""
+        precise = self.config.precise
+        return precise is not None and precise.tokenize and fields.token_ids is None
 
     async def tokenized(
         self,
@@ -217,7 +229,7 @@ class PrefixRuntime:
         """``fields`` with token ids from ``endpoint``'s ``/tokenize`` when configured
         (``prefix.precise.tokenize``) and missing; unchanged on any failure."""
         precise = self.config.precise
-        if precise is None or not precise.tokenize or fields.token_ids is not None:
+        if precise is None or not self.needs_tokens(fields):
             return fields
         request = self._tokenize_body(body, chat)
         if request is None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from pd_orchestrator.fleet.endpoints import Endpoint
@@ -77,6 +77,12 @@ class Profile:
     filters: tuple[Stage[Filter], ...]
     scorers: tuple[WeightedScorer, ...]
     picker: Stage[Picker]
+    observers: tuple[Observer, ...] = field(init=False, default=())
+
+    def __post_init__(self) -> None:
+        # Which plugins learn is fixed at build time, not asked per request.
+        observers = tuple(p for p in self.plugins() if isinstance(p, Observer))
+        object.__setattr__(self, "observers", observers)
 
     def run(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> RoutingResult:
         """Rank ``candidates`` for ``request``; see the module docstring."""
@@ -101,9 +107,8 @@ class Profile:
 
     def observe(self, request: RoutingRequest, chosen: Endpoint) -> None:
         """Tell every observing plugin that ``request`` was sent to ``chosen``."""
-        for plugin in self.plugins():
-            if isinstance(plugin, Observer):
-                plugin.observe(request, chosen)
+        for plugin in self.observers:
+            plugin.observe(request, chosen)
 
     def _filter(
         self, request: RoutingRequest, candidates: tuple[Candidate, ...]

@@ -34,18 +34,24 @@ __all__ = [
 class HealthyParams(NoParams):
     """``require_load`` (default false): also drop candidates without a load reading
     (stale or never read). ``max_load_age`` (seconds, default none): with
-    ``require_load``, a reading older than this at ``request.now`` counts as absent."""
+    ``require_load``, a reading older than this at ``request.now`` counts as absent.
+    ``panic`` (default true): when no candidate passes, keep them all (Envoy's panic
+    routing): health checks can fail while an endpoint still serves (a busy server
+    answers its health check late), and the request's own outcome then decides."""
 
     require_load: bool = False
     max_load_age: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
+    panic: bool = True
 
 
 @dataclass(frozen=True, slots=True)
 class HealthyFilter:
-    """``healthy``: keeps candidates marked healthy (health checks and load polls).
+    """``healthy``: keeps candidates marked healthy (health checks and load polls),
+    or all of them when none is (``panic``).
 
     By default health is all that counts; see :class:`HealthyParams` to also
-    require a fresh load reading.
+    require a fresh load reading. The planner offers each profile only the
+    endpoints of its role, so "none is healthy" means none of that role.
     """
 
     params: HealthyParams
@@ -53,7 +59,8 @@ class HealthyFilter:
     def filter(
         self, request: RoutingRequest, candidates: Sequence[Candidate]
     ) -> Sequence[Candidate]:
-        return [c for c in candidates if c.healthy and self._load_ok(c, request.now)]
+        kept = [c for c in candidates if c.healthy and self._load_ok(c, request.now)]
+        return kept if kept or not self.params.panic else list(candidates)
 
     def _load_ok(self, candidate: Candidate, now: float) -> bool:
         if not self.params.require_load:

@@ -1,40 +1,51 @@
-"""The gateway's HTTP client towards vLLM instances.
+"""The gateway's HTTP client towards vLLM instances: the one module for upstream I/O.
 
-One :class:`Upstream` owns every connection: a few ``httpx.AsyncClient`` pools
-("shards", ``upstream.pool_shards``) that share the connection limits, used in
-turn. httpcore's pool checks each of its idle connections with a system call on
-every request, so one pool's cost per request grows with its size; measured here,
-one pool of 64 busy connections spent most of the gateway's CPU in those checks,
-16 shards of 4 do not. Every call names its phase, which picks the read timeout.
-httpx exceptions never leave this module: :func:`_translate` turns them into
-:mod:`~pd_orchestrator.upstream.errors`.
-Streams are opened with ``send(stream=True)`` and closed with :meth:`ChunkStream.aclose`
-(closing the connection is how vLLM learns to abort the request).
+:class:`Upstream` sends JSON bodies (encoded once, with orjson) through one
+:class:`~pd_orchestrator.upstream.transport.Transport` and decodes what comes back:
+a whole JSON answer (:meth:`Upstream.post_json`), an SSE stream read as batches of
+JSON chunks (:meth:`Upstream.open_stream`: one batch per network read, so a relay
+can answer a burst of chunks with one write) or a plain reply for health and
+metrics polls (:meth:`Upstream.get`). Every call names its phase, which picks the
+read timeout. Transport errors never leave this module: :func:`_translate` turns
+them into :mod:`~pd_orchestrator.upstream.errors`. Streams must be closed with
+:meth:`ChunkStream.aclose`; closing one before its end closes its connection,
+which is how vLLM learns to abort the request.
 """
 
 from __future__ import annotations
 
 import enum
-import itertools
-import json
-from collections.abc import AsyncGenerator, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import orjson
 
 from pd_orchestrator.config.settings import TimeoutConfig, UpstreamConfig
 from pd_orchestrator.fleet.endpoints import Endpoint
 from pd_orchestrator.openai.errors import error_message
-from pd_orchestrator.openai.sse import iter_sse_data
 from pd_orchestrator.upstream.errors import (
     UpstreamProtocolError,
     UpstreamStatusError,
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from pd_orchestrator.upstream.transport import (
+    ConnectFailed,
+    ConnectionBroken,
+    HttpTransport,
+    Origin,
+    PoolTimedOut,
+    ReadTimedOut,
+    Request,
+    Response,
+    Timeouts,
+    Transport,
+    TransportError,
+)
 
-__all__ = ["ChunkStream", "Phase", "Upstream"]
+__all__ = ["ChunkStream", "Phase", "Reply", "Upstream", "role_label"]
 
 Json = dict[str, Any]
 
@@ -46,84 +57,143 @@ class Phase(enum.StrEnum):
     PROBE = "probe"
 
 
-def _role_label(endpoint: Endpoint) -> str:
+def role_label(endpoint: Endpoint) -> str:
+    """``decoder`` or ``prefiller``: how messages name an endpoint's part."""
     return "decoder" if endpoint.role.value == "decode" else "prefiller"
 
 
 @contextmanager
 def _translate(endpoint: Endpoint, phase: Phase) -> Iterator[None]:
-    role = _role_label(endpoint)
+    role = role_label(endpoint)
     try:
         yield
-    except httpx.TimeoutException as exc:
-        kind = type(exc).__name__
-        if isinstance(exc, httpx.ConnectTimeout):
-            raise UpstreamUnavailable(endpoint.name, phase, kind, role=role) from exc
-        raise UpstreamTimeout(endpoint.name, phase, kind, role=role) from exc
-    except httpx.ConnectError as exc:
-        raise UpstreamUnavailable(endpoint.name, phase, "connection refused", role=role) from exc
-    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
-        message = f"connection broken ({type(exc).__name__})"
+    except ConnectFailed as exc:
+        raise UpstreamUnavailable(endpoint.name, phase, str(exc), role=role) from exc
+    except (ReadTimedOut, PoolTimedOut) as exc:
+        raise UpstreamTimeout(endpoint.name, phase, type(exc).__name__, role=role) from exc
+    except ConnectionBroken as exc:
+        message = f"connection broken ({exc})"
         raise UpstreamProtocolError(endpoint.name, phase, message, role=role) from exc
-    except httpx.HTTPError as exc:
+    except TransportError as exc:
         raise UpstreamProtocolError(endpoint.name, phase, str(exc), role=role) from exc
 
 
-class ChunkStream:
-    """The JSON chunks of one upstream SSE stream, until ``[DONE]``."""
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A status and body of a GET (health checks, metrics polls)."""
 
-    def __init__(self, response: httpx.Response, endpoint: Endpoint, phase: Phase) -> None:
-        self.response = response
+    status_code: int
+    content: bytes
+
+    @property
+    def text(self) -> str:
+        return self.content.decode(errors="replace")
+
+
+class _SseSplitter:
+    """Cuts a byte stream into the ``data`` payloads of server-sent events."""
+
+    def __init__(self) -> None:
+        self._tail = b""
+
+    def feed(self, piece: bytes) -> list[bytes]:
+        data = self._tail + piece if self._tail else piece
+        if b"\r" in data:
+            carry = data.endswith(b"\r")
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+            if carry:  # a CR that may pair with the next piece's LF stays pending
+                data = data[:-1] + b"\r"
+        events = data.split(b"\n\n")
+        self._tail = events.pop()
+        return [payload for event in events if (payload := _payload(event)) is not None]
+
+    def rest(self) -> bytes | None:
+        """The payload of a last event not followed by a blank line, if any."""
+        tail, self._tail = self._tail.rstrip(b"\r\n"), b""
+        return _payload(tail) if tail else None
+
+
+def _payload(event: bytes) -> bytes | None:
+    if event.startswith(b"data: ") and b"\n" not in event:
+        return event[6:]
+    lines = [line for line in event.split(b"\n") if line.startswith(b"data:")]
+    if not lines:
+        return None  # comments and other fields
+    return b"\n".join(line[6:] if line.startswith(b"data: ") else line[5:] for line in lines)
+
+
+class ChunkStream:
+    """The JSON chunks of one upstream SSE stream, in batches, until ``[DONE]``.
+
+    ``async for batch in stream`` yields the chunks that one network read completed
+    (never an empty batch). An ``error`` chunk raises :class:`UpstreamStatusError`;
+    a stream that ends without ``[DONE]`` raises :class:`UpstreamProtocolError`.
+    """
+
+    def __init__(self, response: Response, endpoint: Endpoint, phase: Phase) -> None:
         self.endpoint = endpoint
         self.phase = phase
-        self._events = iter_sse_data(response.aiter_lines())
-        self._chunk_iter = self._chunks()
+        self._response = response
+        self._pieces = response.__aiter__()
+        self._splitter = _SseSplitter()
+        self._done = False
 
     def __aiter__(self) -> ChunkStream:
         return self
 
-    async def __anext__(self) -> Json:
-        return await self._chunk_iter.__anext__()
+    async def __anext__(self) -> list[Json]:
+        while not self._done:
+            with _translate(self.endpoint, self.phase):
+                try:
+                    piece = await self._pieces.__anext__()
+                except StopAsyncIteration:
+                    piece = None
+            payloads = self._splitter.feed(piece) if piece is not None else []
+            if piece is None:
+                rest = self._splitter.rest()
+                if rest is None:
+                    raise self._error("stream ended without [DONE]")
+                payloads.append(rest)
+            batch = self._decode(payloads)
+            if batch:
+                return batch
+        raise StopAsyncIteration
 
-    async def _chunks(self) -> AsyncGenerator[Json, None]:
-        with _translate(self.endpoint, self.phase):
-            async for data in self._events:
-                if data == "[DONE]":
-                    return
-                yield self._decode(data)
-        raise UpstreamProtocolError(
-            self.endpoint.name,
-            self.phase,
-            "stream ended without [DONE]",
-            role=_role_label(self.endpoint),
-        )
+    def _decode(self, payloads: list[bytes]) -> list[Json]:
+        batch: list[Json] = []
+        for payload in payloads:
+            if payload == b"[DONE]":
+                self._done = True
+                break
+            batch.append(self._chunk(payload))
+        return batch
 
-    def _decode(self, data: str) -> Json:
-        role = _role_label(self.endpoint)
+    def _chunk(self, payload: bytes) -> Json:
         try:
-            chunk = json.loads(data)
-        except json.JSONDecodeError as exc:
-            raise UpstreamProtocolError(
-                self.endpoint.name, self.phase, "invalid JSON chunk", role=role
-            ) from exc
+            chunk = orjson.loads(payload)
+        except orjson.JSONDecodeError as exc:
+            raise self._error("invalid JSON chunk") from exc
         if not isinstance(chunk, dict):
-            raise UpstreamProtocolError(
-                self.endpoint.name, self.phase, "chunk is not an object", role=role
-            )
-        message = error_message(chunk)
-        if message is not None:
-            status = (
-                chunk.get("error", {}).get("code") if isinstance(chunk.get("error"), dict) else None
-            )
-            raise UpstreamStatusError(
-                self.endpoint.name, self.phase, int(status or 500), message, role=role
-            )
+            raise self._error("chunk is not an object")
+        if "error" in chunk or chunk.get("object") == "error":
+            message = error_message(chunk)
+            if message is not None:
+                inner = chunk.get("error")
+                code = inner.get("code") if isinstance(inner, dict) else chunk.get("code")
+                status = code if isinstance(code, int) and 400 <= code < 600 else 500
+                raise UpstreamStatusError(
+                    self.endpoint.name, self.phase, status, message, role=role_label(self.endpoint)
+                )
         return chunk
 
+    def _error(self, message: str) -> UpstreamProtocolError:
+        return UpstreamProtocolError(
+            self.endpoint.name, self.phase, message, role=role_label(self.endpoint)
+        )
+
     async def aclose(self) -> None:
-        """Close the connection (vLLM aborts the request when it sees it go)."""
-        await self._chunk_iter.aclose()
-        await self.response.aclose()
+        """Close the connection unless the stream was read to its end."""
+        await self._response.aclose()
 
 
 class Upstream:
@@ -133,29 +203,21 @@ class Upstream:
         self,
         config: UpstreamConfig,
         timeouts: TimeoutConfig,
-        transport: httpx.AsyncBaseTransport | None = None,
+        transport: Transport | None = None,
     ) -> None:
         self.timeouts = timeouts
-        shards = config.pool_shards
-        limits = httpx.Limits(
-            max_connections=max(1, -(-config.max_connections // shards)),
-            max_keepalive_connections=-(-config.max_keepalive_connections // shards),
+        self._transport: Transport = transport or HttpTransport(
+            max_connections=config.max_connections,
+            max_keepalive=config.max_keepalive_connections,
+            expiry=config.keepalive_expiry,
         )
-        self._clients = [
-            httpx.AsyncClient(limits=limits, transport=transport, trust_env=False)
-            for _ in range(shards)
-        ]
-        self._turn = itertools.cycle(self._clients)
-
-    @property
-    def _client(self) -> httpx.AsyncClient:
-        return next(self._turn)
+        self._targets: dict[str, tuple[Origin, str]] = {}
+        self._timeouts = {phase: self._timeout(phase) for phase in Phase}
 
     async def aclose(self) -> None:
-        for client in self._clients:
-            await client.aclose()
+        await self._transport.aclose()
 
-    def _timeout(self, phase: Phase) -> httpx.Timeout:
+    def _timeout(self, phase: Phase) -> Timeouts:
         t = self.timeouts
         read = {
             Phase.DECODE_ATTEMPT: t.decode_attempt,
@@ -163,7 +225,22 @@ class Upstream:
             Phase.DECODE: t.decode,
             Phase.PROBE: t.connect,
         }[phase]
-        return httpx.Timeout(connect=t.connect, read=read, write=read, pool=t.pool)
+        return Timeouts(connect=t.connect, read=read, pool=t.pool)
+
+    def _request(
+        self, endpoint: Endpoint, method: str, path: str, content: bytes, headers: Any
+    ) -> Request:
+        target = self._targets.get(endpoint.url)
+        if target is None:
+            base = endpoint.url.split("://", 1)[-1]
+            prefix = base[base.index("/") :] if "/" in base else ""
+            target = self._targets[endpoint.url] = (Origin.of(endpoint.url), prefix)
+        origin, prefix = target
+        lines = tuple(headers.items()) if headers else ()
+        return Request(method, origin, prefix + path, content, lines)
+
+    async def _send(self, request: Request, timeouts: Timeouts) -> Response:
+        return await self._transport.send(request, timeouts)
 
     async def post_json(
         self,
@@ -175,20 +252,23 @@ class Upstream:
         headers: Mapping[str, str] | None = None,
     ) -> Json:
         """POST ``body`` and return the decoded JSON answer (2xx only)."""
+        request = self._request(endpoint, "POST", path, orjson.dumps(body), headers)
         with _translate(endpoint, phase):
-            response = await self._client.post(
-                endpoint.url + path, json=body, headers=headers, timeout=self._timeout(phase)
-            )
-        self._check_status(endpoint, phase, response.status_code, response.content)
+            response = await self._send(request, self._timeouts[phase])
+            try:
+                content = await response.read()
+            finally:
+                await response.aclose()
+        _check_status(endpoint, phase, response.status, content)
         try:
-            data = response.json()
-        except ValueError as exc:
+            data = orjson.loads(content)
+        except orjson.JSONDecodeError as exc:
             raise UpstreamProtocolError(
-                endpoint.name, phase, "answer is not JSON", role=_role_label(endpoint)
+                endpoint.name, phase, "answer is not JSON", role=role_label(endpoint)
             ) from exc
         if not isinstance(data, dict):
             raise UpstreamProtocolError(
-                endpoint.name, phase, "answer is not an object", role=_role_label(endpoint)
+                endpoint.name, phase, "answer is not an object", role=role_label(endpoint)
             )
         return data
 
@@ -202,37 +282,41 @@ class Upstream:
         headers: Mapping[str, str] | None = None,
     ) -> ChunkStream:
         """POST ``body`` for an SSE answer; the caller must ``aclose`` the stream."""
-        client = self._client
-        request = client.build_request(
-            "POST", endpoint.url + path, json=body, headers=headers, timeout=self._timeout(phase)
-        )
+        request = self._request(endpoint, "POST", path, orjson.dumps(body), headers)
         with _translate(endpoint, phase):
-            response = await client.send(request, stream=True)
-        if response.status_code >= 300:
-            try:
-                with _translate(endpoint, phase):
-                    content = await response.aread()
-            finally:
-                await response.aclose()
-            self._check_status(endpoint, phase, response.status_code, content)
+            response = await self._send(request, self._timeouts[phase])
+            if response.status >= 300:
+                try:
+                    content = await response.read()
+                finally:
+                    await response.aclose()
+                _check_status(endpoint, phase, response.status, content)
         return ChunkStream(response, endpoint, phase)
 
-    async def get(self, endpoint: Endpoint, path: str, *, limit: float) -> httpx.Response:
+    async def get(self, endpoint: Endpoint, path: str, *, limit: float) -> Reply:
         """A GET for health and metrics, bounded by ``limit`` seconds.
 
         Failures raise :class:`UpstreamError`.
         """
+        t = self.timeouts
+        timeouts = Timeouts(connect=min(t.connect, limit), read=limit, pool=min(t.pool, limit))
+        request = self._request(endpoint, "GET", path, b"", None)
         with _translate(endpoint, Phase.PROBE):
-            return await self._client.get(endpoint.url + path, timeout=limit)
+            response = await self._send(request, timeouts)
+            try:
+                content = await response.read()
+            finally:
+                await response.aclose()
+        return Reply(response.status, content)
 
-    @staticmethod
-    def _check_status(endpoint: Endpoint, phase: Phase, status: int, content: bytes) -> None:
-        if status < 300:
-            return
-        try:
-            message = error_message(json.loads(content)) or content.decode(errors="replace")
-        except ValueError:
-            message = content.decode(errors="replace")[:500]
-        raise UpstreamStatusError(
-            endpoint.name, phase, status, message.strip() or "(empty)", role=_role_label(endpoint)
-        )
+
+def _check_status(endpoint: Endpoint, phase: Phase, status: int, content: bytes) -> None:
+    if status < 300:
+        return
+    try:
+        message = error_message(orjson.loads(content)) or content.decode(errors="replace")
+    except orjson.JSONDecodeError:
+        message = content.decode(errors="replace")
+    raise UpstreamStatusError(
+        endpoint.name, phase, status, message.strip()[:500] or "(empty)", role=role_label(endpoint)
+    )

@@ -39,9 +39,18 @@ class UpstreamError(Exception):
         self.message = message
         self.role = role
 
+    @property
+    def connection_failed(self) -> bool:
+        """No connection could be made (the endpoint looks down)."""
+        return False
+
 
 class UpstreamUnavailable(UpstreamError):
     """The endpoint could not be reached."""
+
+    @property
+    def connection_failed(self) -> bool:
+        return True
 
 
 class UpstreamTimeout(UpstreamError):

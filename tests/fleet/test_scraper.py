@@ -26,6 +26,13 @@ from pd_orchestrator.fleet.scraper import (
 from pd_orchestrator.fleet.state import FleetState
 from pd_orchestrator.routing import LoadSnapshot
 from pd_orchestrator.upstream.client import Upstream
+from pd_orchestrator.upstream.transport import (
+    ConnectFailed,
+    MockResponse,
+    MockTransport,
+    Request,
+    Transport,
+)
 from tests.conftest import SimFactory
 
 MODEL = "sim-model"
@@ -237,8 +244,8 @@ class Clock:
 
 
 @asynccontextmanager
-async def upstream(transport: httpx.AsyncBaseTransport | None = None) -> AsyncIterator[Upstream]:
-    client = Upstream(UpstreamConfig(pool_shards=1), TimeoutConfig(), transport=transport)
+async def upstream(transport: Transport | None = None) -> AsyncIterator[Upstream]:
+    client = Upstream(UpstreamConfig(), TimeoutConfig(), transport=transport)
     try:
         yield client
     finally:
@@ -354,15 +361,15 @@ class Scripted:
         self.outcomes = outcomes
         self.calls = 0
 
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        assert request.url.path == "/metrics"
+    def __call__(self, request: Request) -> MockResponse:
+        assert request.path == "/metrics"
         outcome = self.outcomes[min(self.calls, len(self.outcomes) - 1)]
         self.calls += 1
         if outcome is None:
-            raise httpx.ConnectError("refused", request=request)
+            raise ConnectFailed("refused")
         if isinstance(outcome, int):
-            return httpx.Response(outcome, text="down")
-        return httpx.Response(200, text=outcome)
+            return MockResponse(outcome, text="down")
+        return MockResponse(200, text=outcome)
 
 
 def _text(running: float) -> str:
@@ -374,7 +381,7 @@ async def test_one_answered_poll_recovers_an_unresponsive_endpoint() -> None:
     endpoint = _endpoint("d0", "http://d0.test")
     script = Scripted([_text(1), None, 503, None, _text(5)])
     config = LoadConfig(unhealthy_after=2)
-    async with upstream(httpx.MockTransport(script)) as up:
+    async with upstream(MockTransport(script)) as up:
         scraper = LoadScraper(FleetState([endpoint]), up, config, clock=Clock())
         verdicts = []
         for _ in range(5):
@@ -389,7 +396,7 @@ async def test_one_answered_poll_recovers_an_unresponsive_endpoint() -> None:
 async def test_an_answer_without_load_series_is_no_reading_but_not_a_failure() -> None:
     endpoint = _endpoint("d0", "http://d0.test")
     script = Scripted([_text(2), "# nothing here\n", "not metrics at all {", _text(3)])
-    async with upstream(httpx.MockTransport(script)) as up:
+    async with upstream(MockTransport(script)) as up:
         scraper = LoadScraper(FleetState([endpoint]), up, LoadConfig(unhealthy_after=1))
         assert await scraper.poll(endpoint) is not None
         for _ in range(2):
@@ -403,7 +410,7 @@ async def test_an_answer_without_load_series_is_no_reading_but_not_a_failure() -
 async def test_run_polls_before_it_reports_started_then_every_interval() -> None:
     endpoints = [_endpoint("d0", "http://d0.test"), _endpoint("d1", "http://d1.test")]
     script = Scripted([_text(1)])
-    async with upstream(httpx.MockTransport(script)) as up:
+    async with upstream(MockTransport(script)) as up:
         scraper = LoadScraper(FleetState(endpoints), up, LoadConfig(interval=0.05))
         async with anyio.create_task_group() as tg:
             await tg.start(scraper.run)
@@ -420,7 +427,7 @@ async def test_candidates_combine_fleet_health_and_load() -> None:
     fleet = FleetState(endpoints, unhealthy_after=1)
     fleet.record_failure("sick")
     script = Scripted([_text(4), None])  # "up" answers; "mute" is refused
-    async with upstream(httpx.MockTransport(script)) as up:
+    async with upstream(MockTransport(script)) as up:
         scraper = LoadScraper(fleet, up, LoadConfig(unhealthy_after=1), clock=Clock(50.0))
         await scraper.poll(endpoints[0])
         await scraper.poll(endpoints[2])

@@ -8,7 +8,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
-import httpx
 import pytest
 from pydantic import ValidationError
 
@@ -19,6 +18,7 @@ from pd_orchestrator.fleet.kv_events import EventSource
 from pd_orchestrator.prefix.runtime import PrefixFields, PrefixRuntime, event_sources
 from pd_orchestrator.routing import Candidate, RoutingConfig, RoutingRequest, build_profiles
 from pd_orchestrator.upstream.client import Phase, Upstream
+from pd_orchestrator.upstream.transport import MockResponse, MockTransport, Request
 from tests.conftest import SimFactory
 
 SALTED = {"model": "m", "prompt": "hello", "cache_salt": "tenant-7"}
@@ -99,25 +99,25 @@ def test_invalid_config_is_rejected(config: dict[str, Any]) -> None:
 
 @asynccontextmanager
 async def upstream(handler: Any) -> AsyncIterator[Upstream]:
-    transport = None if handler is None else httpx.MockTransport(handler)
-    client = Upstream(UpstreamConfig(pool_shards=1), TimeoutConfig(), transport)
+    transport = None if handler is None else MockTransport(handler)
+    client = Upstream(UpstreamConfig(), TimeoutConfig(), transport)
     try:
         yield client
     finally:
         await client.aclose()
 
 
-async def tokenize_answer(request: httpx.Request) -> httpx.Response:
-    return httpx.Response(200, json={"tokens": [5, 6, 7], "count": 3})
+async def tokenize_answer(request: Request) -> MockResponse:
+    return MockResponse(200, json={"tokens": [5, 6, 7], "count": 3})
 
 
-async def failing(request: httpx.Request) -> httpx.Response:
-    return httpx.Response(500, json={"object": "error", "message": "boom"})
+async def failing(request: Request) -> MockResponse:
+    return MockResponse(500, json={"object": "error", "message": "boom"})
 
 
-async def slow(request: httpx.Request) -> httpx.Response:
+async def slow(request: Request) -> MockResponse:
     await anyio.sleep(5)
-    return httpx.Response(200, json={"tokens": [1]})
+    return MockResponse(200, json={"tokens": [1]})
 
 
 @pytest.mark.anyio

@@ -49,7 +49,7 @@ class First:
 
 def profile(*scorers: WeightedScorer, picker: Picker | None = None) -> Profile:
     filters: tuple[Stage[Filter], ...] = (
-        Stage("healthy", "healthy", HealthyFilter(HealthyParams())),
+        Stage("healthy", "healthy", HealthyFilter(HealthyParams(panic=False))),
         Stage("role", "role", RoleFilter()),
     )
     chosen = picker if picker is not None else MaxScorePicker(1e-9)

@@ -34,9 +34,15 @@ FRESH, OLD = load(at=99.0), load(at=90.0)  # requests are at now=100
             [candidate("a", reading=OLD), candidate("b", reading=FRESH)],
             ["b"],
         ),
-        ({"require_load": True}, [candidate("a", healthy=False, reading=FRESH)], []),
+        (
+            {"require_load": True, "panic": False},
+            [candidate("a", healthy=False, reading=FRESH)],
+            [],
+        ),
         ({"max_load_age": 5}, [candidate("a", reading=OLD)], ["a"]),  # ignored unless required
         ({}, [], []),
+        ({}, [candidate("a", healthy=False), candidate("b", healthy=False)], ["a", "b"]),
+        ({"panic": False}, [candidate("a", healthy=False)], []),
     ],
     ids=[
         "drops-unhealthy",
@@ -46,6 +52,8 @@ FRESH, OLD = load(at=99.0), load(at=90.0)  # requests are at now=100
         "unhealthy-with-load",
         "age-needs-require",
         "nothing",
+        "panic-keeps-all-when-none-is-healthy",
+        "no-panic",
     ],
 )
 def test_healthy(params: dict[str, object], candidates: list[Candidate], kept: list[str]) -> None:

@@ -150,11 +150,11 @@ def test_the_pick_is_a_candidate_that_passed_the_filters(
 ) -> None:
     profile = build_profiles(_routing(picker, scorers), builtin_registry()).decode
     result = profile.run(request, fleet)
+    healthy = [c for c in fleet if c.healthy] or fleet  # none healthy: panic keeps all
     passed = [
         c
-        for c in fleet
-        if c.healthy
-        and (request.model is None or c.endpoint.model in (None, request.model))
+        for c in healthy
+        if (request.model is None or c.endpoint.model in (None, request.model))
         and (request.role is Role.BOTH or c.endpoint.role in (request.role, Role.BOTH))
     ]
     assert result.empty == (not passed)

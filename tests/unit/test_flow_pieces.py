@@ -72,8 +72,8 @@ def test_chat_chunk_views() -> None:
     assert view_chunk(usage, "chat").completion_tokens == 3
 
 
-def test_relay_chunk_rewrites_identity_and_strips_ids() -> None:
-    chunk = {
+def _upstream_chunk() -> dict[str, Any]:
+    return {
         "id": "upstream",
         "created": 5,
         "prompt_token_ids": [1],
@@ -82,12 +82,15 @@ def test_relay_chunk_rewrites_identity_and_strips_ids() -> None:
             {"index": 0, "delta": {"content": "x"}, "token_ids": [3], "logprobs": {"a": 1}}
         ],
     }
+
+
+def test_relay_chunk_rewrites_identity_and_strips_ids() -> None:
     identity = Identity("client-id", 42, "m")
-    out = relay_chunk(chunk, identity, keep_ids=False, first=True)
+    out = relay_chunk(_upstream_chunk(), identity, keep_ids=False, first=True)
     assert out["id"] == "client-id" and out["created"] == 42
     assert "prompt_token_ids" not in out and "token_ids" not in out["choices"][0]
     assert out["choices"][0]["logprobs"] == {"a": 1} and "usage" not in out
-    kept = relay_chunk(chunk, identity, keep_ids=True, first=False)
+    kept = relay_chunk(_upstream_chunk(), identity, keep_ids=True, first=False)
     assert kept["choices"][0]["token_ids"] == [3] and "prompt_token_ids" not in kept
 
 

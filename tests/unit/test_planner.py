@@ -9,11 +9,10 @@ import pytest
 from pd_orchestrator.config.routing import RoutingConfig
 from pd_orchestrator.config.settings import AskAllFallbackConfig
 from pd_orchestrator.fleet.endpoints import Endpoint, Role
-from pd_orchestrator.flows.ask_all import pick_fallback
-from pd_orchestrator.flows.request import ClientRequest
-from pd_orchestrator.openai.protocol import CompletionRequest, parse_request
-from pd_orchestrator.planner.plan import NoCandidateError, Planner
-from pd_orchestrator.policies.base import ThresholdDecision
+from pd_orchestrator.flows.attempts import pick_fallback
+from pd_orchestrator.planner.plan import NoCandidateError, Planner, RequestFacts
+from pd_orchestrator.policies.base import ThresholdContext, ThresholdDecision
+from pd_orchestrator.policies.threshold import ThresholdResolver
 from pd_orchestrator.routing.builtins import builtin_registry
 from pd_orchestrator.routing.profiles import build_profiles
 from pd_orchestrator.routing.types import Candidate, LoadSnapshot
@@ -33,39 +32,65 @@ FLEET = [
 ]
 
 
-def _request(prompt: str = "hello") -> ClientRequest:
-    body = {"model": "m", "prompt": prompt}
-    return ClientRequest(
-        "completion", "/v1/completions", body, parse_request(CompletionRequest, body), "r", 0.0
-    )
+def _request(prompt: str = "hello") -> RequestFacts:
+    return RequestFacts(model="m", prompt_chars=len(prompt), affinity_key=prompt)
 
 
-def _planner(pairs: frozenset[tuple[str, str]] = frozenset()) -> Planner:
-    return Planner(build_profiles(RoutingConfig(), builtin_registry()), pairs)
+class _Fixed:
+    """A policy that always answers 0.5 and remembers what it was shown."""
+
+    def __init__(self) -> None:
+        self.seen: list[ThresholdContext] = []
+
+    def decide(self, context: ThresholdContext) -> ThresholdDecision:
+        self.seen.append(context)
+        return ThresholdDecision(0.5, "static", "fixed")
+
+    def observe(self, observation: object) -> None:
+        return None
 
 
-def _fixed(candidate: Candidate) -> ThresholdDecision:
-    return ThresholdDecision(0.5, "static", "fixed")
+def _planner(
+    pairs: frozenset[tuple[str, str]] = frozenset(), policy: _Fixed | None = None
+) -> Planner:
+    resolver = ThresholdResolver(policy or _Fixed())  # type: ignore[arg-type]
+    return Planner(build_profiles(RoutingConfig(), builtin_registry()), resolver, pairs)
 
 
 def test_plan_ranks_only_decoders_and_asks_the_threshold() -> None:
     candidates = [Candidate(e) for e in FLEET]
-    plan = _planner().plan(_request(), candidates, 0.0, 0, _fixed)
+    policy = _Fixed()
+    plan = _planner(policy=policy).plan(_request(), candidates, 0.0, 0)
     assert {e.name for e in plan.decoders} == {"hd0", "hd1", "ad0"}
     assert plan.threshold.value == 0.5
+    [context] = policy.seen  # asked once, about the first decoder and its prefillers
+    assert context.decoder.endpoint == plan.decoder
+    assert {c.endpoint.name for c in context.prefillers} == {
+        e.name for e in plan.prefillers_for(plan.decoder)
+    }
 
 
 def test_busy_decoders_rank_last() -> None:
     busy = LoadSnapshot(running=30, waiting=10, kv_usage=0.9, observed_at=0.0)
     idle = LoadSnapshot(running=0, waiting=0, kv_usage=0.1, observed_at=0.0)
     candidates = [Candidate(e, load=busy if e.name != "ad0" else idle) for e in FLEET]
-    assert _planner().plan(_request(), candidates, 0.0, 0, _fixed).decoder.name == "ad0"
+    assert _planner().plan(_request(), candidates, 0.0, 0).decoder.name == "ad0"
 
 
 def test_no_healthy_decoder_is_an_error_naming_the_filter() -> None:
     candidates = [Candidate(e, healthy=e.role is Role.PREFILL) for e in FLEET]
+    strict = RoutingConfig.model_validate(
+        {"decode": {"filters": [{"type": "healthy", "params": {"panic": False}}]}}
+    )
+    planner = Planner(build_profiles(strict, builtin_registry()), ThresholdResolver(_Fixed()))  # type: ignore[arg-type]
     with pytest.raises(NoCandidateError, match="healthy dropped 3"):
-        _planner().plan(_request(), candidates, 0.0, 0, _fixed)
+        planner.plan(_request(), candidates, 0.0, 0)
+
+
+def test_when_no_decoder_looks_healthy_the_plan_keeps_them_all() -> None:
+    candidates = [Candidate(e, healthy=e.role is Role.PREFILL) for e in FLEET]
+    plan = _planner().plan(_request(), candidates, 0.0, 0)
+    assert {e.name for e in plan.decoders} == {"hd0", "hd1", "ad0"}
 
 
 @pytest.mark.parametrize(
@@ -83,8 +108,8 @@ def test_prefillers_keep_the_decoder_group_and_connector(
 ) -> None:
     candidates = [Candidate(e) for e in FLEET]
     chosen = next(e for e in FLEET if e.name == decoder)
-    names = {e.name for e in _planner(pairs).prefillers(_request(), chosen, candidates, 0.0, 0)}
-    assert names == expected
+    plan = _planner(pairs).plan(_request(), candidates, 0.0, 0)
+    assert {e.name for e in plan.prefillers_for(chosen)} == expected
 
 
 @pytest.mark.parametrize(
@@ -111,3 +136,51 @@ def test_fallback_ties_keep_the_plan_order() -> None:
     endpoints = [_endpoint(n, Role.DECODE, "g") for n in ("z", "y", "x")]
     candidates = [Candidate(e) for e in endpoints]
     assert pick_fallback(endpoints, candidates, AskAllFallbackConfig()).name == "z"
+
+
+def test_fallback_ties_take_turns_in_fleet_order() -> None:
+    endpoints = [_endpoint(n, Role.DECODE, "g") for n in ("z", "y", "x", "w")]
+    candidates = [Candidate(e) for e in endpoints]
+    asked = [endpoints[2], endpoints[0], endpoints[3], endpoints[1]]  # the plan's order
+    config = AskAllFallbackConfig()
+    picks = [pick_fallback(asked, candidates, config, ordinal).name for ordinal in range(8)]
+    assert picks == ["z", "y", "x", "w"] * 2
+
+
+def _round_robin() -> Planner:
+    routing = RoutingConfig.model_validate(
+        {"decode": {"scorers": [], "picker": {"type": "max-score", "params": {"ties": "rotate"}}}}
+    )
+    return Planner(build_profiles(routing, builtin_registry()), ThresholdResolver(_Fixed()))  # type: ignore[arg-type]
+
+
+def test_round_robin_visits_every_decoder_in_turn() -> None:
+    decoders = [_endpoint(f"d{i}", Role.DECODE, "g") for i in range(4)]
+    fleet = [Candidate(e) for e in [*decoders, _endpoint("p0", Role.PREFILL, "g")]]
+    planner = _round_robin()
+    picks = [planner.plan(_request(f"p{n}"), fleet, 0.0, n).decoder.name for n in range(400)]
+    assert {name: picks.count(name) for name in set(picks)} == {f"d{i}": 100 for i in range(4)}
+    assert picks[:5] == ["d0", "d1", "d2", "d3", "d0"]
+
+
+def test_every_profile_run_of_a_request_shares_its_ordinal() -> None:
+    decoders = [_endpoint(f"d{i}", Role.DECODE, "g") for i in range(2)]
+    prefillers = [_endpoint(f"p{i}", Role.PREFILL, "g") for i in range(2)]
+    routing = RoutingConfig.model_validate(
+        {
+            "decode": {
+                "scorers": [],
+                "picker": {"type": "max-score", "params": {"ties": "rotate"}},
+            },
+            "prefill": {
+                "scorers": [],
+                "picker": {"type": "max-score", "params": {"ties": "rotate"}},
+            },
+        }
+    )
+    planner = Planner(build_profiles(routing, builtin_registry()), ThresholdResolver(_Fixed()))  # type: ignore[arg-type]
+    fleet = [Candidate(e) for e in [*decoders, *prefillers]]
+    for n in range(4):
+        plan = planner.plan(_request(), fleet, 0.0, n)
+        assert plan.ordinal == n and plan.decoder.name == f"d{n % 2}"
+        assert plan.prefillers_for(plan.decoder)[0].name == f"p{n % 2}"

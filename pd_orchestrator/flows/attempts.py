@@ -1,0 +1,314 @@
+"""How a flow asks decoders first: one at a time, all at once, or probes first.
+
+An attempt sends the client's request, with the plan's threshold, to the decoders
+the plan asks (``plan.asked``) and returns an :class:`Attempted`: the decoder that
+admitted it and its leg, read up to its first decisive chunk; or, when every decoder
+rejected, the decoder that takes the request now (through P/D, or ``local``: on its
+own with threshold 0).
+
+* :class:`Single` (decode-first): the decoders in plan order, one at a time; the next
+  only when one cannot be reached. The first answer decides.
+* :class:`Race` (ask-all): every asked decoder at once, always streamed, so admission
+  is known at the first decisive chunk. The first to admit serves; every other leg is
+  closed at once (closing the connection is how vLLM aborts) and nothing of it reaches
+  the client.
+* :class:`Probe` (ask-all): one-token probes to every asked decoder, then the real
+  request to the admitting decoder that reported the most cached tokens.
+
+When every asked decoder rejects, :func:`pick_fallback` chooses one (least loaded,
+most free KV or hardware weight, from the plan's snapshot); equals take turns with
+the request's ordinal, so requests that tie spread over the tied decoders.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import anyio
+from anyio.streams.memory import MemoryObjectSendStream
+
+from pd_orchestrator.config.settings import AskAllConfig, AskAllFallbackConfig
+from pd_orchestrator.fleet.endpoints import Endpoint
+from pd_orchestrator.flows.chunks import ChunkView, view_answer
+from pd_orchestrator.flows.legs import Leg, Legs
+from pd_orchestrator.flows.request import ClientRequest
+from pd_orchestrator.flows.sink import GatewayError
+from pd_orchestrator.planner.plan import Plan
+from pd_orchestrator.routing.types import Candidate
+from pd_orchestrator.telemetry.metrics import GatewayMetrics
+from pd_orchestrator.upstream.client import Phase
+from pd_orchestrator.upstream.errors import UpstreamError, UpstreamUnavailable
+
+__all__ = [
+    "Attempt",
+    "Attempted",
+    "Probe",
+    "Race",
+    "Single",
+    "admits",
+    "attempt_for",
+    "pick_fallback",
+]
+
+Json = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Attempted:
+    """What the attempt found: ``leg`` is the admitting decoder's answer, or None when
+    every asked decoder rejected and ``decoder`` takes the request (``local``: with
+    threshold 0 on its own, else through P/D)."""
+
+    decoder: Endpoint
+    leg: Leg | None
+    local: bool = False
+
+
+class Attempt(Protocol):
+    """One way to ask the decoders first (see the module docstring)."""
+
+    streams: bool
+    """Whether decoder legs must stream even for a client that wants a whole answer."""
+
+    async def run(self, request: ClientRequest, plan: Plan, legs: Legs, body: Json) -> Attempted:
+        """Ask the decoders with ``body`` (the client's body with the threshold)."""
+        ...
+
+
+def admits(view: ChunkView | None) -> bool:
+    """Whether an answer's first decisive part says the decoder took the request."""
+    if view is None:
+        return False  # a stream that ended with no choice: rejected with no token
+    return not (view.rejected and not view.token_ids and not view.completion_tokens)
+
+
+class Single:
+    """Decode-first: the plan's decoders one at a time."""
+
+    streams = False
+
+    async def run(self, request: ClientRequest, plan: Plan, legs: Legs, body: Json) -> Attempted:
+        asked = plan.asked
+        for decoder in asked:
+            try:
+                leg = await legs.open(
+                    decoder, request.path, body, Phase.DECODE_ATTEMPT, kind=request.kind
+                )
+            except UpstreamUnavailable:
+                if decoder is asked[-1]:
+                    raise
+                continue
+            if admits(await leg.read_until_decisive()):
+                return Attempted(decoder, leg)
+            await legs.close(leg)
+            return Attempted(decoder, None)
+        raise GatewayError(503, "no decoder is available")
+
+
+# -- ask-all -----------------------------------------------------------------------------------
+def _fallback_key(candidate: Candidate, config: AskAllFallbackConfig) -> tuple[float, float]:
+    load = candidate.load
+    if config.pick == "most-free-kv":
+        return (load.kv_usage if load is not None else math.inf, candidate.in_flight)
+    if config.pick == "hardware-weight":
+        weight = config.hardware_weights.get(candidate.endpoint.hardware, 1.0)
+        return (-weight, candidate.in_flight)
+    depth = load.queue_depth if load is not None else 0
+    return (max(depth, candidate.in_flight), candidate.in_flight)
+
+
+def pick_fallback(
+    asked: Sequence[Endpoint],
+    candidates: Sequence[Candidate],
+    config: AskAllFallbackConfig,
+    ordinal: int = 0,
+) -> Endpoint:
+    """The decoder that takes a request every asked decoder rejected (pure).
+
+    The best by ``config.pick``. Equals take turns: in the fleet's order (the order
+    of ``candidates``), the ``ordinal``-th of them (modulo their number), so requests
+    that tie, one after another, spread over the tied decoders. Candidates not asked
+    are ignored; an asked decoder without a candidate entry ranks last.
+    """
+    position = {c.endpoint.name: i for i, c in enumerate(candidates)}
+    by_name = {c.endpoint.name: c for c in candidates}
+    keyed = sorted(
+        (
+            (0, _fallback_key(by_name[e.name], config)) if e.name in by_name else (1, (0.0, 0.0)),
+            position.get(e.name, len(position) + order),
+            e,
+        )
+        for order, e in enumerate(asked)
+    )
+    best = keyed[0][0]
+    tied = [endpoint for key, _, endpoint in keyed if key == best]
+    return tied[ordinal % len(tied)]
+
+
+@dataclass
+class _Reply:
+    """What one asked decoder did: ``admitted``, ``rejected``, ``cancelled`` or ``failed``."""
+
+    decoder: Endpoint
+    outcome: str
+    leg: Leg | None = None
+
+
+class _AskAll:
+    """What the ask-all attempts share: settings, metrics and the fallback."""
+
+    streams = True
+
+    def __init__(self, config: AskAllConfig, metrics: GatewayMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+
+    def _won(self, leg: Leg) -> Attempted:
+        self.metrics.ask_all.labels("admitted").inc()
+        return Attempted(leg.endpoint, leg)
+
+    def _fell_back(self, plan: Plan) -> Attempted:
+        config = self.config.fallback
+        decoder = pick_fallback(plan.asked, plan.candidates, config, plan.ordinal)
+        local = config.then == "local"
+        self.metrics.ask_all.labels("fallback_local" if local else "fallback_pd").inc()
+        return Attempted(decoder, None, local=local)
+
+
+class Race(_AskAll):
+    """Ask-all: every asked decoder at once; the first to admit serves."""
+
+    async def run(self, request: ClientRequest, plan: Plan, legs: Legs, body: Json) -> Attempted:
+        asked = plan.asked
+        send, receive = anyio.create_memory_object_stream[_Reply](len(asked))
+        scopes = {decoder.name: anyio.CancelScope() for decoder in asked}
+        winner: Leg | None = None
+        async with anyio.create_task_group() as tg, receive:
+            for decoder in asked:
+                ask = (request, legs, decoder, body, scopes[decoder.name], send.clone())
+                tg.start_soon(self._ask, *ask)
+            send.close()
+            async for reply in receive:
+                if reply.outcome == "admitted" and winner is None:
+                    winner = reply.leg
+                    for name, scope in scopes.items():
+                        if name != reply.decoder.name:
+                            scope.cancel()
+                elif reply.outcome == "admitted":
+                    reply.outcome = "cancelled"
+                await self._settle(legs, reply, keep=reply.leg is winner)
+        return self._won(winner) if winner is not None else self._fell_back(plan)
+
+    async def _ask(
+        self,
+        request: ClientRequest,
+        legs: Legs,
+        decoder: Endpoint,
+        body: Json,
+        scope: anyio.CancelScope,
+        results: MemoryObjectSendStream[_Reply],
+    ) -> None:
+        reply = _Reply(decoder, "cancelled")
+        with results, scope:
+            try:
+                reply.leg = await legs.open(
+                    decoder, request.path, body, Phase.DECODE_ATTEMPT, kind=request.kind
+                )
+                admitted = admits(await reply.leg.read_until_decisive())
+                reply.outcome = "admitted" if admitted else "rejected"
+            except UpstreamError:
+                reply.outcome = "failed"
+            finally:
+                results.send_nowait(reply)
+
+    async def _settle(self, legs: Legs, reply: _Reply, *, keep: bool) -> None:
+        """Count one leg's outcome; close every leg but the winner's."""
+        self.metrics.fanout_legs.labels(reply.outcome).inc()
+        leg = reply.leg
+        if leg is None or keep:
+            return
+        if reply.outcome == "cancelled":
+            wasted = sum(len(leg.view(c).token_ids or ()) for c in leg.held)
+            self.metrics.fanout_wasted_tokens.inc(wasted)
+        await legs.close(leg)
+
+
+class Probe(_AskAll):
+    """Ask-all: one-token probes first, then the admitting decoder with the most cache."""
+
+    async def run(self, request: ClientRequest, plan: Plan, legs: Legs, body: Json) -> Attempted:
+        asked = plan.asked
+        probe_body = _one_token(body)
+        answers: dict[str, Json | None] = {}
+
+        async def probe(decoder: Endpoint) -> None:
+            try:
+                answers[decoder.name] = await legs.post(
+                    decoder, request.path, probe_body, Phase.DECODE_ATTEMPT
+                )
+            except UpstreamError:
+                answers[decoder.name] = None
+
+        async with anyio.create_task_group() as tg:
+            for decoder in asked:
+                tg.start_soon(probe, decoder)
+        chosen = self._best(request, asked, answers)
+        if chosen is None:
+            return self._fell_back(plan)
+        leg = await legs.open(chosen, request.path, body, Phase.DECODE_ATTEMPT, kind=request.kind)
+        if not admits(await leg.read_until_decisive()):
+            await legs.close(leg)
+            return self._fell_back(plan)
+        return self._won(leg)
+
+    def _best(
+        self, request: ClientRequest, asked: Sequence[Endpoint], answers: dict[str, Json | None]
+    ) -> Endpoint | None:
+        """The admitting decoder with the most cached tokens (ties: the plan's order).
+
+        Counts every probe's outcome; each admitting probe that is not chosen wasted
+        its token (and its prefill).
+        """
+        admitted: list[tuple[int, int, Endpoint]] = []
+        for order, decoder in enumerate(asked):
+            answer = answers.get(decoder.name)
+            view = None if answer is None else view_answer(answer, request.kind)
+            outcome = "failed" if view is None else "admitted" if admits(view) else "rejected"
+            self.metrics.fanout_legs.labels(outcome).inc()
+            if view is not None and outcome == "admitted":
+                admitted.append((-_cached_tokens(view), order, decoder))
+        if not admitted:
+            return None
+        self.metrics.fanout_wasted_tokens.inc(len(admitted) - 1)
+        return min(admitted, key=lambda item: (item[0], item[1]))[2]
+
+
+def _cached_tokens(view: ChunkView) -> int:
+    usage = view.usage or {}
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) else 0
+
+
+def _one_token(body: Json) -> Json:
+    """A probe: the attempt body, not streamed, one token."""
+    probe = {k: v for k, v in body.items() if k != "stream_options"}
+    probe["stream"] = False
+    probe["max_tokens"] = 1
+    if "max_completion_tokens" in probe:
+        probe["max_completion_tokens"] = 1
+    if "min_tokens" in probe:
+        probe["min_tokens"] = min(1, int(probe["min_tokens"] or 0))
+    return probe
+
+
+def attempt_for(mode: str, ask_all: AskAllConfig, metrics: GatewayMetrics) -> Attempt:
+    """The attempt strategy of a gateway ``mode`` (``decode-first`` or ``ask-all``)."""
+    if mode != "ask-all":
+        return Single()
+    if ask_all.variant == "probe":
+        return Probe(ask_all, metrics)
+    return Race(ask_all, metrics)

@@ -1,0 +1,333 @@
+"""The flow: ask the decoder first, prefill elsewhere only when it says so.
+
+One client request, from its plan to the last byte the client gets:
+
+1. **Attempt** (:mod:`~pd_orchestrator.flows.attempts`): the client's request goes
+   to the plan's decoder(s) with the policy's ``cache_hit_threshold`` and
+   ``return_token_ids``, read up to its first decisive chunk (the first that carries
+   content or a finish).
+2. **Admitted**: that decoder's leg serves. Decision ``decode``.
+3. **Rejected** (``finish_reason == "cache_threshold"`` with no token, or a stream
+   that ends with no choice): the P/D leg -- the connector's prefill body to a
+   prefiller compatible with the decoder (retried across prefillers on 502/503/504
+   and broken connections), its transfer params to the decoder with threshold 0.
+   A prefill that returns no params but finished is itself the answer. Decision
+   ``pd``. (Ask-all's ``local`` fallback: the decoder serves with threshold 0.)
+4. **Relay**: every leg is read and relayed the same way, whole answers as one
+   batch and streams batch by batch, into the client's renderer
+   (:mod:`~pd_orchestrator.flows.render`), which writes SSE or one JSON answer. The
+   response starts (status, ``x-pd-*`` headers) once the serving leg's first
+   decisive chunk is in, so the headers are truthful.
+5. **Hand-back** (``cache_threshold`` after tokens: the decoder preempted the
+   request): prompt ids plus every generated id go back through the same P/D leg as
+   a token prompt on ``/v1/completions`` with ``max_tokens`` reduced and
+   ``handback.leg_threshold``; after ``handback.max_handbacks`` hand-backs, straight
+   to a decoder with threshold 0. **Recovery**: a leg that breaks mid-answer is
+   continued the same way on another decoder (``handback.max_recoveries``).
+6. **Outcome**: :meth:`Flow.run` returns what happened (:class:`Outcome`); the
+   gateway learns from it. Nothing here calls back into the gateway or the planner.
+
+The client sees one id, one role chunk and one usage figure: prompt and cached tokens
+of the leg that served the original prompt, completion tokens of every leg.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
+
+from connectors import Connector
+from pd_orchestrator.config.settings import HandbackConfig, UpstreamConfig
+from pd_orchestrator.fleet.endpoints import Endpoint
+from pd_orchestrator.flows.attempts import Attempt
+from pd_orchestrator.flows.bodies import continuation_body, leg_body, with_threshold
+from pd_orchestrator.flows.legs import Leg, Legs
+from pd_orchestrator.flows.render import Renderer
+from pd_orchestrator.flows.request import ClientRequest
+from pd_orchestrator.flows.sink import GatewayError
+from pd_orchestrator.flows.transcript import Transcript
+from pd_orchestrator.openai.responses import Kind
+from pd_orchestrator.planner.plan import Plan
+from pd_orchestrator.telemetry.metrics import GatewayMetrics
+from pd_orchestrator.upstream.client import Phase
+from pd_orchestrator.upstream.errors import (
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamStatusError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+
+__all__ = ["COMPLETIONS", "Flow", "FlowSettings", "Outcome"]
+
+Json = dict[str, Any]
+COMPLETIONS = "/v1/completions"
+_BROKEN = (UpstreamProtocolError, UpstreamUnavailable, UpstreamTimeout)
+
+
+@dataclass(frozen=True, slots=True)
+class FlowSettings:
+    """What a flow needs of the configuration: hand-back and retry settings, the
+    connector adapter of each connector name, metrics and the clock."""
+
+    handback: HandbackConfig
+    upstream: UpstreamConfig
+    connectors: Mapping[str, Connector]
+    metrics: GatewayMetrics
+    clock: Callable[[], float]
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What a served request did: its decision, the decoder that served it last, the
+    prefiller (if any), the time to first token, mean ITL and prompt tokens."""
+
+    decision: str
+    decoder: Endpoint
+    prefiller: Endpoint | None
+    ttft: float | None
+    itl: float | None
+    prompt_tokens: int | None
+    handbacks: int
+
+
+def _retryable(exc: BaseException) -> bool:
+    if isinstance(exc, UpstreamStatusError):
+        return exc.retryable
+    return isinstance(exc, _BROKEN)
+
+
+class Flow:
+    """Serves one client request along its plan; see the module docstring."""
+
+    def __init__(
+        self,
+        request: ClientRequest,
+        plan: Plan,
+        legs: Legs,
+        attempt: Attempt,
+        settings: FlowSettings,
+    ) -> None:
+        self.request = request
+        self.plan = plan
+        self.legs = legs
+        self.attempt = attempt
+        self.settings = settings
+        self.transcript = Transcript(request)
+        self.decision = "decode"
+        self.decoder: Endpoint = plan.decoder
+        self.prefiller: Endpoint | None = None
+        self.recoveries = 0
+        self.stream_legs = request.stream or attempt.streams
+
+    def headers(self) -> dict[str, str]:
+        """The response headers that report the decision (endpoint names only)."""
+        headers = {
+            "x-pd-decision": self.decision,
+            "x-pd-decoder": self.decoder.name,
+            "x-request-id": self.request.request_id,
+        }
+        if self.prefiller is not None:
+            headers["x-pd-prefiller"] = self.prefiller.name
+        return headers
+
+    async def run(self, renderer: Renderer) -> Outcome:
+        """Serve the request into ``renderer``; raises GatewayError/UpstreamError."""
+        clock = self.settings.clock
+        started = clock()
+        try:
+            leg = await self._first_leg()
+            await renderer.begin(self.headers())
+            await self._relay_all(leg, renderer)
+            await renderer.end(self.headers())
+        finally:
+            await self.legs.aclose()
+            self._phase("total", started)
+        timing = renderer.timing
+        transcript = self.transcript
+        return Outcome(
+            self.decision,
+            self.decoder,
+            self.prefiller,
+            timing.ttft,
+            timing.itl,
+            transcript.prompt_tokens,
+            transcript.handbacks,
+        )
+
+    # -- the leg that serves the original prompt ------------------------------------------------
+    async def _first_leg(self) -> Leg:
+        request, plan = self.request, self.plan
+        started = self.settings.clock()
+        body = leg_body(request, plan.threshold.value, stream=self.stream_legs)
+        attempted = await self.attempt.run(request, plan, self.legs, body)
+        self._phase("decode_attempt", started)
+        self.decoder = attempted.decoder
+        if attempted.leg is not None:
+            return attempted.leg
+        base = leg_body(request, 0.0, stream=self.stream_legs)
+        if attempted.local:
+            leg = await self.legs.open(
+                self.decoder, request.path, base, Phase.DECODE, kind=request.kind
+            )
+        else:
+            self.decision = "pd"
+            leg = await self._pd(base, request.path, request.kind, original_prompt=True)
+        await leg.read_until_decisive()
+        return leg
+
+    async def _pd(self, body: Json, path: str, kind: Kind, *, original_prompt: bool) -> Leg:
+        """Prefill ``body`` on a prefiller, then decode it on :attr:`decoder` with the
+        transfer params and the threshold ``body`` carries (one leg, however reached)."""
+        decoder = self.decoder
+        prefillers = self.plan.prefillers_for(decoder)
+        if not prefillers:
+            raise GatewayError(503, f"no prefiller can hand KV over to decoder {decoder.name}")
+        connector = self.settings.connectors[decoder.connector]
+        answer = await self._prefill(prefillers, connector.prefill_body(body), path)
+        outcome = connector.read_prefill(answer)
+        if outcome.params is None and outcome.finished:
+            assert self.prefiller is not None
+            return self.legs.answer(self.prefiller, answer, kind, original_prompt)
+        threshold = float(body.get("cache_hit_threshold") or 0.0)
+        decode = with_threshold(connector.decode_body(body, outcome.params), threshold)
+        return await self.legs.open(
+            decoder, path, decode, Phase.DECODE, kind=kind, original_prompt=original_prompt
+        )
+
+    async def _prefill(self, prefillers: tuple[Endpoint, ...], body: Json, path: str) -> Json:
+        """The prefill answer, retried with backoff across ``prefillers``."""
+        config = self.settings.upstream
+        started = self.settings.clock()
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(config.prefill_attempts),
+            wait=wait_exponential(multiplier=config.retry_backoff, max=2.0),
+            retry=retry_if_exception(_retryable),
+            reraise=True,
+        )
+        answer: Json = {}
+        async for attempt in retrying:
+            with attempt:
+                index = (attempt.retry_state.attempt_number - 1) % len(prefillers)
+                self.prefiller = prefillers[index]
+                answer = await self.legs.post(self.prefiller, path, body, Phase.PREFILL)
+        self._phase("prefill", started)
+        return answer
+
+    # -- relaying --------------------------------------------------------------------------------
+    async def _relay_all(self, leg: Leg | None, renderer: Renderer) -> None:
+        """Relay ``leg`` and every continuation (hand-backs, recoveries) until finished."""
+        while leg is not None:
+            try:
+                finished = await self._relay(leg, renderer)
+            except _BROKEN as exc:
+                leg = await self._recover(exc)
+                continue
+            leg = None if finished else await self._continue(recovering=False)
+
+    async def _relay(self, leg: Leg, renderer: Renderer) -> bool:
+        """Relay ``leg`` to the client; True when it finished, False when handed back."""
+        transcript = self.transcript
+        original = leg.original_prompt
+        handed_back = finished = False
+        try:
+            while (batch := await leg.next_batch()) is not None:
+                for chunk in batch:
+                    view = leg.view(chunk)
+                    if view.usage is not None:
+                        leg.usage = view.usage
+                    if not view.has_choice:
+                        continue
+                    if view.token_ids:
+                        leg.tokens += len(view.token_ids)
+                    if transcript.identity is None:
+                        transcript.adopt_identity(chunk)
+                    transcript.absorb(view, original_prompt=original)
+                    if view.rejected:
+                        handed_back = True
+                        if view.text or view.token_ids:
+                            renderer.emit(leg, chunk, view, None)
+                        continue
+                    renderer.emit(leg, chunk, view, view.finish_reason)
+                    finished = finished or view.finish_reason is not None
+                await renderer.flush()
+        finally:
+            await self.legs.close(leg)
+        transcript.absorb_usage(leg.usage, original_prompt=original, leg_tokens=leg.tokens)
+        self._phase("decode", leg.started)
+        if handed_back:
+            return False
+        if not finished:
+            raise UpstreamProtocolError(
+                leg.endpoint.name, "decode", "stream ended without a finish reason", role="decoder"
+            )
+        return True
+
+    # -- continuations (hand-back and recovery) ---------------------------------------------------
+    async def _recover(self, exc: UpstreamError) -> Leg:
+        """Continue elsewhere after a decode leg broke mid-answer, or give up."""
+        if self.recoveries >= self.settings.handback.max_recoveries:
+            raise exc
+        if self.transcript.prompt_ids is None:
+            raise exc
+        self.recoveries += 1
+        self.legs.broken(exc.endpoint)
+        self.settings.metrics.upstream_errors.labels(exc.endpoint, "recovered").inc()
+        return await self._continue(recovering=True)
+
+    async def _continue(self, *, recovering: bool) -> Leg:
+        """The leg that continues the request after ``len(generated)`` tokens."""
+        transcript = self.transcript
+        handback = self.settings.handback
+        if not recovering:
+            transcript.handbacks += 1
+            self.settings.metrics.handbacks.inc()
+        remaining = transcript.remaining
+        if remaining is not None and remaining <= 0:
+            return self.legs.answer(self.decoder, self._length_answer(), "completion", False)
+        self.decoder = self._next_decoder()
+        local = not recovering and transcript.handbacks > handback.max_handbacks
+        threshold = 0.0 if local else handback.leg_threshold
+        body = continuation_body(
+            self.request,
+            transcript.continuation_prompt(),
+            len(transcript.generated),
+            threshold,
+            stream=self.stream_legs,
+        )
+        if local:
+            return await self.legs.open(
+                self.decoder, COMPLETIONS, body, Phase.DECODE, kind="completion",
+                original_prompt=False,
+            )  # fmt: skip
+        return await self._pd(body, COMPLETIONS, "completion", original_prompt=False)
+
+    def _next_decoder(self) -> Endpoint:
+        """The plan's best decoder that has not failed this request and looks healthy."""
+        failed = self.legs.failed
+        usable = [d for d in self.plan.decoders if d.name not in failed]
+        for decoder in usable:
+            if self.legs.fleet.is_healthy(decoder.name):
+                return decoder
+        if usable:
+            return usable[0]
+        raise GatewayError(503, "no decoder can continue this request")
+
+    def _length_answer(self) -> Json:
+        """An empty answer that ends the request at its token limit."""
+        identity = self.transcript.identity
+        assert identity is not None
+        return {
+            "id": identity.response_id,
+            "object": "text_completion",
+            "created": identity.created,
+            "model": identity.model,
+            "choices": [{"index": 0, "text": "", "token_ids": [], "finish_reason": "length"}],
+            "usage": {"completion_tokens": 0},
+        }
+
+    def _phase(self, phase: str, started: float) -> None:
+        self.settings.metrics.phase_seconds.labels(phase).observe(self.settings.clock() - started)

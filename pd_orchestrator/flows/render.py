@@ -1,0 +1,202 @@
+"""What the client receives, streamed or whole (the flow's one serving path ends here).
+
+A flow relays every leg the same way, chunk by chunk, and hands each chunk the
+client should see to a renderer:
+
+* :class:`StreamRenderer` writes SSE: the response starts when the decision is
+  known (:meth:`begin`); chunks of a leg that speaks the client's API are relayed
+  as they came (every field vLLM sent survives) with the client's id and time and
+  token ids only if asked; chunks of a continuation (completions API) are re-rendered
+  in the client's API; a chat client gets exactly one role chunk; everything one
+  upstream read produced goes out in one write (:meth:`flush`); the end adds the
+  merged usage (if asked) and ``[DONE]``, held by the sink until the gateway
+  closes the response.
+* :class:`WholeRenderer` writes one JSON answer at the end: the first whole answer
+  in the client's API is the template (tool calls, logprobs and the like survive),
+  text, finish reason, token ids and usage are the merged ones.
+
+Both measure the time to first token (arrival to the first content the client
+gets) and the mean gap between later content (ITL).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import orjson
+
+from pd_orchestrator.flows.chunks import ChunkView, identity_fields, relay_chunk, render_chunk
+from pd_orchestrator.flows.legs import Leg
+from pd_orchestrator.flows.request import ClientRequest
+from pd_orchestrator.flows.sink import ClientSink
+from pd_orchestrator.flows.transcript import Transcript
+from pd_orchestrator.openai.sse import DONE, encode_event
+
+__all__ = ["Renderer", "StreamRenderer", "WholeRenderer", "renderer_for"]
+
+Json = dict[str, Any]
+
+
+class _Timing:
+    """Time to first token and the gaps after it, on the flow's clock."""
+
+    def __init__(self, arrival: float, clock: Callable[[], float]) -> None:
+        self.arrival = arrival
+        self.clock = clock
+        self.ttft: float | None = None
+        self._gaps = 0
+        self._last = 0.0
+
+    def content(self) -> None:
+        now = self.clock()
+        if self.ttft is None:
+            self.ttft = now - self.arrival
+        else:
+            self._gaps += 1
+        self._last = now
+
+    @property
+    def itl(self) -> float | None:
+        if not self._gaps or self.ttft is None:
+            return None
+        return (self._last - self.arrival - self.ttft) / self._gaps
+
+
+class Renderer(Protocol):
+    """The client's side of a flow (see the module docstring)."""
+
+    timing: _Timing
+
+    async def begin(self, headers: Mapping[str, str]) -> None: ...
+
+    def emit(self, leg: Leg, chunk: Json, view: ChunkView, finish: str | None) -> None: ...
+
+    async def flush(self) -> None: ...
+
+    async def end(self, headers: Mapping[str, str]) -> None: ...
+
+
+class StreamRenderer:
+    """Server-sent events for a streaming client."""
+
+    def __init__(
+        self,
+        request: ClientRequest,
+        transcript: Transcript,
+        sink: ClientSink,
+        clock: Callable[[], float],
+    ) -> None:
+        self.request = request
+        self.transcript = transcript
+        self.sink = sink
+        self.timing = _Timing(request.arrival, clock)
+        self._out: list[bytes] = []
+        self._role_sent = False
+        self._first_sent = False
+        self._keep_ids = request.want_token_ids
+        self._chat = request.kind == "chat"
+        transcript.keep_text = False
+
+    async def begin(self, headers: Mapping[str, str]) -> None:
+        await self.sink.start(200, headers, "text/event-stream")
+
+    def emit(self, leg: Leg, chunk: Json, view: ChunkView, finish: str | None) -> None:
+        identity = self.transcript.identity
+        assert identity is not None
+        if leg.kind == "chat" and not view.decisive and self._role_sent:
+            return  # a second role chunk (a later chat leg's opening)
+        if leg.kind == self.request.kind and not leg.whole and finish == view.finish_reason:
+            out = relay_chunk(chunk, identity, keep_ids=self._keep_ids, first=not self._first_sent)
+        else:
+            if self._chat and not self._role_sent:
+                self._out.append(encode_event(self._role_chunk()))
+            out = render_chunk(
+                view, identity, self.request.kind, keep_ids=self._keep_ids, finish=finish
+            )
+            if self._keep_ids and not self._first_sent and view.prompt_token_ids is not None:
+                self._prompt_ids(out, view.prompt_token_ids)
+        self._role_sent = self._role_sent or self._chat
+        self._first_sent = True
+        self._out.append(encode_event(out))
+        if view.text or view.token_ids:
+            self.timing.content()
+
+    def _role_chunk(self) -> Json:
+        identity = self.transcript.identity
+        assert identity is not None
+        choice = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        return {**identity_fields(identity, "chat"), "choices": [choice]}
+
+    def _prompt_ids(self, out: Json, ids: tuple[int, ...]) -> None:
+        if self._chat:
+            out["prompt_token_ids"] = list(ids)
+        else:
+            out["choices"][0]["prompt_token_ids"] = list(ids)
+
+    async def flush(self) -> None:
+        if not self._out:
+            return
+        out, self._out = self._out, []
+        await self.sink.send(out[0] if len(out) == 1 else b"".join(out))
+
+    async def end(self, headers: Mapping[str, str]) -> None:
+        transcript = self.transcript
+        if self.request.include_usage and transcript.identity is not None:
+            identity = identity_fields(transcript.identity, self.request.kind)
+            usage = transcript.usage().as_dict()
+            self._out.append(encode_event({**identity, "choices": [], "usage": usage}))
+        self._out.append(DONE)
+        out, self._out = self._out, []
+        self.sink.end(b"".join(out))
+
+
+class WholeRenderer:
+    """One JSON answer for a client that did not ask to stream."""
+
+    def __init__(
+        self,
+        request: ClientRequest,
+        transcript: Transcript,
+        sink: ClientSink,
+        clock: Callable[[], float],
+    ) -> None:
+        self.request = request
+        self.transcript = transcript
+        self.sink = sink
+        self.timing = _Timing(request.arrival, clock)
+        transcript.keep_text = True
+
+    async def begin(self, headers: Mapping[str, str]) -> None:
+        return None
+
+    def emit(self, leg: Leg, chunk: Json, view: ChunkView, finish: str | None) -> None:
+        transcript = self.transcript
+        if transcript.template is None and leg.whole and leg.kind == self.request.kind:
+            transcript.template = chunk
+
+    async def flush(self) -> None:
+        return None
+
+    async def end(self, headers: Mapping[str, str]) -> None:
+        transcript = self.transcript
+        if transcript.template is None:
+            transcript.template = transcript.blank_answer()
+        answer = transcript.whole_answer()
+        all_headers = {**headers, "x-pd-handbacks": str(transcript.handbacks)}
+        self.sink.answer(200, all_headers, orjson.dumps(answer))
+        self.timing.content()
+
+
+def renderer_for(
+    request: ClientRequest, transcript: Transcript, sink: ClientSink, clock: Callable[[], float]
+) -> Renderer:
+    """The renderer the client asked for (``stream`` or not)."""
+    if request.stream:
+        return StreamRenderer(request, transcript, sink, clock)
+    return WholeRenderer(request, transcript, sink, clock)

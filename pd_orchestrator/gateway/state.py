@@ -1,0 +1,110 @@
+"""What one configuration builds, and reloading it.
+
+A :class:`GatewayState` holds everything built from one configuration: the fleet
+(health and in-flight counts), the planner (routing profiles and threshold
+policies), the prefix runtime, the monitors, the connectors and the attempt
+strategy. A reload builds a new state and swaps it whole; requests in flight keep
+the state they started with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from connectors import Connector, get_connector
+from pd_orchestrator.config.settings import GatewayConfig
+from pd_orchestrator.fleet.endpoints import endpoints_from_config
+from pd_orchestrator.fleet.health import HealthMonitor
+from pd_orchestrator.fleet.scraper import LoadScraper
+from pd_orchestrator.fleet.state import FleetState
+from pd_orchestrator.flows.attempts import Attempt, attempt_for
+from pd_orchestrator.flows.flow import FlowSettings
+from pd_orchestrator.planner.plan import Planner
+from pd_orchestrator.policies import build_threshold
+from pd_orchestrator.prefix.runtime import PrefixRuntime
+from pd_orchestrator.routing.profiles import build_profiles
+from pd_orchestrator.telemetry.metrics import GatewayMetrics
+from pd_orchestrator.upstream.client import Upstream
+
+__all__ = ["GatewayState", "ReloadResult", "build_state", "check_plugins", "restart_notes"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadResult:
+    """Whether a reload took effect, and what to tell the operator."""
+
+    applied: bool
+    message: str
+
+
+def restart_notes(old: GatewayConfig, new: GatewayConfig) -> str:
+    """Which changed settings only a restart applies (empty when none)."""
+    changed = [k for k in ("upstream", "timeouts") if getattr(old, k) != getattr(new, k)]
+    return f"{', '.join(changed)} changes take effect at restart" if changed else ""
+
+
+@dataclass(frozen=True)
+class GatewayState:
+    """Everything built from one configuration; swapped whole on reload."""
+
+    config: GatewayConfig
+    fleet: FleetState
+    planner: Planner
+    prefix: PrefixRuntime
+    health: HealthMonitor
+    scraper: LoadScraper
+    allowed_prefillers: frozenset[str]
+    models: frozenset[str]
+    attempt: Attempt
+    flow: FlowSettings
+
+
+def check_plugins(config: GatewayConfig) -> None:
+    """Build the routing profiles and the threshold policies of ``config`` once, so
+    that an unknown plugin or a bad parameter is reported (``RoutingConfigError``)."""
+    registry = PrefixRuntime(config.prefix, []).registry()
+    build_profiles(config.routing, registry)
+    build_threshold(config.threshold, registry, pools={pool.name for pool in config.pools})
+
+
+def _connectors(config: GatewayConfig) -> dict[str, Connector]:
+    names = {endpoint.connector for endpoint in config.fleet()} | {config.connector}
+    return {name: get_connector(name) for name in sorted(names)}
+
+
+def build_state(
+    config: GatewayConfig,
+    upstream: Upstream,
+    metrics: GatewayMetrics,
+    clock: Callable[[], float],
+    previous: GatewayState | None = None,
+) -> GatewayState:
+    """Build the state of ``config``; raises ``RoutingConfigError`` on bad plugins
+    (policy errors are ``RoutingConfigError`` too).
+
+    Endpoints that keep their name and URL across a reload keep their health.
+    """
+    endpoints = endpoints_from_config(config)
+    fleet = FleetState(endpoints, config.health.unhealthy_after)
+    if previous is not None:
+        fleet.inherit(previous.fleet)
+    pairs = frozenset((p.prefill_group, p.decode_group) for p in config.compatibility.host_staged)
+    prefix = PrefixRuntime(config.prefix, endpoints)
+    registry = prefix.registry()
+    threshold = build_threshold(
+        config.threshold, registry, pools={pool.name for pool in config.pools}
+    )
+    width = config.ask_all.width if config.mode == "ask-all" else None
+    return GatewayState(
+        config=config,
+        fleet=fleet,
+        planner=Planner(build_profiles(config.routing, registry), threshold, pairs, width),
+        prefix=prefix,
+        health=HealthMonitor(fleet, upstream, config.health),
+        scraper=LoadScraper(fleet, upstream, config.load, clock=clock),
+        allowed_prefillers=frozenset(v.lower() for v in config.sidecar.allowed_prefillers),
+        models=frozenset(config.models()),
+        attempt=attempt_for(config.mode, config.ask_all, metrics),
+        flow=FlowSettings(config.handback, config.upstream, _connectors(config), metrics, clock),
+    )

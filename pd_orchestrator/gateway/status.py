@@ -1,0 +1,77 @@
+"""What the gateway reports about itself: ``/status``, ``/ready`` and ``/v1/models``.
+
+Pure functions of a :class:`~pd_orchestrator.gateway.state.GatewayState` and the
+clock; endpoints appear by their configured names, never their URLs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from pd_orchestrator.fleet.endpoints import Role
+from pd_orchestrator.gateway.state import GatewayState
+
+__all__ = ["models_document", "ready_document", "status_document"]
+
+
+def status_document(state: GatewayState, now: float) -> dict[str, Any]:
+    """``GET /status``: the fleet by endpoint name with health, in-flight and load."""
+    endpoints = []
+    for status in state.fleet.snapshot():
+        endpoint = status.endpoint
+        load = state.scraper.snapshot(endpoint.name, now)
+        endpoints.append(
+            {
+                "name": endpoint.name,
+                "pool": endpoint.pool,
+                "role": endpoint.role.value,
+                "hardware": endpoint.hardware,
+                "group": endpoint.group,
+                "healthy": status.healthy and state.scraper.is_responsive(endpoint.name),
+                "in_flight": status.in_flight,
+                "load": None
+                if load is None
+                else {
+                    "running": load.running,
+                    "waiting": load.waiting,
+                    "kv_usage": load.kv_usage,
+                    "prefix_hit_rate": load.prefix_hit_rate,
+                    "age": round(load.age(now), 3),
+                },
+            }
+        )
+    profiles = state.planner.profiles
+    report = state.prefix.report([profiles.decode, profiles.prefill])
+    prefix = {
+        "plugin_memory_bytes": dict(report.plugin_memory),
+        "kv_event_streams": dict(report.streams),
+        "index": None if report.index is None else _plain(report.index),
+    }
+    return {"mode": state.config.mode, "endpoints": endpoints, "prefix": prefix}
+
+
+def _plain(value: Any) -> Any:
+    """A dataclass of plain values as a dict (for JSON)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return str(value)
+
+
+def ready_document(state: GatewayState) -> tuple[dict[str, Any], int]:
+    """``GET /ready``: ready once a health check passed and a decoder is healthy."""
+    fleet = state.fleet
+    ready = fleet.checked_once and fleet.any_decoder_healthy()
+    healthy = [s.endpoint.name for s in fleet.snapshot(Role.DECODE) if s.healthy]
+    return {"ready": ready, "healthy_decoders": healthy}, 200 if ready else 503
+
+
+def models_document(state: GatewayState) -> dict[str, Any]:
+    """``GET /v1/models``: the models the decoders serve."""
+    now = int(time.time())
+    data = [
+        {"id": name, "object": "model", "created": now, "owned_by": "pd-orchestrator"}
+        for name in sorted(state.models)
+    ]
+    return {"object": "list", "data": data}
