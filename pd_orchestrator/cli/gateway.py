@@ -98,6 +98,7 @@ def serve_gateway(
             interface="asgi3",
             proxy_headers=False,
             server_header=False,
+            access_log=False,
         )
     )
 

@@ -330,4 +330,4 @@ class Flow:
         }
 
     def _phase(self, phase: str, started: float) -> None:
-        self.settings.metrics.phase_seconds.labels(phase).observe(self.settings.clock() - started)
+        self.settings.metrics.observe_phase(phase, self.settings.clock() - started)

@@ -11,6 +11,7 @@ body again except to forward it.
 
 from __future__ import annotations
 
+import itertools
 import re
 import uuid
 from collections.abc import Iterable
@@ -28,7 +29,7 @@ from pd_orchestrator.openai.responses import Kind
 from pd_orchestrator.planner.plan import RequestFacts
 from pd_orchestrator.prefix.runtime import PrefixFields
 
-__all__ = ["Admitted", "admit", "request_id_of"]
+__all__ = ["Admitted", "RequestIds", "admit", "header_map", "request_id_of"]
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
@@ -41,11 +42,23 @@ class Admitted:
     facts: RequestFacts
 
 
-def request_id_of(value: str | None) -> str:
+class RequestIds:
+    """New request ids: a random prefix per process, then a counter (unique across
+    processes and restarts, and cheaper than a UUID per request)."""
+
+    def __init__(self) -> None:
+        self._prefix = uuid.uuid4().hex[:12]
+        self._next = itertools.count(1)
+
+    def new(self) -> str:
+        return f"{self._prefix}{next(self._next):08x}"
+
+
+def request_id_of(value: str | None, ids: RequestIds) -> str:
     """The client's ``x-request-id`` when it is a plain token, else a new id."""
     if value is not None and _REQUEST_ID.fullmatch(value):
         return value
-    return uuid.uuid4().hex
+    return ids.new()
 
 
 def _decode(raw: bytes) -> dict[str, Any]:
@@ -65,6 +78,7 @@ def admit(
     raw: bytes,
     headers: dict[str, str],
     arrival: float,
+    ids: RequestIds,
 ) -> Admitted:
     """Admit one completion request (see the module docstring); raises GatewayError."""
     body = _decode(raw)
@@ -79,7 +93,7 @@ def admit(
         path=path,
         body=body,
         view=view,
-        request_id=request_id_of(headers.get("x-request-id")),
+        request_id=request_id_of(headers.get("x-request-id"), ids),
         arrival=arrival,
     )
     return Admitted(request, facts(request, state.prefix.view_fields(view), _named(state, headers)))

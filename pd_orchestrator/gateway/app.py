@@ -47,7 +47,7 @@ from pd_orchestrator.flows.flow import Flow, Outcome
 from pd_orchestrator.flows.legs import Legs
 from pd_orchestrator.flows.render import renderer_for
 from pd_orchestrator.flows.sink import ClientSink, GatewayError
-from pd_orchestrator.gateway.admission import Admitted, admit, header_map
+from pd_orchestrator.gateway.admission import Admitted, RequestIds, admit, header_map
 from pd_orchestrator.gateway.response import error_response, respond
 from pd_orchestrator.gateway.state import (
     GatewayState,
@@ -111,6 +111,7 @@ class Gateway:
         self.upstream = Upstream(config.upstream, config.timeouts, transport=transport)
         self.state = build_state(config, self.upstream, self.metrics, clock)
         self._ordinals = itertools.count()
+        self._ids = RequestIds()
         self._monitors: anyio.CancelScope | None = None
         self._tasks: TaskGroup | None = None
         self._reload_lock = anyio.Lock()
@@ -219,7 +220,7 @@ class Gateway:
         try:
             admitted, plan = await self._plan(state, scope, receive, kind, path)
         except GatewayError as exc:
-            self.metrics.requests.labels(path, "error", str(exc.status)).inc()
+            self.metrics.count_request(path, "error", exc.status)
             if exc.status != 499:
                 await error_response(send, exc.status, exc.message, exc.param)
             return
@@ -240,7 +241,8 @@ class Gateway:
     ) -> tuple[Admitted, Plan]:
         raw = await _read_body(receive)
         now = self.clock()
-        admitted = admit(state, kind, path, raw, header_map(scope["headers"]), now)
+        headers = header_map(scope["headers"])
+        admitted = admit(state, kind, path, raw, headers, now, self._ids)
         candidates = state.scraper.candidates(state.fleet.snapshot(), now)
         admitted = await self._tokenized(state, admitted, candidates)
         try:
@@ -288,14 +290,10 @@ class Gateway:
 
     def _count(self, path: str, outcome: Outcome | None, status: int) -> None:
         """Count one answered request by route, decision and status."""
-        metrics = self.metrics
         decision = "error" if outcome is None or status >= 400 else outcome.decision
-        metrics.requests.labels(path, decision, str(status)).inc()
-        if decision == "error" or outcome is None:
-            return
-        metrics.decisions.labels(decision).inc()
-        if outcome.ttft is not None:
-            metrics.ttft.observe(outcome.ttft)
+        self.metrics.count_request(path, decision, status)
+        if decision != "error" and outcome is not None and outcome.ttft is not None:
+            self.metrics.ttft.observe(outcome.ttft)
 
     # -- other routes -----------------------------------------------------------------------
     async def _health(self, request: Request) -> Response:

@@ -1,7 +1,7 @@
 """Answering one client: a flow run against an ASGI connection, watched for disconnects.
 
-:func:`respond` runs ``serve(sink)`` and a disconnect watcher in one task group:
-when the client goes, the flow is cancelled, and the flow's cleanup closes its
+:func:`respond` runs ``serve(sink)`` in a cancel scope that a disconnect watcher
+cancels: when the client goes, the flow is cancelled, and the flow's cleanup closes its
 upstream connections (which is how vLLM learns to abort). The answer's last piece
 (or the whole answer) is held: :func:`respond` returns a :class:`Pending` answer,
 the gateway learns from it, then :meth:`Pending.finish` sends the rest -- so a
@@ -15,6 +15,7 @@ in the same shape.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Generic, TypeVar
@@ -159,6 +160,32 @@ class Pending(Generic[T]):
         await sink.finish()
 
 
+class _Watch:
+    """Cancels ``scope`` when the client disconnects.
+
+    The request body has been read, so the server's next message is the disconnect
+    (or nothing, until the answer is complete). One plain asyncio task waits for it:
+    a task group per request cost more than the rest of the relay.
+    """
+
+    def __init__(self, receive: Receive, scope: anyio.CancelScope) -> None:
+        self.scope = scope
+        self.disconnected = False
+        self._task = asyncio.ensure_future(receive())
+        self._task.add_done_callback(self._seen)
+
+    def _seen(self, task: asyncio.Future[Message]) -> None:
+        if task.cancelled() or task.exception() is not None:
+            return
+        if task.result()["type"] == "http.disconnect":
+            self.disconnected = True
+            self.scope.cancel()
+
+    def stop(self) -> None:
+        self._task.remove_done_callback(self._seen)
+        self._task.cancel()
+
+
 async def respond(
     receive: Receive,
     send: Send,
@@ -169,22 +196,12 @@ async def respond(
     sink = _AsgiSink(send)
     error: Exception | None = None
     result: T | None = None
-    disconnected = False
-    async with anyio.create_task_group() as tg:
-
-        async def watch() -> None:
-            nonlocal disconnected
-            while True:
-                message: Message = await receive()
-                if message["type"] == "http.disconnect":
-                    disconnected = True
-                    tg.cancel_scope.cancel()
-                    return
-
-        tg.start_soon(watch)
+    with anyio.CancelScope() as scope:
+        watch = _Watch(receive, scope)
         try:
             result = await serve(sink)
         except Exception as exc:
             error = exc
-        tg.cancel_scope.cancel()
-    return Pending(sink, result, error, error_headers, disconnected)
+        finally:
+            watch.stop()
+    return Pending(sink, result, error, error_headers, watch.disconnected)

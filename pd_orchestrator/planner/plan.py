@@ -28,7 +28,7 @@ What the planner learns comes back after the request: :meth:`Planner.learn`.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pd_orchestrator.fleet.endpoints import Endpoint, Role
@@ -145,14 +145,17 @@ class Planner:
         candidates = tuple(candidates)
         decoders_in = tuple(c for c in candidates if c.endpoint.role.decodes)
         prefillers_in = tuple(c for c in candidates if c.endpoint.role.prefills)
-        routing = facts.fields.apply(
-            RoutingRequest(
-                role=Role.DECODE,
-                now=now,
-                model=facts.model,
-                affinity_key=facts.affinity_key,
-                sequence=ordinal,
-            )
+        fields = facts.fields
+        routing = RoutingRequest(
+            role=Role.DECODE,
+            now=now,
+            model=facts.model,
+            prompt=fields.prompt,
+            affinity_key=facts.affinity_key,
+            token_ids=fields.token_ids,
+            lora=fields.lora,
+            cache_salt=fields.cache_salt,
+            sequence=ordinal,
         )
         ranking = self.profiles.decode.run(routing, decoders_in)
         if ranking.pick is None:
@@ -191,10 +194,9 @@ class Planner:
             if facts.prefillers is not None:
                 ranked[key] = facts.prefillers
                 continue
-            request = replace(
-                routing, role=Role.PREFILL, decoder=decoder, allowed_pairs=self.allowed_pairs
-            )
-            ranked[key] = self.profiles.prefill.run(request, candidates).endpoints
+            ranked[key] = self.profiles.prefill.run(
+                _for_prefill(routing, decoder, self.allowed_pairs), candidates
+            ).endpoints
         return ranked
 
     def _threshold(
@@ -238,6 +240,25 @@ class Planner:
         )
         if served.prompt_tokens and facts.prompt_tokens is None:
             resolver.observe_usage(facts.model, facts.prompt_chars, served.prompt_tokens)
+
+
+def _for_prefill(
+    routing: RoutingRequest, decoder: Endpoint, pairs: frozenset[tuple[str, str]]
+) -> RoutingRequest:
+    """The decode routing request, asking for prefillers of ``decoder``."""
+    return RoutingRequest(
+        role=Role.PREFILL,
+        now=routing.now,
+        model=routing.model,
+        prompt=routing.prompt,
+        affinity_key=routing.affinity_key,
+        token_ids=routing.token_ids,
+        lora=routing.lora,
+        cache_salt=routing.cache_salt,
+        decoder=decoder,
+        allowed_pairs=pairs,
+        sequence=routing.sequence,
+    )
 
 
 def _why(what: str, result: RoutingResult) -> str:

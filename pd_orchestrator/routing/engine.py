@@ -118,8 +118,7 @@ class Profile:
             if not candidates:
                 break
             kept = tuple(stage.plugin.filter(request, candidates))
-            offered = {id(c) for c in candidates}
-            if any(id(c) not in offered for c in kept):
+            if not _subset(kept, candidates):
                 raise PluginContractError(f"filter {stage.name!r} returned a new candidate")
             dropped[stage.name] = len(candidates) - len(kept)
             candidates = kept
@@ -128,15 +127,20 @@ class Profile:
     def _score(
         self, request: RoutingRequest, candidates: tuple[Candidate, ...]
     ) -> tuple[ScoredCandidate, ...]:
-        columns = [self._clamped(scorer, request, candidates) for scorer in self.scorers]
-        return tuple(
-            ScoredCandidate(
-                candidate,
-                sum(s.weight * column[i] for s, column in zip(self.scorers, columns, strict=True)),
-                {s.name: column[i] for s, column in zip(self.scorers, columns, strict=True)},
-            )
-            for i, candidate in enumerate(candidates)
-        )
+        scorers = self.scorers
+        if not scorers:
+            return tuple(ScoredCandidate(candidate, 0.0, {}) for candidate in candidates)
+        columns = [self._clamped(scorer, request, candidates) for scorer in scorers]
+        scored = []
+        for i, candidate in enumerate(candidates):
+            scores = {}
+            total = 0.0
+            for scorer, column in zip(scorers, columns, strict=True):
+                value = column[i]
+                scores[scorer.name] = value
+                total += scorer.weight * value
+            scored.append(ScoredCandidate(candidate, total, scores))
+        return tuple(scored)
 
     @staticmethod
     def _clamped(
@@ -149,6 +153,18 @@ class Profile:
                 "candidates"
             )
         return tuple(clamp(float(value)) for value in raw)
+
+
+def _subset(kept: tuple[Candidate, ...], offered: tuple[Candidate, ...]) -> bool:
+    """Whether every candidate of ``kept`` is one of ``offered`` (by identity)."""
+    if len(kept) == len(offered):
+        return all(a is b for a, b in zip(kept, offered, strict=True)) or _ids_within(kept, offered)
+    return _ids_within(kept, offered)
+
+
+def _ids_within(kept: tuple[Candidate, ...], offered: tuple[Candidate, ...]) -> bool:
+    ids = {id(c) for c in offered}
+    return all(id(c) in ids for c in kept)
 
 
 def _ranked(scored: tuple[ScoredCandidate, ...], chosen: int) -> tuple[ScoredCandidate, ...]:

@@ -17,12 +17,15 @@
 * ``pd_orchestrator_config_reloads_total{result}``.
 
 :meth:`GatewayMetrics.record_threshold` records one threshold decision in both
-threshold series.
+threshold series. The per-request recorders (:meth:`~GatewayMetrics.record_threshold`,
+:meth:`~GatewayMetrics.observe_phase`, :meth:`~GatewayMetrics.count_request`) keep
+each label set's child once resolved: a label lookup per request costs more than
+the increment.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -116,7 +119,26 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self._children: dict[tuple[Any, ...], Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def record_threshold(self, decision: ThresholdDecision) -> None:
         """Count one applied threshold: its value and who chose it why."""
         self.threshold.observe(decision.value)
-        self.threshold_decisions.labels(decision.policy, decision.reason).inc()
+        self._child(self.threshold_decisions, decision.policy, decision.reason).inc()
+
+    def observe_phase(self, phase: str, seconds: float) -> None:
+        """One request's time in ``phase``."""
+        self._child(self.phase_seconds, phase).observe(seconds)
+
+    def count_request(self, route: str, decision: str, code: int) -> None:
+        """One answered request (and its decision unless it failed)."""
+        self._child(self.requests, route, decision, str(code)).inc()
+        if decision != "error":
+            self._child(self.decisions, decision).inc()

@@ -186,6 +186,7 @@ class _Connection(asyncio.Protocol):
         self.headers: list[tuple[str, str]] = []
         self._headers_done = False
         self._complete = False
+        self._keep_alive = False
         self._seen_bytes = False
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
@@ -229,6 +230,8 @@ class _Connection(asyncio.Protocol):
         self._buffered += len(body)
 
     def on_message_complete(self) -> None:
+        # llhttp resets its flags once the callback returns: ask now, not later
+        self._keep_alive = self._parser.should_keep_alive()
         self._complete = True
 
     # used by the transport and the response
@@ -287,7 +290,7 @@ class _Connection(asyncio.Protocol):
 
     @property
     def reusable(self) -> bool:
-        return self._complete and not self.closed and self._parser.should_keep_alive()
+        return self._complete and self._keep_alive and not self.closed
 
     def close(self) -> None:
         self.closed = True
