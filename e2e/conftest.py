@@ -129,7 +129,10 @@ def target(request: pytest.FixtureRequest) -> Iterator[Target]:
     elif name == "live":
         live = live_target()
         if live is None:
-            pytest.skip("PDO_E2E_DECODE_URLS, PDO_E2E_PREFILL_URLS and PDO_E2E_MODEL are not set")
+            pytest.skip(
+                "PDO_E2E_LIVE_DECODE_URLS, PDO_E2E_LIVE_PREFILL_URLS and PDO_E2E_LIVE_MODEL "
+                "are not set"
+            )
         yield live
     else:
         pytest.fail(f"PDO_E2E_TARGET={name!r}: expected sim, vllm or live")
