@@ -5,7 +5,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PORT ?= 8000
 
-.PHONY: run test lint format unit e2e lock clean vllm-env tiny-model e2e-vllm bench
+.PHONY: run test lint format unit e2e lock clean vllm-env tiny-model e2e-vllm bench \
+	vllm033-env plugin-vllm033 e2e-live
 
 $(STAMP): requirements/lock.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,8 +37,8 @@ unit: $(STAMP)
 e2e: $(STAMP)
 	$(BIN)/pytest e2e
 
-## test: everything -- lint, unit, e2e on the simulator, e2e on a real vLLM CPU pair
-test: lint unit e2e e2e-vllm
+## test: everything -- lint, unit, e2e on the simulator, the plugin on vLLM 0.33's scheduler, e2e on a real vLLM CPU pair
+test: lint unit e2e plugin-vllm033 e2e-vllm
 
 format: $(STAMP)
 	$(BIN)/ruff format .
@@ -65,6 +66,23 @@ e2e-vllm: $(STAMP)
 	MODEL_DIR="$$("$$VLLM_PY" e2e/vllm_cpu/tiny_model.py)" && \
 	PDO_E2E_TARGET=vllm PDO_E2E_VLLM_PYTHON="$$VLLM_PY" PDO_E2E_VLLM_MODEL="$$MODEL_DIR" \
 	$(BIN)/pytest e2e -v
+
+## vllm033-env: build or reuse the cached vllm 0.33.0 venv (no CUDA packages; outside the clone)
+vllm033-env:
+	bash e2e/vllm_cpu/build-env.sh e2e/vllm033
+
+## plugin-vllm033: the plugin on vLLM 0.33's own scheduler, run inside the cached vllm 0.33.0 venv
+plugin-vllm033:
+	VLLM033_PY="$$(bash e2e/vllm_cpu/build-env.sh e2e/vllm033)" && \
+	MODEL_DIR="$$("$$VLLM033_PY" e2e/vllm_cpu/tiny_model.py)" && \
+	PDO_E2E_VLLM_MODEL="$$MODEL_DIR" "$$(dirname "$$VLLM033_PY")/pytest" \
+		-c e2e/vllm033/pytest.ini e2e/vllm033 -v
+
+## e2e-live: the e2e suite against live GPU pairs named by PDO_E2E_LIVE_* (see e2e/README.md)
+e2e-live: $(STAMP)
+	@test -n "$${PDO_E2E_LIVE_DECODE_URLS:-$$PDO_E2E_DECODE_URLS}" || \
+		{ echo "e2e-live: set PDO_E2E_LIVE_DECODE_URLS, PDO_E2E_LIVE_PREFILL_URLS and PDO_E2E_LIVE_MODEL (e2e/README.md)" >&2; exit 2; }
+	PDO_E2E_TARGET=live $(BIN)/pytest e2e -v
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache build *.egg-info

@@ -20,6 +20,9 @@ import pytest
 
 _HERE = Path(__file__).resolve().parent
 
+# The vLLM 0.33 suite runs inside its own venv (make plugin-vllm033), not here.
+collect_ignore = ["vllm033"]
+
 
 def _load_pair_module() -> ModuleType:
     # Loaded by path: e2e/ is not a package.
@@ -126,7 +129,10 @@ def target(request: pytest.FixtureRequest) -> Iterator[Target]:
     elif name == "live":
         live = live_target()
         if live is None:
-            pytest.skip("PDO_E2E_DECODE_URLS, PDO_E2E_PREFILL_URLS and PDO_E2E_MODEL are not set")
+            pytest.skip(
+                "PDO_E2E_LIVE_DECODE_URLS, PDO_E2E_LIVE_PREFILL_URLS and PDO_E2E_LIVE_MODEL "
+                "are not set"
+            )
         yield live
     else:
         pytest.fail(f"PDO_E2E_TARGET={name!r}: expected sim, vllm or live")

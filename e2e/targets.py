@@ -6,12 +6,16 @@
   with a small KV cache (so preemption can be forced) and a reference instance;
 * ``vllm``: a real vLLM CPU pair with the plugin (``make e2e-vllm`` sets it up);
   the prefiller doubles as the single-instance reference;
-* ``live``: GPU pairs named by ``PDO_E2E_DECODE_URLS`` and ``PDO_E2E_PREFILL_URLS``
-  (comma lists) serving ``PDO_E2E_MODEL``; tests are skipped when they are unset.
-  ``PDO_E2E_REFERENCE_URL`` (default: the first prefiller) answers the reference
-  requests, ``PDO_E2E_CONNECTOR`` picks the connector (default ``nixl``) and
-  ``PDO_E2E_PREEMPTION=1`` runs the preemption test (it needs a decoder whose KV
-  cache the test can fill).
+* ``live``: GPU pairs named by ``PDO_E2E_LIVE_DECODE_URLS`` and
+  ``PDO_E2E_LIVE_PREFILL_URLS`` (comma lists) serving ``PDO_E2E_LIVE_MODEL``; tests
+  are skipped when they are unset (``make e2e-live`` refuses to start instead).
+  ``PDO_E2E_LIVE_REFERENCE_URL`` (default: the first prefiller) answers the
+  reference requests, ``PDO_E2E_LIVE_CONNECTOR`` picks the gateway's connector
+  (default ``nixl``), ``PDO_E2E_LIVE_BLOCK_SIZE`` is the servers' KV block size
+  (default 16) and ``PDO_E2E_LIVE_PREEMPTION=1`` runs the preemption test (it
+  needs a decoder whose KV cache the test can fill). Each variable may also be
+  spelled without ``LIVE_`` (``PDO_E2E_DECODE_URLS``, ...), the earlier names; the
+  ``LIVE_`` spelling wins when both are set.
 """
 
 from __future__ import annotations
@@ -96,11 +100,20 @@ def vllm_target(pair: Any) -> Target:
     )
 
 
+def live_setting(name: str, default: str = "") -> str:
+    """``PDO_E2E_LIVE_<name>``, else the earlier ``PDO_E2E_<name>``, else ``default``."""
+    return os.environ.get(f"PDO_E2E_LIVE_{name}") or os.environ.get(f"PDO_E2E_{name}") or default
+
+
+def _urls(name: str) -> list[str]:
+    return [u.strip() for u in live_setting(name).split(",") if u.strip()]
+
+
 def live_target() -> Target | None:
     """GPU pairs from the environment, or None when they are not named."""
-    decoders = [u.strip() for u in os.environ.get("PDO_E2E_DECODE_URLS", "").split(",") if u]
-    prefillers = [u.strip() for u in os.environ.get("PDO_E2E_PREFILL_URLS", "").split(",") if u]
-    model = os.environ.get("PDO_E2E_MODEL")
+    decoders = _urls("DECODE_URLS")
+    prefillers = _urls("PREFILL_URLS")
+    model = live_setting("MODEL")
     if not decoders or not prefillers or not model:
         return None
     return Target(
@@ -108,10 +121,10 @@ def live_target() -> Target | None:
         model,
         tuple(decoders),
         tuple(prefillers),
-        os.environ.get("PDO_E2E_REFERENCE_URL", prefillers[0]),
-        connector=os.environ.get("PDO_E2E_CONNECTOR", "nixl"),
-        preemption=os.environ.get("PDO_E2E_PREEMPTION") == "1",
-        block_size=int(os.environ.get("PDO_E2E_BLOCK_SIZE", "16")),
+        live_setting("REFERENCE_URL", prefillers[0]),
+        connector=live_setting("CONNECTOR", "nixl"),
+        preemption=live_setting("PREEMPTION") == "1",
+        block_size=int(live_setting("BLOCK_SIZE", "16")),
     )
 
 

@@ -81,16 +81,23 @@ def test_plugin_wraps_every_patched_method(vllm_python: Path, tmp_path: Path) ->
         from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
         from vllm.v1.engine.output_processor import RequestState
         from vllm.v1.metrics.loggers import PrometheusStatLogger
+        import vllm
+        from pd_orchestrator.vllm_plugin.versions import hook_for
         wrapped = [
             EngineArgs.add_cli_args,
             CompletionRequest.to_sampling_params,
             ChatCompletionRequest.to_sampling_params,
             RequestState._new_completion_output,
-            OpenAIServingCompletion.completion_stream_generator,
-            OpenAIServingChat.chat_completion_stream_generator,
             PrometheusStatLogger.__init__,
         ]
-        print(all(getattr(f, "_pdo_wrapped", False) for f in wrapped))
+        streams = [
+            OpenAIServingCompletion.completion_stream_generator,
+            OpenAIServingChat.chat_completion_stream_generator,
+        ]
+        # vLLM 0.32 needs the stream patch; from 0.33 vLLM sends the chunk itself.
+        patched = not hook_for(vllm.__version__).native_empty_finish_chunk
+        print(all(getattr(f, "_pdo_wrapped", False) for f in wrapped)
+              and all(getattr(f, "_pdo_wrapped", False) == patched for f in streams))
         from vllm.utils.argparse_utils import FlexibleArgumentParser
         parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
         args = parser.parse_args(["--global-cache-hit-threshold", "0.25"])

