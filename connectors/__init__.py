@@ -10,6 +10,11 @@ module's docstring is the contract the flow executor follows for that connector;
 """
 
 from connectors._base import (
+    MOONCAKE_BOOTSTRAP_PORT,
+    MORIIO_HANDSHAKE_PORT,
+    MORIIO_NOTIFY_PORT,
+    NIXL_SIDE_CHANNEL_PORT,
+    P2P_SIDE_CHANNEL_PORT,
     Connector,
     ConnectorError,
     ConnectorInfo,
@@ -26,6 +31,11 @@ from connectors._base import (
 from connectors._registry import available, can_pair, get_connector, parse_spec
 
 __all__ = [
+    "MOONCAKE_BOOTSTRAP_PORT",
+    "MORIIO_HANDSHAKE_PORT",
+    "MORIIO_NOTIFY_PORT",
+    "NIXL_SIDE_CHANNEL_PORT",
+    "P2P_SIDE_CHANNEL_PORT",
     "Connector",
     "ConnectorError",
     "ConnectorInfo",

@@ -41,6 +41,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 __all__ = [
+    "MOONCAKE_BOOTSTRAP_PORT",
+    "MORIIO_HANDSHAKE_PORT",
+    "MORIIO_NOTIFY_PORT",
+    "NIXL_SIDE_CHANNEL_PORT",
+    "P2P_SIDE_CHANNEL_PORT",
     "Body",
     "Connector",
     "ConnectorError",
