@@ -21,7 +21,9 @@ offloading ``remote_decoder.kv_request_id``             that id
 ========== ============================================ ==========================
 
 and answers the params vLLM answers (``nixl``/``nixl-push``/``moriio``; none for
-``mooncake`` and ``offloading``). ``lmcache`` and ``example`` save to a shared store
+``mooncake`` and ``offloading``). Only a prefill that ended by length is held (vLLM
+0.33's NIXL connectors also hold one whose first token was EOS; the simulator keeps
+the rule of 0.32, which the CPU pair runs). ``lmcache`` and ``example`` save to a shared store
 (``--kv-shared-dir``) instead.
 
 Consumer side (the decode leg), before the request is scheduled:
