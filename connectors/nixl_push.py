@@ -39,6 +39,7 @@ from __future__ import annotations
 from connectors._base import (
     Adapter,
     Body,
+    ConnectorError,
     ConnectorInfo,
     Leg,
     LegOrder,
@@ -98,12 +99,15 @@ class NixlPushConnector(Adapter):
         for key in (*_IDENTITY, *_OPTIONAL_SIZES):
             if key in params:
                 decode[key] = params[key]
-        learned = PeerUpdate(
-            engine_id=str(params["remote_engine_id"]),
-            host=str(params["remote_host"]),
-            nixl_port=int(params["remote_port"]),
-            tp_size=int(params["tp_size"]),
-        )
+        try:
+            learned = PeerUpdate(
+                engine_id=str(params["remote_engine_id"]),
+                host=str(params["remote_host"]),
+                nixl_port=int(params["remote_port"]),
+                tp_size=int(params["tp_size"]),
+            )
+        except (TypeError, ValueError):
+            raise ConnectorError(f"nixl-push: malformed prefiller identity in {params}") from None
         stale = self.order(ctx) is LegOrder.TOGETHER and (
             ctx is not None and ctx.prefiller.updated(learned) != ctx.prefiller
         )

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from connectors import Leg, LegOrder, MissingContextError, PeerInfo, get_connector
+from connectors import ConnectorError, Leg, LegOrder, MissingContextError, PeerInfo, get_connector
 from connectors._base import Params
 
 from .helpers import CLIENT, CTX, DECODER, PREFILLER, answer
@@ -319,3 +319,9 @@ def test_mooncake_looks_the_engine_id_up_until_it_is_known() -> None:
 def test_context_is_required_where_the_body_needs_it(spec: str) -> None:
     with pytest.raises(MissingContextError):
         get_connector(spec).prefill_body(CLIENT)
+
+
+def test_a_malformed_push_identity_is_a_connector_error() -> None:
+    bad = answer("length", NIXL_PUSH_ANSWER | {"remote_port": "not-a-port"})
+    with pytest.raises(ConnectorError, match="malformed"):
+        get_connector("nixl-push").read_prefill(bad, CTX)
