@@ -14,10 +14,11 @@ import uvicorn
 from rich.console import Console
 from rich.table import Table
 
+from connectors import parse_spec
 from pd_orchestrator.children import Child, python_command, start_child, stop_child
 from pd_orchestrator.cli.signals import exit_on_sigterm
 from pd_orchestrator.config import ConfigError, EndpointConfig, GatewayConfig, load_config
-from pd_orchestrator.config.settings import FleetEndpoint
+from pd_orchestrator.config.settings import FleetEndpoint, KvSettings
 from pd_orchestrator.sim.profiles import get_profile
 from pd_orchestrator.sim.server import bind_socket
 
@@ -143,11 +144,12 @@ def run_check_config(args: argparse.Namespace) -> int:
 
 def _endpoint_table(config: GatewayConfig, title: str) -> Table:
     table = Table(title=title)
-    for column in ("pool", "role", "name", "hardware", "group", "model", "url"):
+    for column in ("pool", "role", "name", "hardware", "group", "connector", "model", "url"):
         table.add_column(column)
     for e in config.fleet():
         url = e.url or f"(simulated: {e.sim.profile if e.sim else '?'})"
-        table.add_row(e.pool, e.role, e.name, e.hardware, e.group, e.model or "-", url)
+        row = (e.pool, e.role, e.name, e.hardware, e.group, e.connector, e.model or "-", url)
+        table.add_row(*row)
     return table
 
 
@@ -170,9 +172,22 @@ def _sim_argv(endpoint: FleetEndpoint, shared_dir: Path) -> list[str]:
     )  # fmt: skip
     if spec.num_kv_blocks is not None:
         argv += ["--num-kv-blocks", str(spec.num_kv_blocks)]
-    if endpoint.connector == "example":
+    if {"example", "lmcache"} & set(parse_spec(endpoint.connector)):
         argv += ["--kv-shared-dir", str(shared_dir)]
     return argv + spec.extra_args
+
+
+def _sim_kv(name: str, port: int) -> KvSettings:
+    """A simulator serves every KV side channel on its HTTP port, as engine ``name``."""
+    return KvSettings(
+        host="127.0.0.1",
+        engine_id=name,
+        nixl_port=port,
+        bootstrap_port=port,
+        handshake_port=port,
+        notify_port=port,
+        p2p_port=port,
+    )
 
 
 def resolve_simulated(
@@ -193,7 +208,10 @@ def resolve_simulated(
         stack.callback(stop_child, child)
         children.append(child)
         model = fleet.model or get_profile(fleet.sim.profile).model
-        return endpoint.model_copy(update={"url": child.url, "model": model})
+        update: dict[str, object] = {"url": child.url, "model": model}
+        if endpoint.kv is None:  # a simulator's side channels are on its own port
+            update["kv"] = _sim_kv(endpoint.name, child.port)
+        return endpoint.model_copy(update=update)
 
     pools = [
         pool.model_copy(update={"endpoints": [resolve(e) for e in pool.endpoints]})

@@ -21,8 +21,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "sim",
         help="run a simulated vLLM instance",
         description="A vLLM-faithful simulated instance: prefix caching, the cache-hit "
-        "threshold, NIXL-style KV hand-over, continuous batching with preemption, and "
-        "the H200/MI325X latency model.",
+        "threshold, KV hand-over through vLLM's connectors, continuous batching with "
+        "preemption, and the H200/MI325X latency model.",
     )
     add = parser.add_argument
     add("--host", default="127.0.0.1")
@@ -36,7 +36,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     add("--max-num-batched-tokens", type=int, default=8192)
     add("--max-model-len", type=int, default=131_072)
     add("--global-cache-hit-threshold", type=float, default=0.0)
-    add("--kv-connector", choices=["nixl", "example", "none"], default="none")
+    add(
+        "--kv-connector",
+        default="none",
+        help="KV connector spec: none, nixl, nixl-push, mooncake, moriio, offloading, lmcache, "
+        "example, or multi:A,B (vLLM's MultiConnector over A and B, in order)",
+    )
     add("--engine-id", default=None)
     add("--seed", type=int, default=0, help="generation seed")
     add(
@@ -47,7 +52,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     add("--prefix-caching-hash-algo", choices=list(HASH_ALGOS), default="sha256")
     add("--lease-seconds", type=float, default=30.0, help="how long produced KV is held")
-    add("--kv-shared-dir", type=Path, default=None, help="storage of the example connector")
+    add(
+        "--kv-shared-dir",
+        type=Path,
+        default=None,
+        help="shared store of the example and lmcache connectors",
+    )
+    add("--lmcache-chunk-size", type=int, default=256, help="LMCache's chunk size in tokens")
     add("--kv-load-failure-policy", choices=["fail", "recompute"], default="fail")
     add("--side-channel-host", default=None, help="host advertised in kv_transfer_params")
     add("--failure-rate", type=float, default=0.0, help="fraction of requests answered 500")
@@ -84,6 +95,7 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
         hash_algo=args.prefix_caching_hash_algo,
         lease_seconds=args.lease_seconds,
         kv_shared_dir=args.kv_shared_dir,
+        lmcache_chunk_size=args.lmcache_chunk_size,
         kv_load_failure_policy=args.kv_load_failure_policy,
         side_channel_host=args.side_channel_host,
         failure_rate=args.failure_rate,

@@ -8,13 +8,33 @@ lists as JSON) override them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Self
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from connectors import (
+    MOONCAKE_BOOTSTRAP_PORT,
+    MORIIO_HANDSHAKE_PORT,
+    MORIIO_NOTIFY_PORT,
+    NIXL_SIDE_CHANNEL_PORT,
+    P2P_SIDE_CHANNEL_PORT,
+    ConnectorError,
+    PeerInfo,
+    UnknownConnectorError,
+    can_pair,
+    get_connector,
+)
 from pd_orchestrator.config.load import LoadConfig
 from pd_orchestrator.config.policy import ThresholdConfig
 from pd_orchestrator.config.prefix import PrefixConfig
@@ -25,12 +45,14 @@ __all__ = [
     "AskAllConfig",
     "AskAllFallbackConfig",
     "CompatibilityConfig",
+    "ConnectorBridge",
     "EndpointConfig",
     "FleetEndpoint",
     "GatewayConfig",
     "HandbackConfig",
     "HealthConfig",
     "HostStagedPair",
+    "KvSettings",
     "ListenConfig",
     "PoolConfig",
     "SidecarConfig",
@@ -79,7 +101,60 @@ class SimSpec(_Strict):
 
 Name = Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")]
 RoleName = Literal["decode", "prefill", "both"]
-ConnectorName = Literal["nixl", "example"]
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+def _connector_spec(value: str) -> str:
+    try:
+        get_connector(value)  # builds it: a multi's children must compose
+    except (UnknownConnectorError, ConnectorError) as exc:
+        raise ValueError(str(exc.args[0])) from None
+    return value
+
+
+ConnectorName = Annotated[str, AfterValidator(_connector_spec)]
+"""A connector spec: ``nixl``, ``nixl-push``, ``mooncake``, ``moriio``, ``offloading``,
+``lmcache``, ``example`` or ``multi:A,B`` (see the ``connectors`` package)."""
+
+
+class KvSettings(_Strict):
+    """Where an instance's KV side channels listen, for the connectors that name a peer.
+
+    Defaults are vLLM 0.33's. ``host``: default the URL's host (set it when
+    ``VLLM_NIXL_SIDE_CHANNEL_HOST`` and friends advertise another address).
+    ``engine_id``: vLLM's ``kv_transfer_config.engine_id`` when it is set (lets
+    ``nixl-push`` run its legs together and spares ``mooncake`` its ``/query``).
+    Ports are the ones the engine a request lands on binds: ``nixl_port``
+    (``VLLM_NIXL_SIDE_CHANNEL_PORT``, plus the data-parallel index),
+    ``bootstrap_port`` (Mooncake's ``VLLM_MOONCAKE_BOOTSTRAP_PORT``),
+    ``handshake_port``/``notify_port`` (MoRI-IO's ``kv_connector_extra_config``),
+    ``p2p_port`` (the OffloadingConnector P2P tier's ``VLLM_P2P_SIDE_CHANNEL_PORT``).
+    ``dp_rank`` pins the data-parallel rank of a ``dp_size`` > 1 instance (default:
+    the connector picks one per request).
+    """
+
+    host: str | None = None
+    engine_id: str | None = None
+    nixl_port: Port = NIXL_SIDE_CHANNEL_PORT
+    bootstrap_port: Port = MOONCAKE_BOOTSTRAP_PORT
+    handshake_port: Port = MORIIO_HANDSHAKE_PORT
+    notify_port: Port = MORIIO_NOTIFY_PORT
+    p2p_port: Port = P2P_SIDE_CHANNEL_PORT
+    tp_size: Annotated[int, Field(ge=1)] = 1
+    dp_size: Annotated[int, Field(ge=1)] = 1
+    dp_rank: Annotated[int, Field(ge=0)] | None = None
+
+    @model_validator(mode="after")
+    def _rank_in_range(self) -> Self:
+        if self.dp_rank is not None and self.dp_rank >= self.dp_size:
+            raise ValueError(f"dp_rank {self.dp_rank} is not below dp_size {self.dp_size}")
+        return self
+
+    def peer(self, url: str | None) -> PeerInfo:
+        """These settings as the connectors' :class:`~connectors.PeerInfo`."""
+        host = self.host or (urlsplit(url).hostname if url else None) or "127.0.0.1"
+        fields = self.model_dump(exclude={"host"})
+        return PeerInfo(host=host, **fields)
 
 
 class EndpointConfig(_Strict):
@@ -92,6 +167,7 @@ class EndpointConfig(_Strict):
     hardware: str | None = None
     model: str | None = None
     sim: SimSpec | None = None
+    kv: KvSettings | None = Field(default=None, description="default: the pool's")
 
     @field_validator("url")
     @classmethod
@@ -119,6 +195,7 @@ class PoolConfig(_Strict):
     )
     group: str | None = Field(default=None, description="default: the hardware label")
     sim: SimSpec | None = Field(default=None, description="default sim block of the endpoints")
+    kv: KvSettings | None = Field(default=None, description="default kv block of the endpoints")
     endpoints: Annotated[list[EndpointConfig], Field(min_length=1)]
 
     @model_validator(mode="after")
@@ -142,8 +219,29 @@ class HostStagedPair(_Strict):
     decode_group: str
 
 
+class ConnectorBridge(_Strict):
+    """Prefillers of one connector may hand KV to decoders of another (the decoder's
+    adapter shapes both legs); only connectors with a common KV path can be bridged,
+    such as ``nixl`` and ``multi:nixl,offloading``."""
+
+    prefill_connector: ConnectorName
+    decode_connector: ConnectorName
+
+    @model_validator(mode="after")
+    def _can_pair(self) -> Self:
+        if not can_pair(self.prefill_connector, self.decode_connector):
+            raise ValueError(
+                f"{self.prefill_connector} cannot hand KV over to {self.decode_connector} "
+                "(no KV path in common)"
+            )
+        return self
+
+
 class CompatibilityConfig(_Strict):
+    """Which prefillers may hand KV to which decoders beyond the same group and connector."""
+
     host_staged: list[HostStagedPair] = Field(default_factory=list)
+    connector_bridges: list[ConnectorBridge] = Field(default_factory=list)
 
     def allows(self, prefill_group: str, decode_group: str) -> bool:
         """Whether KV may move from a prefiller of one group to a decoder of another."""
@@ -151,6 +249,17 @@ class CompatibilityConfig(_Strict):
             p.prefill_group == prefill_group and p.decode_group == decode_group
             for p in self.host_staged
         )
+
+    def connectors_allow(self, prefill_connector: str, decode_connector: str) -> bool:
+        """Whether a prefiller's connector may hand KV to a decoder's: the same
+        connector, or a declared bridge."""
+        return prefill_connector == decode_connector or (
+            (prefill_connector, decode_connector) in self.connector_pairs()
+        )
+
+    def connector_pairs(self) -> frozenset[tuple[str, str]]:
+        """The bridged ``(prefill connector, decode connector)`` pairs."""
+        return frozenset((b.prefill_connector, b.decode_connector) for b in self.connector_bridges)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +275,12 @@ class FleetEndpoint:
     group: str
     connector: ConnectorName
     sim: SimSpec | None
+    kv: KvSettings = field(default_factory=KvSettings)
+
+    @property
+    def peer(self) -> PeerInfo:
+        """The connector-relevant addresses of this endpoint."""
+        return self.kv.peer(self.url)
 
     @property
     def decodes(self) -> bool:
@@ -381,19 +496,21 @@ class GatewayConfig(BaseSettings):
                 group=pool.compatibility_group,
                 connector=pool.connector or self.connector,
                 sim=e.sim or pool.sim,
+                kv=e.kv or pool.kv or KvSettings(),
             )
             for pool in self.pools
             for e in pool.endpoints
         ]
 
     def compatible_prefillers(self, decoder: FleetEndpoint) -> list[FleetEndpoint]:
-        """Prefillers whose KV may reach ``decoder`` (group and connector rules)."""
+        """Prefillers whose KV may reach ``decoder``: group rules (same group or
+        host-staged) and connector rules (same connector or a declared bridge)."""
         return [
             p
             for p in self.fleet()
             if p.prefills
             and p.name != decoder.name
-            and p.connector == decoder.connector
+            and self.compatibility.connectors_allow(p.connector, decoder.connector)
             and self.compatibility.allows(p.group, decoder.group)
         ]
 

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from connectors import PeerInfo
 from pd_orchestrator.config.settings import FleetEndpoint, GatewayConfig
 
 __all__ = ["Endpoint", "Role", "endpoints_from_config"]
@@ -29,8 +30,9 @@ class Role(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:
-    """A vLLM instance: config name, base URL, role, hardware label, model, pool and
-    compatibility group (KV moves only between endpoints of one group)."""
+    """A vLLM instance: config name, base URL, role, hardware label, model, pool,
+    compatibility group (KV moves only between endpoints of one group), connector
+    spec and ``kv``: its connector-relevant addresses (None: the defaults)."""
 
     name: str
     url: str
@@ -40,6 +42,15 @@ class Endpoint:
     pool: str = "default"
     group: str = "default"
     connector: str = "nixl"
+    kv: PeerInfo | None = None
+
+    @property
+    def peer(self) -> PeerInfo:
+        """The addresses the connectors need: ``kv``, else the URL's host and vLLM's
+        default side-channel ports."""
+        if self.kv is not None:
+            return self.kv
+        return PeerInfo(host=urlsplit(self.url).hostname or "127.0.0.1")
 
     @property
     def host_port(self) -> str:
@@ -61,6 +72,7 @@ def _endpoint(config: FleetEndpoint) -> Endpoint:
         pool=config.pool,
         group=config.group,
         connector=config.connector,
+        kv=config.peer,
     )
 
 

@@ -121,10 +121,11 @@ class CompatibilityFilter:
     ``request.decoder``.
 
     A candidate is kept when it is another endpoint than the decoder, speaks the
-    decoder's KV connector, and its group is the decoder's group or the directed
-    pair ``(candidate group, decoder group)`` is in ``pairs`` or in
-    ``request.allowed_pairs``. Without a decoder on the request there is nothing
-    to be compatible with and every candidate is kept.
+    decoder's KV connector (or the pair ``(candidate connector, decoder connector)``
+    is in ``request.allowed_connector_pairs``: a configured bridge), and its group
+    is the decoder's group or the directed pair ``(candidate group, decoder
+    group)`` is in ``pairs`` or in ``request.allowed_pairs``. Without a decoder on
+    the request there is nothing to be compatible with and every candidate is kept.
     """
 
     pairs: frozenset[tuple[str, str]]
@@ -136,11 +137,15 @@ class CompatibilityFilter:
         if decoder is None:
             return list(candidates)
         allowed = self.pairs | request.allowed_pairs
+        bridges = request.allowed_connector_pairs
         return [
             c
             for c in candidates
             if c.endpoint.name != decoder.name
-            and c.endpoint.connector == decoder.connector
+            and (
+                c.endpoint.connector == decoder.connector
+                or (c.endpoint.connector, decoder.connector) in bridges
+            )
             and (c.endpoint.group == decoder.group or (c.endpoint.group, decoder.group) in allowed)
         ]
 

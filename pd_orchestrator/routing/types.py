@@ -90,8 +90,10 @@ class RoutingRequest:
     token ids when known. ``lora`` and ``cache_salt``: what else separates prefix
     caches. ``decoder``: for prefill routing, the decoder the KV goes to.
     ``allowed_pairs``: ``(prefill_group, decode_group)`` pairs this request may
-    join across groups, on top of the configured ones. ``sequence``: a counter the
-    caller advances per request; pickers derive rotation and random draws from it.
+    join across groups, on top of the configured ones. ``allowed_connector_pairs``:
+    ``(prefill connector, decode connector)`` bridges between different connectors
+    (``compatibility.connector_bridges``). ``sequence``: a counter the caller
+    advances per request; pickers derive rotation and random draws from it.
     """
 
     role: Role
@@ -104,6 +106,7 @@ class RoutingRequest:
     cache_salt: str | None = None
     decoder: Endpoint | None = None
     allowed_pairs: frozenset[tuple[str, str]] = frozenset()
+    allowed_connector_pairs: frozenset[tuple[str, str]] = frozenset()
     sequence: int = 0
 
 

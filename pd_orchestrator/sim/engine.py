@@ -38,7 +38,9 @@ the last full prompt block. Such requests cannot be used with ``record_events``
 (the events carry the blocks' tokens).
 
 A finished producer request that ended by length keeps its blocks referenced under
-a lease until :meth:`Engine.release` (a consumer pulled them) or expiry.
+a lease until :meth:`Engine.release` (a consumer took them) or expiry. It holds them
+under its ``hold_keys`` (what the consumer names it by: its request id for a NIXL
+pull, a transfer id for Mooncake, ...); releasing any of its keys releases all.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from pd_orchestrator.sim.profiles import LatencyProfile
 from pd_orchestrator.sim.tokenizer import EOS_TOKEN_ID
 
 __all__ = [
+    "ComposedKV",
     "Engine",
     "EngineConfig",
     "EngineRequest",
@@ -66,6 +69,7 @@ __all__ = [
     "FinishReason",
     "HeldTransfer",
     "PromptDigest",
+    "PulledKV",
     "RequestOutput",
     "SamplingSpec",
     "StepResult",
@@ -95,10 +99,12 @@ class SamplingSpec:
 class EngineRequest:
     """One request as the engine sees it.
 
-    ``external_tokens`` is what a pull-based connector (NIXL) already fetched for
-    this request: the number of leading prompt tokens whose KV is loadable.
-    ``digest``: the prompt as a digest (then ``prompt_token_ids`` is ignored and
-    may be empty); see the module docstring.
+    ``external_tokens`` is what a transfer connector (NIXL, Mooncake, ...) already
+    fetched for this request: the number of leading prompt tokens whose KV is
+    loadable. ``hold_keys``: the keys a producer's finished blocks are held under
+    for a consumer (None: its request id when it is a producer and the engine's
+    connector is ``nixl``). ``digest``: the prompt as a digest (then
+    ``prompt_token_ids`` is ignored and may be empty); see the module docstring.
     """
 
     request_id: str
@@ -110,6 +116,7 @@ class EngineRequest:
     force_reject: bool = False
     extras: BlockExtras | None = None
     digest: PromptDigest | None = None
+    hold_keys: tuple[str, ...] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -121,13 +128,14 @@ class EngineRequest:
 
 @dataclass(frozen=True, slots=True)
 class HeldTransfer:
-    """KV blocks a producer holds for a consumer to pull."""
+    """KV blocks a producer holds for a consumer to take, under ``keys``."""
 
     request_id: str
     block_ids: tuple[int, ...]
     block_hashes: tuple[bytes, ...]
     num_tokens: int
     deadline: float
+    keys: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,14 +177,33 @@ class ExternalKV(Protocol):
         ...
 
 
-class _PulledOnly:
-    """Connector view for NIXL-style pulls: only what the driver already fetched."""
+class PulledKV:
+    """Connector view for transfers: only what the driver already fetched."""
 
     def loadable_tokens(self, request: EngineRequest, block_hashes: Sequence[bytes]) -> int:
         return request.external_tokens
 
     def save(self, request: EngineRequest, block_hashes: Sequence[bytes]) -> None:
         return None
+
+
+class ComposedKV:
+    """Several connector views in order (vLLM's MultiConnector): the first that can
+    load anything loads; every one saves."""
+
+    def __init__(self, parts: Sequence[ExternalKV]) -> None:
+        self.parts = tuple(parts)
+
+    def loadable_tokens(self, request: EngineRequest, block_hashes: Sequence[bytes]) -> int:
+        for part in self.parts:
+            tokens = part.loadable_tokens(request, block_hashes)
+            if tokens > 0:
+                return tokens
+        return 0
+
+    def save(self, request: EngineRequest, block_hashes: Sequence[bytes]) -> None:
+        for part in self.parts:
+            part.save(request, block_hashes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,7 +295,7 @@ class Engine:
         self.config = config
         self.hasher = BlockHasher(config.block_size, config.hash_seed, config.hash_algo)
         self.pool = BlockPool(config.num_kv_blocks, config.block_size, config.record_events)
-        self.external: ExternalKV = external or _PulledOnly()
+        self.external: ExternalKV = external or PulledKV()
         self.stats = EngineStats()
         self._root_state = initial_state(config.seed, config.model)
         self._requests: dict[str, _Req] = {}
@@ -288,7 +315,7 @@ class Engine:
 
     @property
     def num_held(self) -> int:
-        return len(self._held)
+        return len({id(held) for held in self._held.values()})
 
     def has_work(self) -> bool:
         """Whether a step could make progress or change state."""
@@ -297,6 +324,10 @@ class Engine:
     def next_deadline(self) -> float | None:
         """Earliest lease expiry, if any block is held for a transfer."""
         return min((held.deadline for held in self._held.values()), default=None)
+
+    def holds(self, key: str) -> bool:
+        """Whether blocks are held under ``key`` now."""
+        return key in self._held
 
     def capacity_tokens(self) -> int:
         return self.config.num_kv_blocks * self.config.block_size
@@ -375,10 +406,12 @@ class Engine:
         self._count_finish(FinishReason.ABORT)
         return True
 
-    def release(self, request_id: str) -> HeldTransfer | None:
-        """Hand over (and free) the blocks a producer holds for ``request_id``."""
-        held = self._held.pop(request_id, None)
+    def release(self, key: str) -> HeldTransfer | None:
+        """Hand over (and free) the blocks a producer holds under ``key``."""
+        held = self._held.pop(key, None)
         if held is not None:
+            for alias in held.keys:
+                self._held.pop(alias, None)
             self.pool.free(held.block_ids)
         return held
 
@@ -599,10 +632,15 @@ class Engine:
         self._count_finish(reason)
         return self._output(req, new_tokens, reason, transfer)
 
-    def _holds_for_transfer(self, req: _Req, reason: FinishReason) -> bool:
-        """Pull-based connectors keep a producer's blocks when it ended by length."""
+    def _hold_keys(self, spec: EngineRequest) -> tuple[str, ...]:
+        if spec.hold_keys is not None:
+            return spec.hold_keys
         pull_based = self.config.kv_connector == "nixl"
-        return pull_based and req.spec.do_remote_decode and reason is FinishReason.LENGTH
+        return (spec.request_id,) if pull_based and spec.do_remote_decode else ()
+
+    def _holds_for_transfer(self, req: _Req, reason: FinishReason) -> bool:
+        """Producers keep their blocks for a consumer when they ended by length."""
+        return bool(self._hold_keys(req.spec)) and reason is FinishReason.LENGTH
 
     def _hold(self, req: _Req, now: float) -> HeldTransfer:
         held = HeldTransfer(
@@ -611,14 +649,16 @@ class Engine:
             block_hashes=tuple(req.hashes[: req.num_prompt // self.config.block_size]),
             num_tokens=req.num_prompt,
             deadline=now + self.config.lease_seconds,
+            keys=self._hold_keys(req.spec),
         )
-        self._held[held.request_id] = held
+        for key in held.keys:
+            self._held[key] = held
         return held
 
     def expire_leases(self, now: float) -> None:
         """Free the blocks of every lease whose deadline is ``now`` or earlier."""
-        for request_id in [rid for rid, held in self._held.items() if held.deadline <= now]:
-            self.release(request_id)
+        for key in [key for key, held in self._held.items() if held.deadline <= now]:
+            self.release(key)
 
     def _count_finish(self, reason: FinishReason) -> None:
         finished = self.stats.finished

@@ -1,10 +1,15 @@
-"""Shared-storage KV (vLLM's ExampleConnector semantics) for the simulator.
+"""Shared KV stores for the simulator: vLLM's ExampleConnector and LMCache.
 
 The example connector saves the KV of every prompt it computes under a key derived
 from the prompt's tokens, and a later request whose prompt has the same key loads
 it all: matching is all-or-nothing on the prompt, not per prefix. The key is the
 chained hash of the prompt's last full block before its final token, so the
 loadable length is ``((n - 1) // block_size) * block_size`` tokens.
+
+LMCache (:class:`LMCacheStore`) saves the KV in chunks of ``chunk_size`` tokens
+(256 by default), each keyed by the token prefix it ends (the chained hash of its
+last block), and a lookup loads the longest run of stored chunks from the start of
+the prompt: a prefix match, chunk by chunk.
 
 Keys live in a :class:`KeySet`: a plain ``set`` for a fleet simulated in one
 process, or :class:`DirectoryKeys` (one marker file per key) for simulator
@@ -20,7 +25,7 @@ from typing import Protocol
 
 from pd_orchestrator.sim.engine import EngineRequest
 
-__all__ = ["DirectoryKeys", "KeySet", "SharedKVStore", "prompt_key"]
+__all__ = ["DirectoryKeys", "KeySet", "LMCacheStore", "SharedKVStore", "prompt_key"]
 
 
 class KeySet(Protocol):
@@ -75,4 +80,37 @@ class SharedKVStore:
         """Store the KV of ``request``'s prompt (a marker under its key)."""
         key = prompt_key(request.num_prompt_tokens, block_hashes, self.block_size)
         if key is not None:
+            self.keys.add(key)
+
+
+class LMCacheStore:
+    """The engine's :class:`~pd_orchestrator.sim.engine.ExternalKV` for LMCache."""
+
+    def __init__(self, keys: KeySet, block_size: int, chunk_size: int) -> None:
+        if chunk_size < block_size or chunk_size % block_size:
+            raise ValueError("the LMCache chunk size must be a multiple of the block size")
+        self.keys = keys
+        self.block_size = block_size
+        self.chunk_size = chunk_size
+        self._blocks_per_chunk = chunk_size // block_size
+
+    def _chunk_keys(self, block_hashes: Sequence[bytes]) -> list[str]:
+        per = self._blocks_per_chunk
+        return [
+            f"lmc-{block_hashes[end - 1].hex()}" for end in range(per, len(block_hashes) + 1, per)
+        ]
+
+    def loadable_tokens(self, request: EngineRequest, block_hashes: Sequence[bytes]) -> int:
+        """Tokens of the longest run of stored chunks from the start of the prompt."""
+        prompt_blocks = request.num_prompt_tokens // self.block_size
+        stored = 0
+        for key in self._chunk_keys(block_hashes[:prompt_blocks]):
+            if key not in self.keys:
+                break
+            stored += 1
+        return stored * self.chunk_size
+
+    def save(self, request: EngineRequest, block_hashes: Sequence[bytes]) -> None:
+        """Store every full chunk of ``request``'s prompt."""
+        for key in self._chunk_keys(block_hashes):
             self.keys.add(key)

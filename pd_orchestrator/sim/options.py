@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Literal
 
 from pd_orchestrator.prefix.hashing import HashAlgo, hash_function
+from pd_orchestrator.sim.handover import connector_names
 from pd_orchestrator.sim.profiles import LatencyProfile, get_profile
 
-__all__ = ["ConnectorName", "LoadFailurePolicy", "SimOptions"]
+__all__ = ["LoadFailurePolicy", "SimOptions"]
 
-ConnectorName = Literal["nixl", "example", "none"]
 LoadFailurePolicy = Literal["fail", "recompute"]
 
 
@@ -24,6 +24,10 @@ class SimOptions:
     ``--kv-events-config`` (``endpoint``, ``replay_endpoint``, ``topic``,
     ``buffer_steps``); ``kv_events_int_hashes`` is vLLM's
     ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` (default on: hashes go out as 64-bit ints).
+    ``kv_connector`` is a connector spec (``none``, ``nixl``, ``nixl-push``,
+    ``mooncake``, ``moriio``, ``offloading``, ``lmcache``, ``example``,
+    ``multi:A,B``; see :mod:`pd_orchestrator.sim.handover`); ``lmcache_chunk_size``
+    is LMCache's ``chunk_size`` (a multiple of the block size).
     """
 
     host: str = "127.0.0.1"
@@ -37,13 +41,14 @@ class SimOptions:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 131_072
     global_cache_hit_threshold: float = 0.0
-    kv_connector: ConnectorName = "none"
+    kv_connector: str = "none"
     engine_id: str | None = None
     seed: int = 0
     hash_seed: str | None = None
     hash_algo: HashAlgo = "sha256"
     lease_seconds: float = 30.0
     kv_shared_dir: Path | None = None
+    lmcache_chunk_size: int = 256
     kv_load_failure_policy: LoadFailurePolicy = "fail"
     side_channel_host: str | None = None
     failure_rate: float = 0.0
@@ -69,6 +74,11 @@ class SimOptions:
             raise ValueError("a KV-events replay endpoint needs a KV-events endpoint")
         if self.kv_events_buffer_steps < 1:
             raise ValueError("the KV-events replay buffer must hold at least one batch")
+        names = connector_names(self.kv_connector)  # ValueError/KeyError name the culprit
+        if "lmcache" in names and (
+            self.lmcache_chunk_size < self.block_size or self.lmcache_chunk_size % self.block_size
+        ):
+            raise ValueError("the LMCache chunk size must be a multiple of the block size")
 
     @property
     def latency(self) -> LatencyProfile:

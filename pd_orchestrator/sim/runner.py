@@ -6,7 +6,9 @@ memory stream. Steps are paced against an absolute schedule so the loop's own
 overhead does not add up; when the loop falls behind by more than ``max_lag``
 seconds it resynchronises instead of racing to catch up. With no work the loop
 sleeps until a request arrives or a KV lease expires. After every step the cache
-events the engine recorded go to ``on_events`` (a KV-event publisher).
+events the engine recorded go to ``on_events`` (a KV-event publisher). A consumer
+may :meth:`~EngineRunner.claim` blocks a producer will hold: the claim waits until
+the producer's request finishes (legs that run together).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class EngineRunner:
         self.on_events = on_events
         self._streams: dict[str, MemoryObjectSendStream[RequestOutput]] = {}
         self._wake = anyio.Event()
+        self._held_events: dict[str, anyio.Event] = {}
 
     def submit(self, request: EngineRequest) -> MemoryObjectReceiveStream[RequestOutput]:
         """Queue ``request``; its outputs arrive on the returned stream, closed when done.
@@ -78,6 +81,21 @@ class EngineRunner:
         if held is not None:
             self._wake.set()
         return held
+
+    async def claim(self, key: str, patience: float) -> HeldTransfer | None:
+        """Release the blocks held under ``key``, waiting up to ``patience`` seconds
+        for a producer still running to hold them; None if none came."""
+        with anyio.move_on_after(patience):
+            while True:
+                held = self.release(key)
+                if held is not None:
+                    return held
+                event = self._held_events.setdefault(key, anyio.Event())
+                await event.wait()
+        waiting = self._held_events.get(key)
+        if waiting is not None and not waiting.is_set():
+            del self._held_events[key]  # nobody holds it: do not keep the waiter's event
+        return None
 
     def flush_events(self) -> None:
         """Hand the cache events the engine recorded since the last flush to ``on_events``."""
@@ -128,6 +146,11 @@ class EngineRunner:
 
     def _deliver(self, result: StepResult) -> None:
         for output in result.outputs:
+            if output.transfer is not None:
+                for key in output.transfer.keys:
+                    event = self._held_events.pop(key, None)
+                    if event is not None:
+                        event.set()
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue

@@ -2,9 +2,11 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or SSE),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``GET /version``,
-``POST /tokenize``, ``POST /detokenize``, ``POST /reset_prefix_cache`` and, with
-``--kv-connector nixl``, the side channel ``POST /nixl/pull`` that a consumer
-calls to pull the KV blocks a producer holds. With ``--kv-events-endpoint`` the
+``POST /tokenize``, ``POST /detokenize``, ``POST /reset_prefix_cache`` and the KV
+side channels of the ``--kv-connector`` it speaks (:mod:`pd_orchestrator.sim.handover`):
+``POST /nixl/pull``, ``POST /nixl/push``, ``GET /query`` and ``POST /mooncake/pull``
+(Mooncake's bootstrap server and worker), ``POST /moriio/notify``,
+``POST /p2p/fetch`` and ``POST /p2p/lookup``. With ``--kv-events-endpoint`` the
 instance publishes its KV-cache events over ZMQ in vLLM's wire format
 (:mod:`pd_orchestrator.sim.kv_events`).
 
@@ -23,12 +25,10 @@ import contextlib
 import random
 import socket
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -65,12 +65,20 @@ from pd_orchestrator.sim.engine import (
     Engine,
     EngineConfig,
     EngineRequest,
-    ExternalKV,
-    HeldTransfer,
     RequestOutput,
     SamplingSpec,
 )
-from pd_orchestrator.sim.kvstore import DirectoryKeys, SharedKVStore
+from pd_orchestrator.sim.handover import (
+    Advertised,
+    Fetched,
+    TransferFailed,
+    connector_names,
+    external_kv,
+    fetch,
+    hold_keys,
+    plan_fetch,
+    producer_params,
+)
 from pd_orchestrator.sim.metrics import SimMetrics
 from pd_orchestrator.sim.options import SimOptions
 from pd_orchestrator.sim.runner import EngineRunner
@@ -81,7 +89,8 @@ if TYPE_CHECKING:
 
 __all__ = ["SimServer", "bind_socket", "serve"]
 
-_PULL_TIMEOUT = httpx.Timeout(10.0)
+_SIDE_CHANNEL_CONNECT = 10.0
+_NIXL = frozenset({"nixl", "nixl-push"})
 
 
 class HTTPFailure(Exception):
@@ -127,13 +136,6 @@ def _publisher(options: SimOptions) -> KvEventPublisher | None:
     )
 
 
-def _default_store(options: SimOptions) -> ExternalKV | None:
-    if options.kv_connector != "example":
-        return None
-    directory = options.kv_shared_dir or Path(tempfile.gettempdir()) / "pd-orchestrator-kv"
-    return SharedKVStore(DirectoryKeys(directory), options.block_size)
-
-
 class SimServer:
     """One simulated vLLM instance: engine, real-time runner, metrics and routes."""
 
@@ -144,7 +146,8 @@ class SimServer:
         self.port = options.port
         self.clock = clock
         self.tokenizer = SimTokenizer()
-        self.engine = Engine(self._engine_config(), external=_default_store(options))
+        self.connectors = connector_names(options.kv_connector)
+        self.engine = Engine(self._engine_config(), external=external_kv(options))
         self.kv_events = _publisher(options)
         self.runner = EngineRunner(
             self.engine,
@@ -190,13 +193,20 @@ class SimServer:
             Route("/detokenize", self._wrap(self.detokenize), methods=["POST"]),
             Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
             Route("/nixl/pull", self._wrap(self.nixl_pull), methods=["POST"]),
+            Route("/nixl/push", self._wrap(self.nixl_push), methods=["POST"]),
+            Route("/query", self._wrap(self.mooncake_query), methods=["GET"]),
+            Route("/mooncake/pull", self._wrap(self.mooncake_pull), methods=["POST"]),
+            Route("/moriio/notify", self._wrap(self.moriio_notify), methods=["POST"]),
+            Route("/p2p/fetch", self._wrap(self.p2p_fetch), methods=["POST"]),
+            Route("/p2p/lookup", self._wrap(self.p2p_lookup), methods=["POST"]),
         ]
         return Starlette(routes=routes, lifespan=self._lifespan)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        timeout = httpx.Timeout(self.options.lease_seconds + 5.0, connect=_SIDE_CHANNEL_CONNECT)
         async with (
-            httpx.AsyncClient(timeout=_PULL_TIMEOUT) as client,
+            httpx.AsyncClient(timeout=timeout) as client,
             anyio.create_task_group() as tg,
         ):
             self._client = client
@@ -274,24 +284,96 @@ class SimServer:
         self._check_vocab(tokens)
         return JSONResponse({"prompt": self.tokenizer.decode(tokens)})
 
-    # -- NIXL side channel (producer side) -------------------------------------------
-    async def nixl_pull(self, request: Request) -> Response:
-        body = await _json_object(request)
-        if body.get("remote_engine_id") != self.engine_id:
-            raise HTTPFailure(409, f"engine id mismatch: this is {self.engine_id!r}")
+    # -- KV side channels (producer side) ----------------------------------------------
+    def _advertised(self) -> Advertised:
+        return Advertised(
+            self.engine_id, self.options.side_channel_host or self.options.host, self.port
+        )
+
+    def _speaks(self, name: str) -> None:
+        if name not in self.connectors:
+            raise HTTPFailure(404, f"this instance does not speak the {name} connector")
+
+    def _check_block_size(self, body: dict[str, Any]) -> None:
         if body.get("block_size") not in (None, self.options.block_size):
             raise HTTPFailure(409, "block size mismatch")
-        request_id = body.get("remote_request_id")
-        held = self.runner.release(str(request_id)) if request_id else None
+
+    def _check_engine(self, body: dict[str, Any]) -> None:
+        if body.get("remote_engine_id") != self.engine_id:
+            raise HTTPFailure(409, f"engine id mismatch: this is {self.engine_id!r}")
+
+    @staticmethod
+    def _blocks(held: Fetched | None, what: str) -> Response:
         if held is None:
-            raise HTTPFailure(404, f"no KV blocks held for request {request_id!r}")
-        return JSONResponse(
-            {
-                "block_hashes": [h.hex() for h in held.block_hashes],
-                "num_tokens": held.num_tokens,
-                "block_size": self.options.block_size,
-            }
-        )
+            raise HTTPFailure(404, f"no KV blocks held for {what}")
+        hashes = [h.hex() for h in held.block_hashes]
+        return JSONResponse({"block_hashes": hashes, "num_tokens": held.num_tokens})
+
+    async def _claim(self, key: str) -> Fetched | None:
+        held = await self.runner.claim(key, self.options.lease_seconds)
+        return None if held is None else Fetched(held.block_hashes, held.num_tokens)
+
+    async def nixl_pull(self, request: Request) -> Response:
+        """The decoder READs blocks held for ``remote_request_id`` (they must be held)."""
+        body = await _json_object(request)
+        self._check_engine(body)
+        self._check_block_size(body)
+        request_id = body.get("remote_request_id")
+        held = self.runner.release(f"nixl:{request_id}") if request_id else None
+        fetched = None if held is None else Fetched(held.block_hashes, held.num_tokens)
+        return self._blocks(fetched, f"request {request_id!r}")
+
+    async def nixl_push(self, request: Request) -> Response:
+        """A decoder registers its blocks for base ``request_id``; this instance writes."""
+        self._speaks("nixl-push")
+        body = await _json_object(request)
+        self._check_engine(body)
+        self._check_block_size(body)
+        request_id = body.get("request_id")
+        return self._blocks(await self._claim(f"nixl-push:{request_id}"), f"{request_id!r}")
+
+    async def mooncake_query(self, request: Request) -> Response:
+        """Mooncake's bootstrap server: ``{dp_rank: {engine_id, worker_addr}}``."""
+        self._speaks("mooncake")
+        me = self._advertised()
+        worker = f"http://{me.host}:{me.port}"
+        return JSONResponse({"0": {"engine_id": me.engine_id, "worker_addr": {"0": {"0": worker}}}})
+
+    async def mooncake_pull(self, request: Request) -> Response:
+        self._speaks("mooncake")
+        body = await _json_object(request)
+        self._check_block_size(body)
+        transfer_id = body.get("transfer_id")
+        return self._blocks(await self._claim(f"mooncake:{transfer_id}"), f"{transfer_id!r}")
+
+    async def moriio_notify(self, request: Request) -> Response:
+        """A decoder's "blocks ready" notice; this instance writes once it holds the KV."""
+        self._speaks("moriio")
+        body = await _json_object(request)
+        self._check_block_size(body)
+        transfer_id = body.get("transfer_id")
+        return self._blocks(await self._claim(f"moriio:{transfer_id}"), f"{transfer_id!r}")
+
+    async def p2p_fetch(self, request: Request) -> Response:
+        self._speaks("offloading")
+        body = await _json_object(request)
+        self._check_block_size(body)
+        kv_request_id = body.get("kv_request_id")
+        held = await self._claim(f"offloading:{kv_request_id}")
+        return self._blocks(held, f"{kv_request_id!r}")
+
+    async def p2p_lookup(self, request: Request) -> Response:
+        """Which leading blocks of a prompt this instance's prefix cache holds."""
+        self._speaks("offloading")
+        body = await _json_object(request)
+        self._check_block_size(body)
+        try:
+            hashes = [bytes.fromhex(h) for h in body.get("block_hashes") or []]
+        except (TypeError, ValueError):
+            raise HTTPFailure(400, "block_hashes: a list of hex strings is required") from None
+        size = self.options.block_size
+        tokens = self.engine.local_hit_tokens_of(hashes, len(hashes) * size + 1)
+        return self._blocks(Fetched(tuple(hashes[: tokens // size]), tokens), "lookup")
 
     # -- generation -------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -303,7 +385,7 @@ class SimServer:
     async def _generate(self, http_request: Request, kind: Kind) -> Response:
         self._inject_faults(http_request)
         job = await self._accept(http_request, kind)
-        external = await self._pull_external(job)
+        external = await self._fetch_external(job)
         receive = self._submit(job, external, http_request)
         headers = {"x-request-id": job.request_id}
         if job.request.stream:
@@ -397,54 +479,39 @@ class SimServer:
             external_tokens=external,
             force_reject=forced,
             extras=_extras(job.request),
+            hold_keys=hold_keys(self.connectors, params, job.request_id),
         )
         try:
             return self.runner.submit(engine_request)
         except ValueError as exc:
             raise HTTPFailure(400, str(exc)) from None
 
-    # -- NIXL pull (consumer side) ------------------------------------------------------
-    async def _pull_external(self, job: _Job) -> int:
+    # -- KV transfer (consumer side) -------------------------------------------------------
+    async def _fetch_external(self, job: _Job) -> int:
+        """Tokens of ``job``'s prompt whose KV came from a producer (0: none)."""
         params = job.request.kv_transfer_params or {}
-        if not params.get("do_remote_prefill") or self.options.kv_connector != "nixl":
-            return 0
+        extras = _extras(job.request)
         try:
-            held = await self._pull(params)
-        except (httpx.HTTPError, HTTPFailure, KeyError, ValueError) as exc:
+            plan = plan_fetch(self.connectors, params, job.request_id)
+            if plan is None:
+                return 0
+            assert self._client is not None
+            hashes = self.engine.prompt_hashes(job.prompt_ids, extras)
+            fetched = await fetch(self._client, plan, self.options.block_size, hashes)
+        except TransferFailed as exc:
             if self.options.kv_load_failure_policy == "recompute":
                 return 0
             raise HTTPFailure(500, f"KV transfer failed: {exc}") from None
-        extras = _extras(job.request)
-        external = self._matched_tokens(job.prompt_ids, held, extras)
+        external = self._matched_tokens(job.prompt_ids, fetched, extras)
         moved = max(0, external - self.engine.local_hit_tokens(job.prompt_ids, extras))
         seconds = self.options.latency.transfer_seconds(moved)
         await anyio.sleep(self.runner.scaled(seconds))
-        self.metrics.observe_transfer(seconds, moved * self.options.latency.kv_bytes_per_token)
+        if plan.connector in _NIXL:
+            self.metrics.observe_transfer(seconds, moved * self.options.latency.kv_bytes_per_token)
         return external
 
-    async def _pull(self, params: dict[str, Any]) -> HeldTransfer:
-        assert self._client is not None
-        url = f"http://{params['remote_host']}:{int(params['remote_port'])}/nixl/pull"
-        payload = {
-            "remote_request_id": params["remote_request_id"],
-            "remote_engine_id": params["remote_engine_id"],
-            "remote_block_ids": params.get("remote_block_ids"),
-            "block_size": self.options.block_size,
-        }
-        response = await self._client.post(url, json=payload)
-        if response.status_code != 200:
-            raise HTTPFailure(response.status_code, f"side channel answered {response.status_code}")
-        data = response.json()
-        return HeldTransfer(
-            request_id=str(params["remote_request_id"]),
-            block_ids=tuple(params.get("remote_block_ids") or ()),
-            block_hashes=tuple(bytes.fromhex(h) for h in data["block_hashes"]),
-            num_tokens=int(data["num_tokens"]),
-            deadline=0.0,
-        )
-
     def _matched_tokens(
-        self, prompt_ids: list[int], held: HeldTransfer, extras: BlockExtras | None
+        self, prompt_ids: list[int], held: Fetched, extras: BlockExtras | None
     ) -> int:
         own = self.engine.prompt_hashes(prompt_ids, extras)
         matched = 0
@@ -455,20 +522,6 @@ class SimServer:
         if matched == len(own) and held.num_tokens == len(prompt_ids):
             return len(prompt_ids)
         return matched * self.options.block_size
-
-    def _transfer_params(self, held: HeldTransfer, cached: int) -> dict[str, Any]:
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_block_ids": list(held.block_ids),
-            "remote_engine_id": self.engine_id,
-            "remote_request_id": held.request_id,
-            "remote_host": self.options.side_channel_host or self.options.host,
-            "remote_port": self.port,
-            "tp_size": 1,
-            "transfer_mode": "pull",
-            "remote_prefill_cached_tokens": cached,
-        }
 
     # -- answers ------------------------------------------------------------------------
     def _usage(self, job: _Job, last: RequestOutput | None) -> Usage:
@@ -510,7 +563,9 @@ class SimServer:
             token_ids=tokens if request.return_token_ids else None,
             prompt_token_ids=job.prompt_ids if request.return_token_ids else None,
             kv_transfer_params=(
-                self._transfer_params(transfer, last.num_cached_tokens)
+                producer_params(
+                    self.connectors, transfer, last.num_cached_tokens, self._advertised()
+                )
                 if transfer is not None and last is not None
                 else None
             ),

@@ -5,13 +5,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
+from connectors import TransferContext, get_connector
 from pd_orchestrator.children import python_command, start_child, stop_child
+from pd_orchestrator.cli.gateway import resolve_simulated
+from pd_orchestrator.config import parse_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,3 +96,25 @@ def test_up_starts_the_simulators_and_the_gateway_and_stops_them(tmp_path: Path)
     for endpoint in [*endpoints, {"url": child.url}]:  # everything it started is gone
         with pytest.raises(httpx.ConnectError):
             httpx.get(endpoint["url"] + "/health", timeout=2)
+
+
+def test_up_gives_each_simulator_its_own_side_channels(tmp_path: Path) -> None:
+    """The simulators `up` starts answer the connectors at the addresses the config says."""
+    sim = {"profile": "instant"}
+    config = parse_config(
+        {
+            "connector": "mooncake",
+            "decoders": [{"name": "d0", "sim": sim}],
+            "prefillers": [{"name": "p0", "sim": sim}],
+        }
+    )
+    with ExitStack() as stack:
+        resolved, children = resolve_simulated(config, stack, tmp_path)
+        fleet = {e.name: e for e in resolved.fleet()}
+        child = next(c for c in children if c.name == "p0")
+        peer = fleet["p0"].peer
+        assert (peer.host, peer.bootstrap_port, peer.engine_id) == ("127.0.0.1", child.port, "p0")
+        unknown = TransferContext("r", "t", replace(peer, engine_id=None), fleet["d0"].peer)
+        (lookup,) = get_connector("mooncake").lookups(unknown)  # the bootstrap's /query
+        learned = lookup.parse(httpx.get(lookup.url, timeout=10).json())
+        assert learned.engine_id == "p0"

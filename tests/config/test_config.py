@@ -137,3 +137,104 @@ def test_v1_lists_and_pools_mix() -> None:
     config = parse_config(BASE | {"pools": [_pool("extra", "decode", "default", "d9")]})
     assert [e.name for e in config.endpoints()] == ["d9", "d0", "p0"]
     assert {e.pool for e in config.fleet()} == {"extra", "decoders", "prefillers"}
+
+
+def test_pools_of_different_connectors_are_kept_apart_unless_bridged() -> None:
+    data: dict[str, Any] = {
+        "pools": [
+            _pool("d", "decode", "g", "d0", connector="multi:nixl,offloading"),
+            _pool("p", "prefill", "g", "p0", connector="nixl"),
+        ]
+    }
+    with pytest.raises(ConfigError, match=r"d0 \(group g, connector multi:nixl,offloading\)"):
+        parse_config(data)
+    bridge = {"prefill_connector": "nixl", "decode_connector": "multi:nixl,offloading"}
+    config = parse_config(data | {"compatibility": {"connector_bridges": [bridge]}})
+    d0 = next(e for e in config.fleet() if e.name == "d0")
+    assert [p.name for p in config.compatible_prefillers(d0)] == ["p0"]
+    assert config.compatibility.connector_pairs() == {("nixl", "multi:nixl,offloading")}
+
+
+@pytest.mark.parametrize(
+    ("compatibility", "fragment"),
+    [
+        (
+            {"connector_bridges": [{"prefill_connector": "mooncake", "decode_connector": "nixl"}]},
+            "mooncake cannot hand KV over to nixl",
+        ),
+        (
+            {"connector_bridges": [{"prefill_connector": "nixl", "decode_connector": "nixl2"}]},
+            "unknown connector 'nixl2'",
+        ),
+    ],
+)
+def test_impossible_bridges_are_refused(compatibility: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        parse_config(BASE | {"compatibility": compatibility})
+
+
+@pytest.mark.parametrize(
+    ("connector", "ok"),
+    [
+        ("nixl-push", True),
+        ("multi:nixl,example", True),
+        ("multi:nixl,mooncake", False),  # both use remote_engine_id
+        ("multi:", False),
+        ("p2p-nccl", False),
+    ],
+)
+def test_connector_specs_are_validated(connector: str, ok: bool) -> None:
+    data = BASE | {"connector": connector}
+    if ok:
+        assert parse_config(data).fleet()[0].connector == connector
+    else:
+        with pytest.raises(ConfigError, match="connector"):
+            parse_config(data)
+
+
+def test_kv_settings_default_to_vllms_and_the_url_host() -> None:
+    config = parse_config(
+        {
+            "pools": [
+                _pool(
+                    "d",
+                    "decode",
+                    "g",
+                    "d0",
+                    connector="moriio",
+                    kv={"handshake_port": 7000, "notify_port": 7001, "dp_size": 2},
+                ),
+                _pool("p", "prefill", "g", "p0", connector="moriio"),
+            ]
+        }
+    )
+    fleet = {e.name: e for e in config.fleet()}
+    decoder, prefiller = fleet["d0"].peer, fleet["p0"].peer
+    assert (decoder.host, decoder.handshake_port, decoder.notify_port) == ("127.0.0.1", 7000, 7001)
+    assert decoder.dp_size == 2 and decoder.dp_rank is None
+    assert (prefiller.nixl_port, prefiller.bootstrap_port, prefiller.p2p_port) == (5600, 8998, 5710)
+    assert (prefiller.handshake_port, prefiller.notify_port) == (6301, 61005)
+
+
+@pytest.mark.parametrize(
+    ("kv", "fragment"),
+    [
+        ({"dp_rank": 2, "dp_size": 2}, "dp_rank 2 is not below dp_size 2"),
+        ({"notify_port": 0}, "notify_port"),
+        ({"bootstrap_port": 70000}, "bootstrap_port"),
+        ({"engine": "x"}, "engine: unknown key"),
+    ],
+)
+def test_invalid_kv_settings_name_the_field(kv: dict[str, Any], fragment: str) -> None:
+    data = BASE | {"decoders": [{"name": "d0", "url": "http://127.0.0.1:9001", "kv": kv}]}
+    with pytest.raises(ConfigError, match=fragment):
+        parse_config(data)
+
+
+def test_endpoint_kv_block_overrides_the_pools() -> None:
+    pool = _pool("p", "prefill", "g", "p0", "p1", kv={"engine_id": "pool-default"})
+    pool["endpoints"][1]["kv"] = {"engine_id": "own", "host": "10.1.1.1"}
+    config = parse_config({"pools": [_pool("d", "decode", "g", "d0"), pool]})
+    fleet = {e.name: e.peer for e in config.fleet()}
+    assert fleet["p0"].engine_id == "pool-default" and fleet["p0"].host == "127.0.0.1"
+    assert (fleet["p1"].engine_id, fleet["p1"].host) == ("own", "10.1.1.1")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -115,7 +116,60 @@ def test_example_decode_body_is_the_request() -> None:
 
 
 def test_registry() -> None:
-    assert available() == ["example", "nixl"]
-    assert all(get_connector(n).leg_order is LegOrder.SEQUENTIAL for n in available())
-    with pytest.raises(UnknownConnectorError, match="known: example, nixl"):
+    assert available() == [
+        "example",
+        "lmcache",
+        "mooncake",
+        "moriio",
+        "nixl",
+        "nixl-push",
+        "offloading",
+    ]
+    assert get_connector("nixl").leg_order is LegOrder.SEQUENTIAL
+    assert get_connector("example").leg_order is LegOrder.SEQUENTIAL
+    with pytest.raises(UnknownConnectorError, match="known: example, lmcache"):
         get_connector("mooncake-typo")
+
+
+# The outputs of the adapters before the context was added, for the same inputs: the
+# existing callers (no context) must get byte-identical bodies.
+_GOLDEN_BODIES = [
+    CLIENT,
+    CHAT | {"kv_transfer_params": {"x": 1}},
+]
+_GOLDEN_PARAMS = {
+    "do_remote_prefill": True,
+    "remote_block_ids": [1, 2],
+    "remote_engine_id": "e",
+    "remote_host": "h",
+    "remote_port": 1,
+}
+_GOLDEN = {
+    "nixl": [
+        '{"model": "m", "prompt": "hello", "max_tokens": 1, "min_tokens": 1, "stream": false, "temperature": 0, "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null}}',  # noqa: E501
+        '{"model": "m", "prompt": "hello", "max_tokens": 64, "min_tokens": 8, "stream": true, "stream_options": {"include_usage": true}, "cache_hit_threshold": 0.7, "temperature": 0, "kv_transfer_params": {"do_remote_prefill": true, "remote_block_ids": [1, 2], "remote_engine_id": "e", "remote_host": "h", "remote_port": 1}}',  # noqa: E501
+        '{"model": "m", "prompt": "hello", "max_tokens": 64, "min_tokens": 8, "stream": true, "stream_options": {"include_usage": true}, "cache_hit_threshold": 0.7, "temperature": 0}',  # noqa: E501
+        '{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "max_completion_tokens": 1, "stream": false, "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null}}',  # noqa: E501
+        '{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "max_completion_tokens": 64, "stream": false, "kv_transfer_params": {"do_remote_prefill": true, "remote_block_ids": [1, 2], "remote_engine_id": "e", "remote_host": "h", "remote_port": 1}}',  # noqa: E501
+        '{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "max_completion_tokens": 64, "stream": false}',  # noqa: E501
+    ],
+    "example": [
+        '{"model": "m", "prompt": "hello", "max_tokens": 1, "min_tokens": 1, "stream": false, "temperature": 0}',  # noqa: E501
+        '{"model": "m", "prompt": "hello", "max_tokens": 64, "min_tokens": 8, "stream": true, "stream_options": {"include_usage": true}, "cache_hit_threshold": 0.7, "temperature": 0}',  # noqa: E501
+        '{"model": "m", "prompt": "hello", "max_tokens": 64, "min_tokens": 8, "stream": true, "stream_options": {"include_usage": true}, "cache_hit_threshold": 0.7, "temperature": 0}',  # noqa: E501
+        '{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "max_completion_tokens": 1, "stream": false}',  # noqa: E501
+        '{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "max_completion_tokens": 64, "stream": false}',  # noqa: E501
+        '{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "max_completion_tokens": 64, "stream": false}',  # noqa: E501
+    ],
+}
+
+
+@pytest.mark.parametrize("name", sorted(_GOLDEN))
+def test_bodies_without_context_are_byte_identical_to_before(name: str) -> None:
+    connector = get_connector(name)
+    produced = []
+    for body in _GOLDEN_BODIES:
+        produced.append(json.dumps(connector.prefill_body(body)))
+        produced.append(json.dumps(connector.decode_body(body, _GOLDEN_PARAMS)))
+        produced.append(json.dumps(connector.decode_body(body, None)))
+    assert produced == _GOLDEN[name]

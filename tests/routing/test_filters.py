@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pd_orchestrator.fleet.endpoints import Role
@@ -134,3 +136,30 @@ def test_compatibility(
 def test_filters_keep_input_order() -> None:
     candidates = [candidate(n, healthy=n != "b") for n in "dcba"]
     assert run("healthy", request(), candidates) == ["d", "c", "a"]
+
+
+def _with_connector(name: str, connector: str) -> Candidate:
+    ep = dataclasses.replace(endpoint(name, P), connector=connector)
+    return Candidate(ep, True, 0, None)
+
+
+@pytest.mark.parametrize(
+    ("bridges", "kept"),
+    [
+        (set(), ["p-nixl"]),
+        ({("nixl", "multi:nixl,offloading")}, ["p-nixl"]),
+        ({("multi:nixl,offloading", "nixl")}, ["p-nixl", "p-multi"]),
+    ],
+    ids=["same-connector-only", "bridges-are-directed", "declared-bridge"],
+)
+def test_compatibility_keeps_connectors_apart_unless_bridged(
+    bridges: set[tuple[str, str]], kept: list[str]
+) -> None:
+    decoder = dataclasses.replace(endpoint("d"), connector="nixl")
+    candidates = [
+        _with_connector("p-nixl", "nixl"),
+        _with_connector("p-multi", "multi:nixl,offloading"),
+        _with_connector("p-mooncake", "mooncake"),
+    ]
+    req = request(P, decoder=decoder, allowed_connector_pairs=frozenset(bridges))
+    assert run("compatibility", req, candidates) == kept
