@@ -20,7 +20,7 @@ batch (``whole``), so a flow relays both alike.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,9 +128,18 @@ class Legs:
         self._count = 0
         self._open: list[tuple[Leg, ChunkStream]] = []
 
-    def _headers(self) -> dict[str, str]:
+    def next_id(self) -> str:
+        """A new leg id: ``<request id>-<n>``."""
         self._count += 1
-        return {"x-request-id": f"{self.request_id}-{self._count}"}
+        return f"{self.request_id}-{self._count}"
+
+    def _headers(self, extra: Mapping[str, str] | None) -> dict[str, str]:
+        headers = {"x-request-id": self.next_id()}
+        if extra:
+            for name, value in extra.items():
+                headers.pop(name.lower(), None)
+                headers[name.lower()] = value
+        return headers
 
     def _failure(self, endpoint: Endpoint, exc: UpstreamError) -> None:
         self.metrics.upstream_errors.labels(endpoint.name, type(exc).__name__).inc()
@@ -138,13 +147,22 @@ class Legs:
         if exc.connection_failed:
             self.fleet.record_failure(endpoint.name)
 
-    async def post(self, endpoint: Endpoint, path: str, body: Json, phase: Phase) -> Json:
-        """POST ``body`` and return the whole answer."""
+    async def post(
+        self,
+        endpoint: Endpoint,
+        path: str,
+        body: Json,
+        phase: Phase,
+        *,
+        headers: Mapping[str, str] | None = None,
+    ) -> Json:
+        """POST ``body`` and return the whole answer (``headers`` add to or replace the
+        leg's own, e.g. a connector's shared ``X-Request-Id``)."""
         fleet = self.fleet
         fleet.enter(endpoint.name)
         try:
             answer = await self.upstream.post_json(
-                endpoint, path, body, phase=phase, headers=self._headers()
+                endpoint, path, body, phase=phase, headers=self._headers(headers)
             )
         except UpstreamError as exc:
             self._failure(endpoint, exc)
@@ -163,17 +181,18 @@ class Legs:
         *,
         kind: Kind,
         original_prompt: bool = True,
+        headers: Mapping[str, str] | None = None,
     ) -> Leg:
         """Send ``body``: a stream when it says ``stream``, else a whole answer."""
         threshold = float(body.get("cache_hit_threshold") or 0.0)
         if not body.get("stream"):
-            answer = await self.post(endpoint, path, body, phase)
+            answer = await self.post(endpoint, path, body, phase, headers=headers)
             return self.answer(endpoint, answer, kind, original_prompt, threshold)
         started = self.clock()
         self.fleet.enter(endpoint.name)
         try:
             stream = await self.upstream.open_stream(
-                endpoint, path, body, phase=phase, headers=self._headers()
+                endpoint, path, body, phase=phase, headers=self._headers(headers)
             )
         except UpstreamError as exc:
             self.fleet.leave(endpoint.name)
@@ -194,6 +213,14 @@ class Legs:
     ) -> Leg:
         """A whole answer already in hand, as a leg."""
         return Leg(endpoint, kind, _Whole(answer), True, original_prompt, self.clock(), threshold)
+
+    async def lookup(self, endpoint: Endpoint, url: str) -> Any:
+        """A connector's lookup about ``endpoint`` (``GET url``, a JSON answer)."""
+        try:
+            return await self.upstream.get_json(endpoint, url)
+        except UpstreamError as exc:
+            self._failure(endpoint, exc)
+            raise
 
     def broken(self, endpoint: str) -> None:
         """A leg of ``endpoint`` broke mid-answer: the fleet stops choosing it."""
