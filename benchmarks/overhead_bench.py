@@ -439,6 +439,7 @@ def write_json(
             "warmup": args.warmup,
             "targets": args.targets,
             "concurrency": args.concurrency,
+            "modes": args.modes,
             "prompt": args.prompt,
             "wrk_threads": args.wrk_threads,
             "peer_policy": args.peer_policy,
@@ -548,4 +549,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        console.print("interrupted; every process it started is stopped")
+        sys.exit(130)
