@@ -18,7 +18,8 @@ Routes (anything else is a 404 in vLLM's error shape, logged once per path to st
   admitted. Prompt ids come from the simulator's tokenizer.
 * ``GET /health``, ``GET /health_generate``, ``GET /v1/models``, ``GET /version``,
   ``GET /metrics`` (idle ``vllm:`` gauges labelled with ``model_name``, and
-  ``minimal_backend_completions_total`` / ``minimal_backend_answers_built_total``),
+  ``minimal_backend_completions_total``, ``minimal_backend_answers_built_total``,
+  ``minimal_backend_unknown_requests_total{path}``),
   ``GET /loads`` and ``GET /v1/loads`` (SGLang's load report, idle: SMG polls it),
   ``GET /get_model_info``, ``GET /get_server_info`` -- what the gateway and the
   peer routers probe.
@@ -67,6 +68,7 @@ MODEL = "overhead-model"
 COMPLETION_TOKENS = 16
 MAX_MODEL_LEN = 8192
 _CACHE_LIMIT = 4096
+_UNKNOWN_LIMIT = 64
 _OUTPUT_IDS = tuple(range(WORD_BASE + 100, WORD_BASE + 100 + COMPLETION_TOKENS))
 _KINDS: dict[bytes, Kind] = {b"/v1/completions": "completion", b"/v1/chat/completions": "chat"}
 _IDLE_RANK = {
@@ -114,8 +116,9 @@ def _response_id(kind: Kind) -> str:
     return "cmpl-minimal" if kind == "completion" else "chatcmpl-minimal"
 
 
-def _metrics(model: str, served: int, built: int) -> bytes:
-    """Idle vLLM gauges, and the backend's own counters (completions served, answers built)."""
+def _metrics(model: str, served: int, built: int, unknown: dict[bytes, int]) -> bytes:
+    """Idle vLLM gauges, and the backend's own counters: completions served, answers
+    built, requests to unknown paths by path."""
     label = f'{{model_name="{model}"}}'
     lines = []
     for name, kind, help_text, value in (
@@ -129,6 +132,11 @@ def _metrics(model: str, served: int, built: int) -> bytes:
         base = name.removesuffix("_total")
         lines += [f"# HELP {base} {help_text}", f"# TYPE {base} {kind}"]
         lines.append(f"{name}{label} {float(value)}")
+    name = "minimal_backend_unknown_requests"
+    lines += [f"# HELP {name} requests no route serves", f"# TYPE {name} counter"]
+    for path, count in unknown.items():
+        quoted = json.dumps(path.decode(errors="replace"))
+        lines.append(f"{name}_total{{path={quoted}}} {float(count)}")
     return ("\n".join(lines) + "\n").encode()
 
 
@@ -140,7 +148,7 @@ class Answers:
         self.model = model
         self.tokenizer = SimTokenizer()
         self.cache: dict[tuple[bytes, bytes], bytes] = {}
-        self.unknown: set[bytes] = set()
+        self.unknown: dict[bytes, int] = {}
         self.served = 0
         self.built = 0
         created = int(time.time())
@@ -186,7 +194,7 @@ class Answers:
         if method == b"GET" and path in self.gets:
             return self.gets[path]
         if method == b"GET" and path == b"/metrics":
-            text = _metrics(self.model, self.served, self.built)
+            text = _metrics(self.model, self.served, self.built, self.unknown)
             return whole(200, b"text/plain; version=0.0.4; charset=utf-8", text)
         if path in _KINDS or path in self.gets or path == b"/metrics":
             return error(405, f"method {method.decode()} is not allowed on {path.decode()}")
@@ -194,8 +202,13 @@ class Answers:
         return error(404, f"no route {method.decode()} {path.decode()}")
 
     def _note_unknown(self, method: bytes, path: bytes) -> None:
-        if path not in self.unknown:
-            self.unknown.add(path)
+        """Count a request no route serves (the first ``_UNKNOWN_LIMIT`` paths, each
+        logged once to stderr): a relay that probes something unexpected shows up."""
+        seen = self.unknown.get(path)
+        if seen is not None:
+            self.unknown[path] = seen + 1
+        elif len(self.unknown) < _UNKNOWN_LIMIT:
+            self.unknown[path] = 1
             print(f"unknown request: {method.decode()} {path.decode()}", file=sys.stderr)
 
     def _generate(self, kind: Kind, raw: bytes) -> bytes:

@@ -5,7 +5,7 @@ at once), then in front of it the gateway (``pd-orchestrator serve`` with a
 generated config: one decode pool and one prefill pool, both the backend, which
 admits every request, so the gateway's path is decode-only), vllm-router and SMG
 (each from PyPI in a cached venv outside the clone, plain routing with the backend
-as their one worker, their own default policy, logging at warning level), all on
+as their one worker, policy round_robin, logging at warning level), all on
 free loopback ports. wrk (installed with apt-get when missing) then drives every
 target -- the backend straight ("direct") as the baseline -- at each concurrency,
 whole and streamed (``/v1/completions``, a short prompt, ``max_tokens`` 16), in
@@ -202,21 +202,21 @@ def start_gateway(stack: ExitStack, backend_url: str, source: Path | None) -> Ch
     return _stopped_with(stack, start_process("gateway", argv, f"http://127.0.0.1:{port}"))
 
 
-def start_vllm_router(stack: ExitStack, backend_url: str, policy: str | None) -> Child:
+def start_vllm_router(stack: ExitStack, backend_url: str, policy: str) -> Child:
     port, metrics = free_port(), free_port()
     argv = [str(peer_executable(VLLM_ROUTER)), "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--worker-urls", backend_url, "--log-level", "warning"]
     argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics)]
-    argv += ["--policy", policy] if policy else []
+    argv += ["--policy", policy] if policy != "default" else []
     return _stopped_with(stack, start_process("vllm-router", argv, f"http://127.0.0.1:{port}"))
 
 
-def start_smg(stack: ExitStack, backend_url: str, policy: str | None) -> Child:
+def start_smg(stack: ExitStack, backend_url: str, policy: str) -> Child:
     port, metrics = free_port(), free_port()
     argv = [str(peer_executable(SMG)), "launch", "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--worker-urls", backend_url, "--log-level", "warn", "--disable-tokenizer-autoload"]
     argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics)]
-    argv += ["--policy", policy] if policy else []
+    argv += ["--policy", policy] if policy != "default" else []
     return _stopped_with(stack, start_process("smg", argv, f"http://127.0.0.1:{port}"))
 
 
@@ -503,8 +503,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--wrk-threads", type=int, default=1, help="wrk threads (default 1)")
     parser.add_argument(
         "--peer-policy",
-        default=None,
-        help="--policy for vllm-router and SMG (default: their own default)",
+        default="round_robin",
+        help="--policy of vllm-router and SMG (default round_robin; 'default': their own, "
+        "cache_aware, with which vllm-router asks the worker to render and tokenize every "
+        "prompt)",
     )
     parser.add_argument(
         "--gateway-config",

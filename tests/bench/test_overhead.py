@@ -204,18 +204,23 @@ def test_probes(client: httpx.Client) -> None:
     for path in ("/loads", "/v1/loads"):
         (rank,) = client.get(path).json()["loads"]
         assert rank["num_running_reqs"] == 0 and rank["token_usage"] == 0.0
-    missing = client.get("/get_nothing")
-    assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
+    for _ in range(2):
+        missing = client.get("/get_nothing")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
+    unknown = "minimal_backend_unknown_requests_total"
+    assert _metric(client, unknown, {"path": "/get_nothing"})[0] == 2
     assert client.post("/v1/completions", content=b"{oops").status_code == 400
     assert client.get("/v1/completions").status_code == 405
 
 
-def _metric(client: httpx.Client, name: str) -> tuple[float, dict[str, str]]:
+def _metric(
+    client: httpx.Client, name: str, labels: dict[str, str] | None = None
+) -> tuple[float, dict[str, str]]:
     for family in text_string_to_metric_families(client.get("/metrics").text):
         for sample in family.samples:
-            if sample.name == name:
+            if sample.name == name and (labels is None or sample.labels == labels):
                 return sample.value, sample.labels
-    raise AssertionError(f"{name} not in /metrics")
+    raise AssertionError(f"{name} {labels or ''} not in /metrics")
 
 
 def test_metrics_and_memoized_answers(client: httpx.Client) -> None:
