@@ -46,7 +46,15 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from pd_orchestrator.bench.peers import SMG, VLLM_ROUTER, free_port, peer_executable, start_process
+from pd_orchestrator.bench.peers import (
+    SMG,
+    VLLM_ROUTER,
+    Peer,
+    cache_root,
+    free_port,
+    peer_executable,
+    start_process,
+)
 from pd_orchestrator.bench.wrk import WrkResult, lua_script, parse_output, wrk_command
 from pd_orchestrator.children import Child, start_child, stop_child
 from pd_orchestrator.cli.signals import exit_on_sigterm
@@ -123,9 +131,8 @@ def ensure_wrk() -> str:
 
 def wrk_version(wrk: str) -> str:
     done = subprocess.run([wrk, "-v"], capture_output=True, text=True, check=False)
-    return (
-        (done.stdout or done.stderr).strip().splitlines()[0] if done.stdout or done.stderr else ""
-    )
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    return lines[0] if lines else ""
 
 
 def request_body(stream: bool, prompt: str, model: str = MODEL) -> str:
@@ -136,17 +143,20 @@ def request_body(stream: bool, prompt: str, model: str = MODEL) -> str:
     return json.dumps(body, separators=(",", ":"))
 
 
-def run_wrk(wrk: str, url: str, script: Path, case: Case, args: argparse.Namespace) -> WrkResult:
+def run_wrk(
+    wrk: str, url: str, script: Path, case: Case, duration: float, threads: int
+) -> WrkResult:
+    """One wrk run of ``case`` against ``url`` for ``duration`` seconds."""
     command = wrk_command(
         wrk,
         f"{url}/v1/completions",
         str(script),
         connections=case.concurrency,
-        duration=args.duration,
-        threads=args.wrk_threads,
+        duration=duration,
+        threads=threads,
     )
     done = subprocess.run(
-        command, capture_output=True, text=True, timeout=args.duration + 60, check=False
+        command, capture_output=True, text=True, timeout=duration + 60, check=False
     )
     if done.returncode != 0:
         raise RuntimeError(f"wrk failed ({done.returncode}):\n{done.stderr[-2000:]}")
@@ -202,9 +212,16 @@ def start_gateway(stack: ExitStack, backend_url: str, source: Path | None) -> Ch
     return _stopped_with(stack, start_process("gateway", argv, f"http://127.0.0.1:{port}"))
 
 
+def _executable(peer: Peer) -> str:
+    """``peer``'s script from its cached venv, saying so when it is built first."""
+    if not (cache_root() / peer.venv_name / "bin" / peer.script).exists():
+        console.print(f"installing {peer.package} {peer.version} into {cache_root()} (first use)")
+    return str(peer_executable(peer))
+
+
 def start_vllm_router(stack: ExitStack, backend_url: str, policy: str) -> Child:
     port, metrics = free_port(), free_port()
-    argv = [str(peer_executable(VLLM_ROUTER)), "--host", "127.0.0.1", "--port", str(port)]
+    argv = [_executable(VLLM_ROUTER), "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--worker-urls", backend_url, "--log-level", "warning"]
     argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics)]
     argv += ["--policy", policy] if policy != "default" else []
@@ -213,7 +230,7 @@ def start_vllm_router(stack: ExitStack, backend_url: str, policy: str) -> Child:
 
 def start_smg(stack: ExitStack, backend_url: str, policy: str) -> Child:
     port, metrics = free_port(), free_port()
-    argv = [str(peer_executable(SMG)), "launch", "--host", "127.0.0.1", "--port", str(port)]
+    argv = [_executable(SMG), "launch", "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--worker-urls", backend_url, "--log-level", "warn", "--disable-tokenizer-autoload"]
     argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics)]
     argv += ["--policy", policy] if policy != "default" else []
@@ -275,16 +292,16 @@ def measure(
     """Warm-up runs (discarded), then ``args.rounds`` interleaved rounds."""
     names = list(urls)
     if args.warmup > 0:
-        warm = argparse.Namespace(**{**vars(args), "duration": args.warmup})
         for case in cases:
             for name in names:
-                run_wrk(wrk, urls[name], scripts[case.stream], case, warm)
+                run_wrk(wrk, urls[name], scripts[case.stream], case, args.warmup, args.wrk_threads)
     runs: list[Run] = []
     for round_ in range(args.rounds):
         order = names[round_ % len(names) :] + names[: round_ % len(names)]
         for case in cases:
             for name in order:
-                result = run_wrk(wrk, urls[name], scripts[case.stream], case, args)
+                script = scripts[case.stream]
+                result = run_wrk(wrk, urls[name], script, case, args.duration, args.wrk_threads)
                 runs.append(Run(name, case, round_, result))
                 console.print(
                     f"round {round_ + 1}/{args.rounds} {case.label:10} {name:12} "
