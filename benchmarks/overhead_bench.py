@@ -238,9 +238,10 @@ def start_smg(stack: ExitStack, backend_url: str, policy: str) -> Child:
 
 
 def wait_serving(child: Child, prompt: str, limit: float = READY_TIMEOUT) -> None:
-    """Wait until ``child`` answers a whole and a streamed completion with 200."""
+    """Wait until ``child`` answers a whole and a streamed completion with 200, then
+    check both answers (:func:`check_answer`): a broken relay is not measured."""
     deadline = time.monotonic() + limit
-    pending = [request_body(False, prompt), request_body(True, prompt)]
+    pending = [False, True]
     with httpx.Client(base_url=child.url, timeout=5.0) as client:
         while pending:
             if child.process.poll() is not None:
@@ -252,15 +253,46 @@ def wait_serving(child: Child, prompt: str, limit: float = READY_TIMEOUT) -> Non
             try:
                 response = client.post(
                     "/v1/completions",
-                    content=pending[0],
+                    content=request_body(pending[0], prompt),
                     headers={"content-type": "application/json"},
                 )
-                if response.status_code == 200:
-                    pending.pop(0)
-                    continue
             except httpx.HTTPError:
-                pass
+                response = None
+            if response is not None and response.status_code == 200:
+                problem = check_answer(response, stream=pending.pop(0))
+                if problem:
+                    raise RuntimeError(f"{child.name} answers wrongly: {problem}")
+                continue
             time.sleep(0.25)
+
+
+def check_answer(response: httpx.Response, *, stream: bool) -> str | None:
+    """What is wrong with an answer to :func:`request_body` (None: nothing): the
+    backend's 16 tokens, no token ids (the client did not ask), finish ``length``;
+    streamed, as SSE with one chunk per token, the usage chunk and ``[DONE]``."""
+    chunks: list[dict[str, Any]]
+    if not stream:
+        chunks = [response.json()]
+    elif not response.headers.get("content-type", "").startswith("text/event-stream"):
+        return f"a streamed answer with content-type {response.headers.get('content-type')}"
+    else:
+        events = [e[6:] for e in response.text.split("\n\n") if e.startswith("data: ")]
+        if not events or events[-1] != "[DONE]":
+            return "a stream that does not end with data: [DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+    texts: list[dict[str, Any]] = [c["choices"][0] for c in chunks if c.get("choices")]
+    usage: list[dict[str, Any]] = [c["usage"] for c in chunks if c.get("usage")]
+    if not texts:
+        return "no choices"
+    if stream and len(texts) != COMPLETION_TOKENS:
+        return f"{len(texts)} token chunks instead of {COMPLETION_TOKENS}"
+    if any("token_ids" in t or "prompt_token_ids" in t for t in texts):
+        return "token ids the client did not ask for"
+    if texts[-1].get("finish_reason") != "length":
+        return f"finish_reason {texts[-1].get('finish_reason')!r} instead of 'length'"
+    if [u.get("completion_tokens") for u in usage] != [COMPLETION_TOKENS]:
+        return f"usage {usage} instead of one with {COMPLETION_TOKENS} completion tokens"
+    return None
 
 
 def start_targets(stack: ExitStack, args: argparse.Namespace) -> dict[str, str]:

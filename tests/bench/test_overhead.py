@@ -7,10 +7,12 @@ depends on (vLLM's, token ids included) and that answers are memoized.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import httpx
@@ -21,7 +23,8 @@ from pd_orchestrator.bench.wrk import MARKER, lua_script, parse_output, wrk_comm
 from pd_orchestrator.children import Child, start_child, stop_child
 from pd_orchestrator.sim.tokenizer import SimTokenizer
 
-BACKEND = Path(__file__).resolve().parents[2] / "benchmarks" / "minimal_backend.py"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+BACKEND = BENCHMARKS / "minimal_backend.py"
 MODEL = "test-model"
 TOKENS = 16
 
@@ -236,3 +239,41 @@ def test_metrics_and_memoized_answers(client: httpx.Client) -> None:
     assert first == second
     assert _metric(client, "minimal_backend_completions_total")[0] == served + 2
     assert _metric(client, "minimal_backend_answers_built_total")[0] == built + 1
+
+
+# -- the benchmark's answer check ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def bench() -> Iterator[ModuleType]:
+    """The benchmark script as a module (its dataclasses need it in ``sys.modules``)."""
+    spec = importlib.util.spec_from_file_location(
+        "overhead_bench", BENCHMARKS / "overhead_bench.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_the_backend_passes_the_answer_check(
+    bench: ModuleType, client: httpx.Client, stream: bool
+) -> None:
+    body = bench.request_body(stream, "check me", model=MODEL)
+    response = client.post("/v1/completions", content=body)
+    assert bench.check_answer(response, stream=stream) is None
+
+
+def test_the_answer_check_refuses_token_ids_and_unstreamed_streams(
+    bench: ModuleType, client: httpx.Client
+) -> None:
+    body = {"model": MODEL, "prompt": "check me", "max_tokens": 16, "return_token_ids": True}
+    with_ids = client.post("/v1/completions", json=body)
+    assert "token ids" in bench.check_answer(with_ids, stream=False)
+    whole = client.post("/v1/completions", json={**body, "return_token_ids": False})
+    assert "content-type" in bench.check_answer(whole, stream=True)
+    short = client.post("/v1/completions", json={**body, "max_tokens": 3, "stream": True})
+    assert "3 token chunks" in bench.check_answer(short, stream=True)
