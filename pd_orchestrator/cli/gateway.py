@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 import anyio
 import uvicorn
-from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
@@ -142,9 +141,17 @@ def endpoint_table(config: GatewayConfig, title: str) -> RenderableType:
     """The fleet as a table that reads at 80 columns: name, role, pool, hardware (with
     the compatibility group when it differs), URL (or ``sim PROFILE``); the
     served model below it (several: each with its pools) rather than as a wide column."""
-    table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left")
-    for column in ("name", "role", "pool", "hardware", "url"):
-        table.add_column(column, no_wrap=column in ("name", "url"))
+    table = Table(
+        title=title,
+        title_justify="left",
+        box=None,
+        pad_edge=False,
+        padding=(0, 2, 0, 0),
+        header_style="bold underline",
+    )
+    for column in ("name", "role", "pool", "hardware"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("url", overflow="fold")  # a long URL folds rather than cut a name
     models: dict[str, list[str]] = {}
     for e in config.fleet():
         hardware = e.hardware if e.group in (e.hardware, "default") else f"{e.hardware}/{e.group}"

@@ -148,13 +148,13 @@ def test_the_endpoint_table_reads_at_80_columns(name: str, resolved: bool) -> No
     assert max(len(line) for line in lines) <= 80
     models = [line for line in lines if line.startswith("model ")]
     for endpoint in config.fleet():  # every cell whole on one line: nothing wrapped or cut
-        row = next(line for line in lines if f" {endpoint.name} " in line)
+        row = next(line for line in lines if line.startswith(f"{endpoint.name} "))
         where = endpoint.url or f"sim {endpoint.sim.profile if endpoint.sim else ''}"
         hardware = endpoint.hardware
         if endpoint.group not in (hardware, "default"):
             hardware += f"/{endpoint.group}"
         for cell in (endpoint.role, endpoint.pool, hardware, where):
-            assert f" {cell} " in row, (cell, row)
+            assert f" {cell} " in f"{row} ", (cell, row)
         model = endpoint.model or get_profile(endpoint.sim.profile if endpoint.sim else "").model
         assert models == [f"model {model}"]  # configs/ serve one model each
 
