@@ -76,12 +76,18 @@ class Leg:
     threshold: float = 0.0
     held: list[Json] = field(default_factory=list)
     decisive: ChunkView | None = None
+    views: dict[int, ChunkView] = field(default_factory=dict)
     tokens: int = 0
     usage: Json | None = None
     open: bool = True
 
     def view(self, chunk: Json) -> ChunkView:
-        """What ``chunk`` (an answer when ``whole``) says."""
+        """What ``chunk`` (an answer when ``whole``) says (read once per held chunk)."""
+        views = self.views
+        if views:
+            seen = views.pop(id(chunk), None)
+            if seen is not None:
+                return seen
         return view_answer(chunk, self.kind) if self.whole else view_chunk(chunk, self.kind)
 
     async def read_until_decisive(self) -> ChunkView | None:
@@ -92,6 +98,7 @@ class Leg:
             self.held.extend(batch)
             for chunk in batch:
                 view = self.view(chunk)
+                self.views[id(chunk)] = view  # the relay reads it from here
                 if view.decisive:
                     self.decisive = view
                     return view
@@ -236,8 +243,11 @@ class Legs:
             if open_leg is leg:
                 del self._open[index]
                 try:
-                    with anyio.move_on_after(CLOSE_SECONDS, shield=True):
+                    if stream.done:  # read to its end: the connection just goes back
                         await stream.aclose()
+                    else:
+                        with anyio.move_on_after(CLOSE_SECONDS, shield=True):
+                            await stream.aclose()
                 finally:
                     self.fleet.leave(leg.endpoint.name)
                 return
