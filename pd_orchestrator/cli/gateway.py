@@ -40,6 +40,12 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     serve.add_argument("--config", type=Path, required=True, help="YAML configuration file")
     serve.add_argument("--host", default=None, help="listen address (overrides the config)")
     serve.add_argument("--port", type=int, default=None, help="listen port (overrides the config)")
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="gateway processes sharing the port (overrides listen.workers; see README)",
+    )
     serve.set_defaults(handler=run_serve)
 
     check = subparsers.add_parser("check-config", help="validate a configuration file")
@@ -76,6 +82,7 @@ def serve_gateway(
     *,
     sock: socket.socket | None = None,
     gateway: Gateway | None = None,
+    extra_sockets: list[socket.socket] | None = None,
 ) -> None:
     """Run the gateway until SIGINT/SIGTERM.
 
@@ -84,7 +91,8 @@ def serve_gateway(
     (what :mod:`pd_orchestrator.children` waits for). With ``config_path``, SIGHUP
     reloads the configuration from it. ``sock``: a listening socket bound already
     (default: bind ``config.listen`` now). ``gateway``: the gateway to serve
-    (default: one built from ``config`` and ``config_path``).
+    (default: one built from ``config`` and ``config_path``). ``extra_sockets``: more
+    listening sockets serving the same application (a worker's own metrics port).
     """
     from pd_orchestrator.gateway import Gateway
 
@@ -109,7 +117,7 @@ def serve_gateway(
     async def main() -> None:
         _tune_gc()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(server.serve, [sock])
+            tg.start_soon(server.serve, [sock, *(extra_sockets or [])])
             while not server.started:  # noqa: ASYNC110 - uvicorn exposes no event
                 await anyio.sleep(0.02)
             announced = (on_ready or _announce)(url)
@@ -142,8 +150,16 @@ def run_serve(args: argparse.Namespace) -> int:
     if missing:
         console.print(f"[bold red]error:[/] endpoints without a url: {', '.join(missing)}")
         return 2
+    config = with_listen(config, args.host, args.port)
+    if args.workers is not None:
+        listen = config.listen.model_copy(update={"workers": args.workers})
+        config = config.model_copy(update={"listen": listen})
+    if config.listen.workers > 1:
+        from pd_orchestrator.cli.workers import serve_workers
+
+        return serve_workers(config, serve_gateway, _announce, args.config)
     exit_on_sigterm()
-    serve_gateway(with_listen(config, args.host, args.port), config_path=args.config)
+    serve_gateway(config, config_path=args.config)
     return 0
 
 
