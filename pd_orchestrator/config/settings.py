@@ -9,6 +9,7 @@ lists as JSON) override them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 from urllib.parse import urlsplit
 
@@ -35,6 +36,7 @@ from connectors import (
     can_pair,
     get_connector,
 )
+from pd_orchestrator.config.allowlist import parse_entries
 from pd_orchestrator.config.load import LoadConfig
 from pd_orchestrator.config.policy import ThresholdConfig
 from pd_orchestrator.config.prefix import PrefixConfig
@@ -338,22 +340,40 @@ class HandbackConfig(_Strict):
 
 
 class SidecarConfig(_Strict):
-    """Sidecar mode: one local decoder; the prefiller may come from a header."""
+    """Sidecar mode: one local decoder; the prefiller (and a KV source) may come from
+    headers an upstream scheduler sets (llm-d's names by default). Every host a
+    header names must be in the allow-list (``allowed_prefillers`` and the lines of
+    ``allowlist_file``: ``host:port``, ``host``, a network, or a DNS name resolved
+    every ``allowlist_refresh`` seconds), else 403 -- unless ``ssrf_protection`` is
+    off, which accepts any host (llm-d's ``--enable-ssrf-protection=false``).
+    ``prefiller_sampling``: spread requests over the prefillers a header names
+    (default: the first, the others as retries). ``prefiller_kv``: the side-channel
+    ports of header-named prefillers (vLLM's defaults)."""
 
     enabled: bool = False
     prefiller_header: str = "x-prefiller-host-port"
+    kv_source_header: str = "x-kv-cache-source-host-port"
+    ssrf_protection: bool = True
     allowed_prefillers: list[str] = Field(
-        default_factory=list, description="host:port values the header may name"
+        default_factory=list, description="hosts, host:port, networks or DNS names"
     )
+    allowlist_file: Path | None = None
+    allowlist_refresh: Seconds = 10.0
+    prefiller_sampling: bool = False
+    prefiller_kv: KvSettings | None = None
 
     @field_validator("allowed_prefillers")
     @classmethod
-    def _host_ports(cls, values: list[str]) -> list[str]:
-        for value in values:
-            host, sep, port = value.rpartition(":")
-            if not sep or not host or not port.isdigit():
-                raise ValueError(f"{value!r} is not host:port")
+    def _entries(cls, values: list[str]) -> list[str]:
+        parse_entries(values)  # ValueError names the bad entry
         return values
+
+    @field_validator("allowlist_file")
+    @classmethod
+    def _readable(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            parse_entries(value.read_text().splitlines())
+        return value
 
 
 class UpstreamConfig(_Strict):

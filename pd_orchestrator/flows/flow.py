@@ -187,6 +187,7 @@ class Flow:
             prefillers,
             settings.upstream,
             settings.clock,
+            self.request.kv_source,
         )
         result = await handover.run(body, path, kind, original_prompt=original_prompt)
         self.prefiller = result.prefiller

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from connectors import PeerInfo
 from pd_orchestrator.openai.protocol import ChatCompletionRequest, OpenAIRequest, message_text
 from pd_orchestrator.openai.responses import Kind
 
@@ -47,6 +48,9 @@ class ClientRequest:
     view: OpenAIRequest
     request_id: str
     arrival: float
+    kv_source: PeerInfo | None = None
+    """An instance that holds the prompt's prefix, named by an upstream scheduler
+    (llm-d's ``x-kv-cache-source-host-port``); connectors that pull from peers use it."""
 
     @property
     def stream(self) -> bool:

@@ -2,9 +2,9 @@
 
 :func:`read_body` reads the body; :func:`admit` decodes it (400 unless a JSON
 object), parses it into its typed view (400 naming the field), checks the model
-(404) and, in sidecar mode, the prefillers a request names in its header (403 unless
-allow-listed), and returns the request (raw body kept for pass-through, typed view
-for everything the gateway reads) with the planner's view of it
+(404) and, in sidecar mode, the prefillers and the KV source a request names in its
+headers (403 unless allow-listed), and returns the request (raw body kept for
+pass-through, typed view for everything the gateway reads) with the planner's view of it
 (:class:`~pd_orchestrator.planner.plan.RequestFacts`). Nothing later reads the raw
 body again except to forward it.
 """
@@ -14,12 +14,16 @@ from __future__ import annotations
 import itertools
 import re
 import uuid
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
+from connectors import PeerInfo
+from pd_orchestrator.config.allowlist import split_host_port
+from pd_orchestrator.config.settings import KvSettings
 from pd_orchestrator.fleet.endpoints import Endpoint, Role
 from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.flows.sink import GatewayError
@@ -95,8 +99,13 @@ def admit(
         view=view,
         request_id=request_id_of(headers.get("x-request-id"), ids),
         arrival=arrival,
+        kv_source=_kv_source(state, headers),
     )
-    return Admitted(request, facts(request, state.prefix.view_fields(view), _named(state, headers)))
+    named = _named(state, headers)
+    if named is not None and len(named) > 1 and state.config.sidecar.prefiller_sampling:
+        turn = zlib.crc32(request.request_id.encode()) % len(named)  # spread, reproducibly
+        named = named[turn:] + named[:turn]
+    return Admitted(request, facts(request, state.prefix.view_fields(view), named))
 
 
 def facts(
@@ -113,37 +122,67 @@ def facts(
     )
 
 
+def _host_port(state: GatewayState, header: str, value: str) -> tuple[str, int]:
+    """``host:port`` a header names, checked against the allow-list (400, 403)."""
+    try:
+        host, port = split_host_port(value)
+    except ValueError:
+        port = None
+    if port is None:
+        raise GatewayError(400, f"header {header} must name host:port")
+    if state.config.sidecar.ssrf_protection and not state.allowlist.current.allows(host, port):
+        raise GatewayError(403, f"{header}: {value.strip()!r} is not in the allow-list")
+    return host, port
+
+
 def _named(state: GatewayState, headers: dict[str, str]) -> tuple[Endpoint, ...] | None:
     """The sidecar header's prefillers (allow-listed), or None without the header."""
     sidecar = state.config.sidecar
     header = headers.get(sidecar.prefiller_header.lower()) if sidecar.enabled else None
     if header is None:
         return None
-    chosen = []
-    for item in (part.strip().lower() for part in header.split(",")):
-        if not item:
-            continue
-        if item not in state.allowed_prefillers:
-            raise GatewayError(403, f"prefiller {item!r} is not in the allow-list")
-        chosen.append(_prefiller(state, item))
+    chosen = [
+        _prefiller(state, *_host_port(state, sidecar.prefiller_header, item))
+        for item in header.split(",")
+        if item.strip()
+    ]
     if not chosen:
         raise GatewayError(400, f"header {sidecar.prefiller_header} names no prefiller")
     return tuple(chosen)
 
 
-def _prefiller(state: GatewayState, host_port: str) -> Endpoint:
-    fleet = state.fleet
-    for endpoint in fleet.endpoints(Role.PREFILL):
+def _prefiller(state: GatewayState, host: str, port: int) -> Endpoint:
+    host_port = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    for endpoint in state.fleet.endpoints(Role.PREFILL):
         if endpoint.host_port == host_port:
             return endpoint
-    decoder = fleet.endpoints(Role.DECODE)[0]
+    decoder = state.fleet.endpoints(Role.DECODE)[0]
+    kv = state.config.sidecar.prefiller_kv
     return Endpoint(
         name=host_port,
         url=f"http://{host_port}",
         role=Role.PREFILL,
         group=decoder.group,
         connector=decoder.connector,
+        kv=None if kv is None else _peer(kv, host),
     )
+
+
+def _kv_source(state: GatewayState, headers: dict[str, str]) -> PeerInfo | None:
+    """The instance llm-d names as holding the prompt's prefix (P2P pulls): its host
+    (allow-listed) with the side-channel ports of header-named prefillers."""
+    sidecar = state.config.sidecar
+    header = headers.get(sidecar.kv_source_header.lower()) if sidecar.enabled else None
+    if header is None or not header.strip():
+        return None
+    host, _ = _host_port(state, sidecar.kv_source_header, header.split(",")[0])
+    kv = sidecar.prefiller_kv
+    return PeerInfo(host=host) if kv is None else _peer(kv, host)
+
+
+def _peer(kv: KvSettings, host: str) -> PeerInfo:
+    """``kv``'s ports at ``host`` (a header names the host)."""
+    return kv.model_copy(update={"host": host}).peer(None)
 
 
 def header_map(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:

@@ -176,6 +176,8 @@ class Gateway:
                     await tg.start(state.health.run)
                     await tg.start(state.scraper.run)
                     await tg.start(state.prefix.run)
+                    if state.config.sidecar.enabled:
+                        await tg.start(state.allowlist.run)
                     task_status.started()
 
         await self._tasks.start(monitors)

@@ -40,7 +40,7 @@ def test_configs_directory_is_not_empty() -> None:
         (BASE | {"decoders": [{"name": "d0"}]}, "needs a url"),
         (BASE | {"decoders": [{"name": "d0", "url": "ftp://x"}]}, "http(s) URL"),
         (BASE | {"prefillers": [{"name": "d0", "url": "http://h:1"}]}, "unique: d0"),
-        (BASE | {"sidecar": {"allowed_prefillers": ["nohost"]}}, "host:port"),
+        (BASE | {"sidecar": {"allowed_prefillers": ["host:notaport"]}}, "host:port"),
         ({"decoders": BASE["decoders"]}, "decoders without a compatible prefiller: d0"),
         (BASE | {"decoders": [{"name": "d", "sim": {"profile": "tpu"}}]}, "unknown profile"),
     ],
