@@ -119,6 +119,7 @@ def facts(
         fields=fields,
         client_threshold=request.view.cache_hit_threshold,
         prefillers=prefillers,
+        continuable=request.continuable,
     )
 
 
