@@ -43,9 +43,11 @@ from starlette.types import Receive, Scope, Send
 from pd_orchestrator.config.loader import ConfigError, load_config
 from pd_orchestrator.config.settings import GatewayConfig
 from pd_orchestrator.fleet.state import FleetState
+from pd_orchestrator.flows.choices import choice_request, run_choices
 from pd_orchestrator.flows.flow import Flow, Outcome
 from pd_orchestrator.flows.legs import Legs
 from pd_orchestrator.flows.render import renderer_for
+from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.flows.sink import ClientSink, GatewayError
 from pd_orchestrator.gateway.admission import Admitted, RequestIds, admit, header_map
 from pd_orchestrator.gateway.response import error_response, respond
@@ -226,12 +228,12 @@ class Gateway:
             if exc.status != 499:
                 await error_response(send, exc.status, exc.message, exc.param)
             return
-        request_id = admitted.request.request_id
-        legs = Legs(self.upstream, state.fleet, self.metrics, request_id, self.clock)
-        flow = Flow(admitted.request, plan, legs, state.attempt, state.flow)
+        flows = self._flows(state, admitted.request, plan)
+        flow = flows[0]
+        serve = partial(self._run, flow) if len(flows) == 1 else partial(self._choices, flows)
         self.metrics.in_flight.inc()
         try:
-            pending = await respond(receive, send, partial(self._run, flow), flow.headers)
+            pending = await respond(receive, send, serve, flow.headers)
             self._learn(state, admitted, plan, pending.result)
             status = await pending.finish()
         finally:
@@ -275,9 +277,28 @@ class Gateway:
         )
         return Admitted(request, replace(facts, fields=fields))
 
+    def _flows(self, state: GatewayState, request: ClientRequest, plan: Plan) -> list[Flow]:
+        """The request's flow; one per choice when it asks for ``n`` > 1."""
+        requests = [request]
+        if request.view.n > 1:
+            requests = [choice_request(request, i) for i in range(request.view.n)]
+        return [
+            Flow(
+                one,
+                plan,
+                Legs(self.upstream, state.fleet, self.metrics, one.request_id, self.clock),
+                state.attempt,
+                state.flow,
+            )
+            for one in requests
+        ]
+
     async def _run(self, flow: Flow, sink: ClientSink) -> Outcome:
         renderer = renderer_for(flow.request, flow.transcript, sink, self.clock)
         return await flow.run(renderer)
+
+    async def _choices(self, flows: list[Flow], sink: ClientSink) -> Outcome:
+        return await run_choices(flows, flows[0].request, sink, self.clock)
 
     def _learn(
         self, state: GatewayState, admitted: Admitted, plan: Plan, outcome: Outcome | None
