@@ -109,7 +109,7 @@ def serve_gateway(
             gateway.app(),
             log_level="warning",
             timeout_graceful_shutdown=5,
-            http="httptools",
+            http=gateway.http_protocol(),
             interface="asgi3",
             proxy_headers=False,
             server_header=False,

@@ -1,10 +1,14 @@
 """Admission: a completion request read, parsed once and checked, before any routing.
 
-:func:`read_body` reads the body; :func:`admit` decodes it (400 unless a JSON
-object), parses it into its typed view (400 naming the field), checks the model
-(404) and, in sidecar mode, the prefillers and the KV source a request names in its
-headers (403 unless allow-listed), and returns the request (raw body kept for
-pass-through, typed view for everything the gateway reads) with the planner's view of it
+:func:`~pd_orchestrator.gateway.limits.read_body` reads the body; :func:`admit`
+decodes it (400 unless a JSON object), checks it against the limits
+(:func:`~pd_orchestrator.gateway.limits.check_json`: depth, messages, token ids),
+refuses the KV-transfer fields a client may not set (400, see
+:func:`refuse_transfer_fields`), parses it into its typed view (400 naming the
+field), checks the model (404) and, in sidecar mode, the prefillers and the KV
+source a request names in its headers (403 unless allow-listed), and returns the
+request (raw body kept for pass-through, typed view for everything the gateway
+reads) with the planner's view of it
 (:class:`~pd_orchestrator.planner.plan.RequestFacts`). Nothing later reads the raw
 body again except to forward it.
 """
@@ -27,15 +31,33 @@ from pd_orchestrator.config.settings import KvSettings
 from pd_orchestrator.fleet.endpoints import Endpoint, Role
 from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.flows.sink import GatewayError
+from pd_orchestrator.gateway.limits import check_json
 from pd_orchestrator.gateway.state import GatewayState
 from pd_orchestrator.openai.protocol import RequestError, parse_for
 from pd_orchestrator.openai.responses import Kind
 from pd_orchestrator.planner.plan import RequestFacts
 from pd_orchestrator.prefix.runtime import PrefixFields
 
-__all__ = ["Admitted", "RequestIds", "admit", "header_map", "request_id_of"]
+__all__ = [
+    "TRANSFER_FIELDS",
+    "TRANSFER_XARGS",
+    "Admitted",
+    "RequestIds",
+    "admit",
+    "header_map",
+    "refuse_transfer_fields",
+    "request_id_of",
+]
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+TRANSFER_FIELDS = ("kv_transfer_params", "ec_transfer_params")
+"""Body fields of vLLM 0.33's completion and chat request models that steer a KV
+(or encoder-cache) transfer: the peer to pull from or push to, and a lease."""
+TRANSFER_XARGS = ("kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode")
+"""Keys of ``vllm_xargs`` that vLLM reads as the same (``Request`` takes both
+transfer params and the KV-event report mode from the sampling params' extra args)."""
+_NOT_YOURS = "`{}` may not be set by a client: the gateway sets the KV transfer"
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +97,20 @@ def _decode(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def refuse_transfer_fields(body: dict[str, Any]) -> None:
+    """400 when a client body sets a KV-transfer field (see :data:`TRANSFER_FIELDS`
+    and :data:`TRANSFER_XARGS`); a null value is no setting and passes."""
+    for name in TRANSFER_FIELDS:
+        if body.get(name) is not None:
+            raise GatewayError(400, _NOT_YOURS.format(name), name)
+    xargs = body.get("vllm_xargs")
+    if type(xargs) is dict:
+        for key in TRANSFER_XARGS:
+            if key in xargs:
+                param = f"vllm_xargs.{key}"
+                raise GatewayError(400, _NOT_YOURS.format(param), param)
+
+
 def admit(
     state: GatewayState,
     kind: Kind,
@@ -86,6 +122,10 @@ def admit(
 ) -> Admitted:
     """Admit one completion request (see the module docstring); raises GatewayError."""
     body = _decode(raw)
+    config = state.config
+    check_json(body, config.limits, kind)
+    if not config.security.trust_client_transfer_params:
+        refuse_transfer_fields(body)
     try:
         view = parse_for(kind, body)
     except RequestError as exc:

@@ -15,18 +15,23 @@ A completion request goes straight down, and its result comes back up:
    planner's learning plugins and threshold feedback).
 
 The completion routes are dispatched before Starlette's router (they are the hot
-path); everything else goes through Starlette.
+path); everything else goes through Starlette. Every request's head is checked
+against ``limits`` first (:mod:`~pd_orchestrator.gateway.limits`), and every
+error the gateway answers -- unknown routes and methods included -- is
+``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import hashlib
+import hmac
 import itertools
 import logging
-import secrets
 import signal
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -35,6 +40,7 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -50,7 +56,9 @@ from pd_orchestrator.flows.render import renderer_for
 from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.flows.sink import ClientSink, GatewayError
 from pd_orchestrator.gateway.admission import Admitted, RequestIds, admit, header_map
-from pd_orchestrator.gateway.response import error_response, respond
+from pd_orchestrator.gateway.limits import REFUSALS_THAT_CLOSE, check_head, read_body
+from pd_orchestrator.gateway.protocol import limited_protocol
+from pd_orchestrator.gateway.response import error_of, error_response, respond
 from pd_orchestrator.gateway.state import (
     GatewayState,
     ReloadResult,
@@ -72,21 +80,23 @@ __all__ = ["Gateway"]
 logger = logging.getLogger("pd_orchestrator.gateway")
 
 _ROUTES: dict[str, Kind] = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+_CLOSE = {"connection": "close"}
 
 
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param=param), status)
+def _error(
+    status: int, message: str, param: str | None = None, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param=param), status, headers=headers)
 
 
-async def _read_body(receive: Receive) -> bytes:
-    chunks: list[bytes] = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise GatewayError(499, "the client disconnected")
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("latin-1")).digest()
+
+
+async def _refuse(send: Send, exc: GatewayError) -> None:
+    """Answer a refusal; one that leaves the request unread also closes the connection."""
+    headers = _CLOSE if exc.status in REFUSALS_THAT_CLOSE else None
+    await error_response(send, exc.status, exc.message, exc.param, headers)
 
 
 class Gateway:
@@ -132,11 +142,26 @@ class Gateway:
         """The ASGI application (the gateway itself)."""
         return self
 
+    def http_protocol(self) -> type[asyncio.Protocol]:
+        """The uvicorn HTTP protocol class to serve this gateway with: it enforces the
+        head limits of the current configuration while a head arrives
+        (:mod:`~pd_orchestrator.gateway.protocol`)."""
+        return limited_protocol(lambda: self.state.config.limits)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
+        if scope["type"] == "http":
+            try:
+                check_head(scope, self.state.config.limits)
+            except GatewayError as exc:
+                await _refuse(send, exc)
+                return
             kind = _ROUTES.get(scope["path"])
             if kind is not None:
-                await self._completion(scope, receive, send, kind)
+                if scope["method"] == "POST":
+                    await self._completion(scope, receive, send, kind)
+                else:
+                    message = f"method {scope['method']} is not allowed on {scope['path']}"
+                    await error_response(send, 405, message, None, {"allow": "POST"})
                 return
         await self._router(scope, receive, send)
 
@@ -149,7 +174,24 @@ class Gateway:
             Route("/status", self._status, methods=["GET"]),
             Route("/admin/reload", self._admin_reload, methods=["POST"]),
         ]
-        return Starlette(routes=routes, lifespan=self._lifespan)
+        handlers = {HTTPException: self._http_error, Exception: self._internal_error}
+        return Starlette(routes=routes, lifespan=self._lifespan, exception_handlers=handlers)
+
+    async def _http_error(self, request: Request, exc: Exception) -> Response:
+        """Starlette's 404 and 405 (and any HTTP error) in the OpenAI error shape."""
+        assert isinstance(exc, HTTPException)
+        method, path = request.method, request.url.path
+        if exc.status_code == 404:
+            message = f"there is no route {path}"
+        elif exc.status_code == 405:
+            message = f"method {method} is not allowed on {path}"
+        else:
+            message = exc.detail
+        return _error(exc.status_code, message, headers=exc.headers)
+
+    async def _internal_error(self, request: Request, exc: Exception) -> Response:
+        """An unexpected error on a Starlette route (the server logs its traceback)."""
+        return _error(500, f"internal error: {type(exc).__name__}")
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -223,10 +265,11 @@ class Gateway:
         path = scope["path"]
         try:
             admitted, plan = await self._plan(state, scope, receive, kind, path)
-        except GatewayError as exc:
-            self.metrics.count_request(path, "error", exc.status)
-            if exc.status != 499:
-                await error_response(send, exc.status, exc.message, exc.param)
+        except Exception as exc:
+            status, message, param = error_of(exc)
+            self.metrics.count_request(path, "error", status)
+            if status != 499:
+                await _refuse(send, GatewayError(status, message, param))
             return
         flows = self._flows(state, admitted.request, plan)
         flow = flows[0]
@@ -243,7 +286,7 @@ class Gateway:
     async def _plan(
         self, state: GatewayState, scope: Scope, receive: Receive, kind: Kind, path: str
     ) -> tuple[Admitted, Plan]:
-        raw = await _read_body(receive)
+        raw = await read_body(receive, state.config.limits.max_body_bytes)
         now = self.clock()
         headers = header_map(scope["headers"])
         admitted = admit(state, kind, path, raw, headers, now, self._ids)
@@ -309,7 +352,10 @@ class Gateway:
         served = Served(
             outcome.decoder, self.clock(), outcome.ttft, outcome.itl, outcome.prompt_tokens
         )
-        state.planner.learn(plan, admitted.facts, served)
+        try:
+            state.planner.learn(plan, admitted.facts, served)
+        except Exception:  # a learning plugin's fault must not fail a served request
+            logger.exception("learning from a served request failed")
 
     def _count(self, path: str, outcome: Outcome | None, status: int) -> None:
         """Count one answered request by route, decision and status."""
@@ -337,13 +383,17 @@ class Gateway:
         return JSONResponse(models_document(self.state))
 
     async def _admin_reload(self, request: Request) -> Response:
-        """``POST /admin/reload`` with ``Authorization: Bearer <admin.token>``."""
+        """``POST /admin/reload`` with ``Authorization: Bearer <admin.token>`` (the
+        scheme is case-insensitive; nothing else is accepted). The token is compared in
+        constant time, through digests so its length does not show either."""
         token = self.config.admin.token
         if token is None:
             return _error(404, "the admin API is disabled (set admin.token)")
-        offered = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not secrets.compare_digest(offered.encode(), token.get_secret_value().encode()):
-            return _error(401, "a valid admin bearer token is required")
+        scheme, _, offered = request.headers.get("authorization", "").partition(" ")
+        valid = hmac.compare_digest(_digest(offered), _digest(token.get_secret_value()))
+        if scheme.lower() != "bearer" or not valid:
+            message = "a valid admin bearer token is required"
+            return _error(401, message, headers={"www-authenticate": "Bearer"})
         result = await self.reload()
         status = 200 if result.applied else 422
         return JSONResponse({"reloaded": result.applied, "message": result.message}, status)
