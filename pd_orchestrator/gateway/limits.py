@@ -33,6 +33,7 @@ REFUSALS_THAT_CLOSE = frozenset({413, 431})
 """Statuses answered with ``connection: close`` (the rest of the request is unread)."""
 
 _MAX_LENGTH_DIGITS = 19
+_CONTAINERS = frozenset({dict, list})
 
 
 def check_head(scope: Scope, limits: LimitsConfig) -> None:
@@ -82,15 +83,20 @@ async def read_body(receive: Receive, limit: int) -> bytes:
 
 def json_depth_exceeds(body: dict[str, Any], limit: int, skip: str = "") -> bool:
     """Whether ``body`` nests deeper than ``limit`` (the body itself is level 1),
-    not looking inside its ``skip`` field. Iterative: no recursion, whatever the depth."""
-    stack = [(v, 2) for k, v in body.items() if k != skip and (type(v) is dict or type(v) is list)]
-    while stack:
-        node, depth = stack.pop()
+    not looking inside its ``skip`` field. Level by level, containers only: no
+    recursion, whatever the depth."""
+    level = [v for k, v in body.items() if k != skip and type(v) in _CONTAINERS]
+    depth = 1
+    while level:
+        depth += 1
         if depth > limit:
             return True
-        for child in node.values() if type(node) is dict else node:
-            if type(child) is dict or type(child) is list:
-                stack.append((child, depth + 1))
+        level = [
+            child
+            for node in level
+            for child in (node.values() if type(node) is dict else node)
+            if type(child) in _CONTAINERS
+        ]
     return False
 
 
