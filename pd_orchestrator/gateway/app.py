@@ -385,7 +385,9 @@ class Gateway:
     async def _admin_reload(self, request: Request) -> Response:
         """``POST /admin/reload`` with ``Authorization: Bearer <admin.token>`` (the
         scheme is case-insensitive; nothing else is accepted). The token is compared in
-        constant time, through digests so its length does not show either."""
+        constant time, through digests so its length does not show either. 200
+        ``{"reloaded": true, "message"}`` when applied; a refused file is a 422 error
+        whose message says why."""
         token = self.config.admin.token
         if token is None:
             return _error(404, "the admin API is disabled (set admin.token)")
@@ -395,5 +397,6 @@ class Gateway:
             message = "a valid admin bearer token is required"
             return _error(401, message, headers={"www-authenticate": "Bearer"})
         result = await self.reload()
-        status = 200 if result.applied else 422
-        return JSONResponse({"reloaded": result.applied, "message": result.message}, status)
+        if not result.applied:
+            return _error(422, result.message)
+        return JSONResponse({"reloaded": True, "message": result.message})
