@@ -111,7 +111,7 @@ prompt = _often(
     st.text(min_size=1, max_size=120),
     st.one_of(
         st.lists(st.integers(-5, 40_000), max_size=20),
-        st.lists(st.integers(-(2**70), 2**70), max_size=5),
+        st.lists(st.integers(-(2**70), 2**70), min_size=4, max_size=8),
         st.lists(json_values, max_size=3),
         json_values,
         raw_token,
@@ -218,10 +218,25 @@ headers = st.lists(st.tuples(header_names.map(str.encode), header_values), max_s
 # -- the fleet under test -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gateway(module_sims: SimFactory, module_gateways: GatewayFactory) -> Iterator[Child]:
-    decoder, prefiller = module_sims(*SIM), module_sims(*SIM)
+    decoders, prefiller = [module_sims(*SIM), module_sims(*SIM)], module_sims(*SIM)
     config = gateway_config(
-        [decoder], [prefiller], admin={"token": TOKEN}, limits={"max_body_bytes": 262_144}
+        decoders, [prefiller], admin={"token": TOKEN}, limits={"max_body_bytes": 262_144}
     )
+    # Every prefix path sees the hostile prompts (two decoders, so routing scores them):
+    # both scorers, CBOR block hashes (64-bit ids only), the decoder's /tokenize.
+    scorers = [
+        {"type": "precise-prefix", "weight": 2, "params": {"share_slack": None}},
+        {"type": "approximate-prefix", "weight": 1, "params": {"share_slack": None}},
+    ]
+    config["routing"] = {"decode": {"scorers": scorers}}
+    config["prefix"] = {
+        "precise": {
+            "block_size": 4,
+            "hash_algo": "sha256_cbor",
+            "tokenize": True,
+            "events": {"publisher": None},
+        }
+    }
     gateway = module_gateways(config)
     yield gateway
     assert gateway.process.poll() is None, gateway.log_tail()
