@@ -9,7 +9,8 @@ limit: a 50 MB header value is buffered whole before the application sees it).
   ``limits.max_header_bytes``, and headers against ``limits.max_headers``, as the
   parser reports them;
 * the raw bytes of a head still incomplete, so a head that never ends (one huge
-  header value) is cut after at most one network read past the limit.
+  header value) is cut after at most one network read past twice the limit (the
+  raw head also holds separators and line ends, which the limit does not count).
 
 Either answers 431 and closes the connection. A request the parser cannot read
 is answered 400 (uvicorn's plain-text answer, rewritten). Both answers are
@@ -65,7 +66,7 @@ def limited_protocol(limits: Callable[[], LimitsConfig]) -> type[asyncio.Protoco
                 self._unparsed += len(data)
             super().data_received(data)
             limit = self._limits.max_header_bytes
-            if self._in_head and self._unparsed > limit and not self.transport.is_closing():
+            if self._in_head and self._unparsed > 2 * limit and not self.transport.is_closing():
                 self._refuse(431, f"the request head exceeds {limit} bytes")
 
         def on_message_begin(self) -> None:

@@ -288,6 +288,30 @@ async def test_a_head_that_never_ends_is_cut_while_it_arrives(strict: Child) -> 
     assert status == 431 and "8192 bytes" in error["message"]
 
 
+def _slow_exchange(child: Child, pieces: list[bytes]) -> bytes:
+    """Send ``pieces`` as separate writes a little apart; the whole answer."""
+    with socket.create_connection(("127.0.0.1", child.port), timeout=10) as sock:
+        for piece in pieces:
+            sock.sendall(piece)
+            time.sleep(0.05)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    return received
+
+
+async def test_a_head_within_the_limits_is_served_however_it_arrives(strict: Child) -> None:
+    """Names and values just under the limit, sent in pieces: the raw head (with its
+    separators) is longer than the limit and must not be cut."""
+    lines = b"".join(b"x-pad-%02d: %s\r\n" % (i, b"v" * 262) for i in range(30))
+    head = b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n" + lines + b"\r\n"
+    counted = len(b"/healthhostxconnectionclose") + 30 * len(b"x-pad-00" + b"v" * 262)
+    assert 8100 < counted <= 8192 < len(head)
+    pieces = [head[:4000], head[4000:-2], head[-2:]]  # incomplete past 8192 raw bytes
+    received = await anyio.to_thread.run_sync(_slow_exchange, strict, pieces)
+    assert received.startswith(b"HTTP/1.1 200 "), received[:200]
+
+
 async def test_invalid_http_is_answered_in_the_error_shape(strict: Child) -> None:
     """Old: uvicorn's plain-text 'Invalid HTTP request received.'"""
     received = await anyio.to_thread.run_sync(_raw_exchange, strict, b"NOT HTTP AT ALL\r\n\r\n")
