@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import tempfile
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -15,7 +16,9 @@ from rich.console import Console
 from rich.table import Table
 
 from connectors import parse_spec
+from pd_orchestrator import __version__
 from pd_orchestrator.children import Child, python_command, start_child, stop_child
+from pd_orchestrator.cli.logs import add_logging_arguments, logging_from_args
 from pd_orchestrator.cli.signals import exit_on_sigterm
 from pd_orchestrator.config import ConfigError, EndpointConfig, GatewayConfig, load_config
 from pd_orchestrator.config.settings import FleetEndpoint, KvSettings
@@ -25,6 +28,7 @@ from pd_orchestrator.sim.server import bind_socket
 __all__ = ["add_parsers", "resolve_simulated", "serve_gateway"]
 
 DEFAULT_CONFIG = Path("configs/local.yaml")
+logger = logging.getLogger("pd_orchestrator.gateway")
 
 
 def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -32,6 +36,7 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     serve.add_argument("--config", type=Path, required=True, help="YAML configuration file")
     serve.add_argument("--host", default=None, help="listen address (overrides the config)")
     serve.add_argument("--port", type=int, default=None, help="listen port (overrides the config)")
+    add_logging_arguments(serve)
     serve.set_defaults(handler=run_serve)
 
     check = subparsers.add_parser("check-config", help="validate a configuration file")
@@ -50,6 +55,7 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         default=None,
         help="write the started endpoints (name, role, url, pid) here as JSON",
     )
+    add_logging_arguments(up)
     up.set_defaults(handler=run_up)
 
 
@@ -74,6 +80,11 @@ def _listen(config: GatewayConfig, host: str | None, port: int | None) -> Gatewa
     return config.model_copy(update={"listen": listen})
 
 
+def _logging(config: GatewayConfig, args: argparse.Namespace) -> GatewayConfig:
+    """``config`` with the command line's ``--log-level`` and ``--log-format``."""
+    return config.model_copy(update={"logging": logging_from_args(args, config.logging)})
+
+
 def serve_gateway(
     config: GatewayConfig,
     on_ready: Callable[[str], None] | None = None,
@@ -83,10 +94,13 @@ def serve_gateway(
 
     ``on_ready(url)`` runs once the socket is bound and the app has started; by
     default it prints ``READY <url>`` (what :mod:`pd_orchestrator.children` waits for).
-    With ``config_path``, SIGHUP reloads the configuration from it.
+    With ``config_path``, SIGHUP reloads the configuration from it. Logging is
+    configured from ``config.logging`` first (uvicorn's records included).
     """
     from pd_orchestrator.gateway import Gateway
+    from pd_orchestrator.telemetry.logs import configure_logging
 
+    configure_logging(config.logging)
     sock = bind_socket(config.listen.host, config.listen.port)
     url = f"http://{config.listen.host}:{sock.getsockname()[1]}"
     gateway = Gateway(config, config_path=config_path)
@@ -94,6 +108,7 @@ def serve_gateway(
         uvicorn.Config(
             gateway.app(),
             log_level="warning",
+            log_config=None,
             timeout_graceful_shutdown=5,
             http="httptools",
             interface="asgi3",
@@ -108,6 +123,11 @@ def serve_gateway(
             tg.start_soon(server.serve, [sock])
             while not server.started:  # noqa: ASYNC110 - uvicorn exposes no event
                 await anyio.sleep(0.02)
+            logger.info(
+                "pd-orchestrator %s serving on %s (%s, %d endpoints, tracing %s)",
+                __version__, url, config.mode, len(config.fleet()),
+                "on" if gateway.tracing is not None else "off",
+            )  # fmt: skip
             (on_ready or _announce)(url)
 
     anyio.run(main, backend_options={"use_uvloop": True})
@@ -127,7 +147,8 @@ def run_serve(args: argparse.Namespace) -> int:
         console.print(f"[bold red]error:[/] endpoints without a url: {', '.join(missing)}")
         return 2
     exit_on_sigterm()
-    serve_gateway(_listen(config, args.host, args.port), config_path=args.config)
+    config = _logging(_listen(config, args.host, args.port), args)
+    serve_gateway(config, config_path=args.config)
     return 0
 
 
@@ -241,7 +262,7 @@ def run_up(args: argparse.Namespace) -> int:
     config = _load(args.config, Console(stderr=True))
     if config is None:
         return 2
-    config = _listen(config, args.host, args.port)
+    config = _logging(_listen(config, args.host, args.port), args)
     exit_on_sigterm()
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="pdo-kv-") as shared:
         try:

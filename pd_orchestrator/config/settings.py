@@ -36,6 +36,7 @@ from connectors import (
     get_connector,
 )
 from pd_orchestrator.config.load import LoadConfig
+from pd_orchestrator.config.observability import AuthConfig, LoggingConfig, TracingConfig
 from pd_orchestrator.config.policy import ThresholdConfig
 from pd_orchestrator.config.prefix import PrefixConfig
 from pd_orchestrator.config.routing import RoutingConfig
@@ -44,6 +45,7 @@ __all__ = [
     "AdminConfig",
     "AskAllConfig",
     "AskAllFallbackConfig",
+    "AuthConfig",
     "CompatibilityConfig",
     "ConnectorBridge",
     "EndpointConfig",
@@ -54,11 +56,13 @@ __all__ = [
     "HostStagedPair",
     "KvSettings",
     "ListenConfig",
+    "LoggingConfig",
     "PoolConfig",
     "SidecarConfig",
     "SimSpec",
     "ThresholdConfig",
     "TimeoutConfig",
+    "TracingConfig",
     "UpstreamConfig",
 ]
 
@@ -196,6 +200,11 @@ class PoolConfig(_Strict):
     group: str | None = Field(default=None, description="default: the hardware label")
     sim: SimSpec | None = Field(default=None, description="default sim block of the endpoints")
     kv: KvSettings | None = Field(default=None, description="default kv block of the endpoints")
+    api_key: SecretStr | None = Field(
+        default=None,
+        description="bearer key sent to this pool's endpoints instead of the client's "
+        "Authorization (default: upstream.api_key)",
+    )
     endpoints: Annotated[list[EndpointConfig], Field(min_length=1)]
 
     @model_validator(mode="after")
@@ -276,6 +285,7 @@ class FleetEndpoint:
     connector: ConnectorName
     sim: SimSpec | None
     kv: KvSettings = field(default_factory=KvSettings)
+    api_key: SecretStr | None = field(default=None, repr=False)
 
     @property
     def peer(self) -> PeerInfo:
@@ -366,6 +376,11 @@ class UpstreamConfig(_Strict):
     )
     prefill_attempts: Annotated[int, Field(ge=1, le=10)] = 3
     retry_backoff: Annotated[float, Field(ge=0.0)] = 0.05
+    api_key: SecretStr | None = Field(
+        default=None,
+        description="bearer key sent to every endpoint instead of the client's "
+        "Authorization (PDO_UPSTREAM__API_KEY); a pool's api_key wins",
+    )
 
 
 class HealthConfig(_Strict):
@@ -440,6 +455,9 @@ class GatewayConfig(BaseSettings):
     mode: Literal["decode-first", "ask-all"] = "decode-first"
     admin: AdminConfig = Field(default_factory=AdminConfig)
     ask_all: AskAllConfig = Field(default_factory=AskAllConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
 
     @classmethod
     def settings_customise_sources(
@@ -497,6 +515,7 @@ class GatewayConfig(BaseSettings):
                 connector=pool.connector or self.connector,
                 sim=e.sim or pool.sim,
                 kv=e.kv or pool.kv or KvSettings(),
+                api_key=pool.api_key or self.upstream.api_key,
             )
             for pool in self.pools
             for e in pool.endpoints

@@ -8,8 +8,19 @@ request goes through it, so every one is treated alike:
 * its success or failure reported to the fleet (a connection that cannot be made
   counts as a failed check; a leg that breaks mid-answer marks its endpoint
   unhealthy: :meth:`Legs.broken`);
-* its failures counted in ``pd_orchestrator_upstream_errors_total``;
-* given an id (``X-Request-Id: <request id>-<n>``);
+* counted by endpoint, phase and outcome, with its duration
+  (``pd_orchestrator_upstream_requests_total``, ``pd_orchestrator_upstream_seconds``);
+  a prefill sent again after a failed one is a retry
+  (``pd_orchestrator_prefill_retries_total``), a decode leg that carries KV transfer
+  parameters a hand-over (``pd_orchestrator_kv_transfers_total``);
+* its failures -- when it is sent, or mid-answer -- counted in
+  ``pd_orchestrator_upstream_errors_total`` and logged once, with the endpoint's
+  name, the phase and the upstream's own message (the one place they are logged;
+  the client gets the gateway's words);
+* given an id (``X-Request-Id: <request id>-<n>``), the request's ``forward``
+  headers (the client's ``Authorization`` unless the endpoint's pool has its own
+  key, which replaces it) and, when tracing, a span of its own whose
+  ``traceparent`` it carries;
 * closed when the request ends, whatever ends it (:meth:`Legs.aclose`, shielded and
   bounded).
 
@@ -20,25 +31,45 @@ batch (``whole``), so a flow relays both alike.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+from opentelemetry.trace import Span
 
 from pd_orchestrator.fleet.endpoints import Endpoint
 from pd_orchestrator.fleet.state import FleetState
 from pd_orchestrator.flows.chunks import ChunkView, view_answer, view_chunk
 from pd_orchestrator.openai.responses import Kind
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
+from pd_orchestrator.telemetry.tracing import RequestTrace
 from pd_orchestrator.upstream.client import ChunkStream, Phase, Upstream
-from pd_orchestrator.upstream.errors import UpstreamError
+from pd_orchestrator.upstream.errors import (
+    UpstreamError,
+    UpstreamStatusError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 
 __all__ = ["CLOSE_SECONDS", "Leg", "Legs"]
 
 Json = dict[str, Any]
 CLOSE_SECONDS = 2.0
 """How long closing one leg may take before it is abandoned."""
+logger = logging.getLogger("pd_orchestrator.upstream")
+
+
+def outcome_of(exc: UpstreamError) -> str:
+    """The ``outcome`` label of a failed leg."""
+    if isinstance(exc, UpstreamStatusError):
+        return "http_4xx" if 400 <= exc.status < 500 else "http_5xx"
+    if isinstance(exc, UpstreamUnavailable):
+        return "unavailable"
+    if isinstance(exc, UpstreamTimeout):
+        return "timeout"
+    return "protocol"
 
 
 class _Whole:
@@ -64,7 +95,9 @@ class Leg:
     ``kind``: the API its chunks speak. ``whole``: its one batch is a whole answer.
     ``original_prompt``: it serves the client's prompt (not a continuation).
     ``held``: chunks read ahead (to the first decisive one) and not yet relayed.
-    ``tokens`` and ``usage``: what it generated and reported.
+    ``tokens`` and ``usage``: what it generated and reported. ``ended``: read to its
+    end; ``error``: what broke it mid-answer; ``phase`` and ``span``: how
+    :class:`Legs` accounts for it when it closes.
     """
 
     endpoint: Endpoint
@@ -79,6 +112,10 @@ class Leg:
     tokens: int = 0
     usage: Json | None = None
     open: bool = True
+    ended: bool = False
+    error: UpstreamError | None = None
+    phase: str = ""
+    span: Span | None = None
 
     def view(self, chunk: Json) -> ChunkView:
         """What ``chunk`` (an answer when ``whole``) says."""
@@ -88,7 +125,7 @@ class Leg:
         """Hold chunks until one carries content or a finish; None if none does."""
         if self.decisive is not None:
             return self.decisive
-        async for batch in self.source:
+        while (batch := await self._next()) is not None:
             self.held.extend(batch)
             for chunk in batch:
                 view = self.view(chunk)
@@ -102,10 +139,17 @@ class Leg:
         if self.held:
             held, self.held = self.held, []
             return held
+        return await self._next()
+
+    async def _next(self) -> list[Json] | None:
         try:
             return await self.source.__anext__()
         except StopAsyncIteration:
+            self.ended = True
             return None
+        except UpstreamError as exc:
+            self.error = exc
+            raise
 
 
 class Legs:
@@ -118,41 +162,107 @@ class Legs:
         metrics: GatewayMetrics,
         request_id: str,
         clock: Callable[[], float],
+        *,
+        forward: Mapping[str, str] | None = None,
+        trace: RequestTrace | None = None,
     ) -> None:
         self.upstream = upstream
         self.fleet = fleet
         self.metrics = metrics
         self.request_id = request_id
         self.clock = clock
+        self.forward = forward
+        self.trace = trace
         self.failed: set[str] = set()
         self._count = 0
         self._open: list[tuple[Leg, ChunkStream]] = []
+        self._prefill_failed = False
 
-    def _headers(self) -> dict[str, str]:
+    def _headers(self, endpoint: Endpoint, span: Span | None) -> dict[str, str]:
         self._count += 1
-        return {"x-request-id": f"{self.request_id}-{self._count}"}
+        headers = {"x-request-id": f"{self.request_id}-{self._count}"}
+        if self.forward:
+            headers.update(self.forward)
+        if endpoint.authorization is not None:
+            headers["authorization"] = endpoint.authorization
+        if span is not None and self.trace is not None:
+            self.trace.inject(span, headers)
+        return headers
 
-    def _failure(self, endpoint: Endpoint, exc: UpstreamError) -> None:
-        self.metrics.upstream_errors.labels(endpoint.name, type(exc).__name__).inc()
+    def _span(self, endpoint: Endpoint, phase: str, name: str) -> Span | None:
+        trace = self.trace
+        return None if trace is None else trace.leg(name, endpoint.name, phase)
+
+    def _failure(self, endpoint: Endpoint, exc: UpstreamError, phase: str) -> None:
+        """Count and log a failed leg (the one place upstream failures are logged)."""
+        self.metrics.count_upstream_error(endpoint.name, type(exc).__name__)
         self.failed.add(endpoint.name)
         if exc.connection_failed:
             self.fleet.record_failure(endpoint.name)
+        if phase == "prefill":
+            self._prefill_failed = True
+        client_side = isinstance(exc, UpstreamStatusError) and 400 <= exc.status < 500
+        logger.log(
+            logging.INFO if client_side else logging.WARNING,
+            "upstream %s failed during %s: %s",
+            endpoint.name,
+            phase,
+            exc.message,
+        )
 
-    async def post(self, endpoint: Endpoint, path: str, body: Json, phase: Phase) -> Json:
-        """POST ``body`` and return the whole answer."""
+    def _sending(self, phase: str) -> None:
+        if phase == "prefill" and self._prefill_failed:
+            self._prefill_failed = False
+            self.metrics.prefill_retries.inc()
+
+    async def post(
+        self, endpoint: Endpoint, path: str, body: Json, phase: Phase, *, label: str | None = None
+    ) -> Json:
+        """POST ``body`` and return the whole answer. ``label`` names the leg in metrics
+        and traces when its phase does not say enough (``probe``)."""
+        name = label or phase.value
+        return await self._post(endpoint, path, body, phase, name, name)
+
+    async def _post(
+        self, endpoint: Endpoint, path: str, body: Json, phase: Phase, name: str, span_name: str
+    ) -> Json:
         fleet = self.fleet
+        span = self._span(endpoint, name, span_name)
+        self._sending(name)
+        started = self.clock()
         fleet.enter(endpoint.name)
         try:
             answer = await self.upstream.post_json(
-                endpoint, path, body, phase=phase, headers=self._headers()
+                endpoint, path, body, phase=phase, headers=self._headers(endpoint, span)
             )
         except UpstreamError as exc:
-            self._failure(endpoint, exc)
+            self._failed_leg(endpoint, exc, name, span)
+            raise
+        except BaseException:
+            self._cancelled_leg(endpoint, name, span)
             raise
         finally:
             fleet.leave(endpoint.name)
         fleet.record_success(endpoint.name)
+        self.metrics.count_leg(endpoint.name, name, "ok", self.clock() - started)
+        if span is not None:
+            RequestTrace.end_leg(span, "ok", _answer_attributes(answer))
         return answer
+
+    def _failed_leg(
+        self, endpoint: Endpoint, exc: UpstreamError, phase: str, span: Span | None
+    ) -> None:
+        outcome = outcome_of(exc)
+        self._failure(endpoint, exc, phase)
+        self.metrics.count_leg(endpoint.name, phase, outcome, None)
+        if span is not None:
+            RequestTrace.end_leg(span, outcome, {"pd.error": str(exc)})
+
+    def _cancelled_leg(self, endpoint: Endpoint, phase: str, span: Span | None) -> None:
+        """A leg abandoned before its answer came (the request was cancelled)."""
+        self.metrics.count_leg(endpoint.name, phase, "cancelled", None)
+        if span is not None:
+            RequestTrace.end_leg(span, "cancelled")
 
     async def open(
         self,
@@ -166,21 +276,35 @@ class Legs:
     ) -> Leg:
         """Send ``body``: a stream when it says ``stream``, else a whole answer."""
         threshold = float(body.get("cache_hit_threshold") or 0.0)
+        name = phase.value
+        span_name = name
+        if phase is Phase.DECODE:
+            if "kv_transfer_params" in body:
+                self.metrics.count_kv_transfer(endpoint.connector)
+            if not original_prompt:
+                span_name = "continuation"
         if not body.get("stream"):
-            answer = await self.post(endpoint, path, body, phase)
+            answer = await self._post(endpoint, path, body, phase, name, span_name)
             return self.answer(endpoint, answer, kind, original_prompt, threshold)
+        span = self._span(endpoint, name, span_name)
         started = self.clock()
         self.fleet.enter(endpoint.name)
         try:
             stream = await self.upstream.open_stream(
-                endpoint, path, body, phase=phase, headers=self._headers()
+                endpoint, path, body, phase=phase, headers=self._headers(endpoint, span)
             )
         except UpstreamError as exc:
             self.fleet.leave(endpoint.name)
-            self._failure(endpoint, exc)
+            self._failed_leg(endpoint, exc, name, span)
+            raise
+        except BaseException:
+            self.fleet.leave(endpoint.name)
+            self._cancelled_leg(endpoint, name, span)
             raise
         self.fleet.record_success(endpoint.name)
         leg = Leg(endpoint, kind, stream, False, original_prompt, started, threshold)
+        leg.phase = name
+        leg.span = span
         self._open.append((leg, stream))
         return leg
 
@@ -213,9 +337,30 @@ class Legs:
                         await stream.aclose()
                 finally:
                     self.fleet.leave(leg.endpoint.name)
+                    self._closed(leg)
                 return
+
+    def _closed(self, leg: Leg) -> None:
+        """Account for a stream that ended: read to its end, cancelled or broken."""
+        name = leg.endpoint.name
+        if leg.error is not None:
+            self._failed_leg(leg.endpoint, leg.error, leg.phase, leg.span)
+            return
+        outcome = "ok" if leg.ended else "cancelled"
+        self.metrics.count_leg(name, leg.phase, outcome, self.clock() - leg.started)
+        if leg.span is not None:
+            RequestTrace.end_leg(leg.span, outcome, {"pd.completion_tokens": leg.tokens})
 
     async def aclose(self) -> None:
         """Close every leg still open."""
         while self._open:
             await self.close(self._open[-1][0])
+
+
+def _answer_attributes(answer: Json) -> dict[str, Any]:
+    """Span attributes of a whole answer: its token counts, when it reports them."""
+    usage = answer.get("usage")
+    if not isinstance(usage, dict):
+        return {}
+    counts = (("pd.prompt_tokens", "prompt_tokens"), ("pd.completion_tokens", "completion_tokens"))
+    return {key: usage[name] for key, name in counts if isinstance(usage.get(name), int)}
