@@ -349,8 +349,11 @@ class Gateway:
         """Count one answered request by route, decision and status."""
         decision = "error" if outcome is None or status >= 400 else outcome.decision
         self.metrics.count_request(path, decision, status)
-        if decision != "error" and outcome is not None and outcome.ttft is not None:
-            self.metrics.ttft.observe(outcome.ttft)
+        if decision != "error" and outcome is not None:
+            if outcome.ttft is not None:
+                self.metrics.ttft.observe(outcome.ttft)
+            if outcome.itl is not None:
+                self.metrics.itl.observe(outcome.itl)
 
     # -- other routes -----------------------------------------------------------------------
     async def _health(self, request: Request) -> Response:

@@ -8,6 +8,7 @@
 * ``pd_orchestrator_phase_seconds{phase}`` -- ``decode_attempt``, ``prefill``,
   ``decode`` and ``total``;
 * ``pd_orchestrator_ttft_seconds`` -- arrival to the first content sent to the client;
+* ``pd_orchestrator_itl_seconds`` -- a request's mean gap between later content (ITL);
 * ``pd_orchestrator_upstream_requests_total{upstream,phase,outcome}`` -- every
   upstream request (leg) by endpoint name, phase and outcome: ``ok`` (answered and
   read to its end), ``cancelled`` (closed by the gateway before its end: a rejected
@@ -66,6 +67,10 @@ _SECONDS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
     1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
+_ITL_SECONDS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5,
+)  # fmt: skip
 _RATIOS = tuple(i / 20 for i in range(21))
 
 
@@ -101,6 +106,13 @@ class GatewayMetrics:
             "pd_orchestrator_ttft_seconds",
             "Arrival to the first content sent to the client.",
             buckets=_SECONDS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pd_orchestrator_itl_seconds",
+            "Mean gap between the pieces of content sent to the client after the first, "
+            "per request.",
+            buckets=_ITL_SECONDS,
             registry=r,
         )
         self.upstream_requests = Counter(
