@@ -25,7 +25,7 @@ from pd_orchestrator.config.settings import (
 )
 from pd_orchestrator.fleet.endpoints import Endpoint
 from pd_orchestrator.fleet.state import FleetState
-from pd_orchestrator.flows import Flow, FlowSettings, Legs, Probe, Single, renderer_for
+from pd_orchestrator.flows import Flow, FlowSettings, Legs, Probe, Race, Single, renderer_for
 from pd_orchestrator.flows.attempts import Attempt
 from pd_orchestrator.planner.plan import Plan, Planner, RequestFacts
 from pd_orchestrator.policies.threshold import ThresholdResolver
@@ -34,7 +34,12 @@ from pd_orchestrator.telemetry.metrics import GatewayMetrics
 from pd_orchestrator.telemetry.tracing import RequestTrace, Tracing
 from pd_orchestrator.upstream.client import Upstream
 from pd_orchestrator.upstream.errors import UpstreamStatusError
-from pd_orchestrator.upstream.transport import ConnectionBroken, MockResponse, MockTransport
+from pd_orchestrator.upstream.transport import (
+    ConnectionBroken,
+    MockResponse,
+    MockTransport,
+    Request,
+)
 
 from .test_flow import (
     D0,
@@ -62,6 +67,7 @@ PREFILL = {"id": "p", "choices": [{"index": 0, "text": "x", "finish_reason": "le
 @dataclass
 class Observed:
     flow: Flow
+    legs: Legs
     metrics: GatewayMetrics
     transport: MockTransport
     spans: list[ReadableSpan]
@@ -114,7 +120,7 @@ async def _serve(
         finally:
             if trace is not None:
                 trace.finish(200, {"pd.decision": flow.decision})
-    return Observed(flow, metrics, transport, list(exporter.get_finished_spans()), trace)
+    return Observed(flow, legs, metrics, transport, list(exporter.get_finished_spans()), trace)
 
 
 def _plan_over(fleet: tuple[Endpoint, ...]) -> Plan:
@@ -322,3 +328,22 @@ async def test_ask_all_probes_are_their_own_legs() -> None:
     assert run.sample(counted, upstream="d0", phase="probe", outcome="ok") == 1
     assert run.sample(counted, upstream="d1", phase="probe", outcome="ok") == 1
     assert sorted(s.name for s in run.spans if s.name == "probe") == ["probe", "probe"]
+
+
+async def test_a_leg_cancelled_while_it_connects_leaves_nothing_in_flight() -> None:
+    async def never(request: Request) -> MockResponse:
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    script = Script(
+        {"d0": [_stream(_completion_chunk([5, 6], "length", first=True))], "d1": [never]}
+    )
+    fleet = (D0, D1, P0)
+    race = Race(AskAllConfig(), GatewayMetrics())
+    run = await _serve(script, STREAM, fleet=fleet, attempt=race, tracing=True)
+    assert run.flow.decoder == D0
+    assert run.legs.fleet.status("d1").in_flight == 0  # the loser was still connecting
+    counted = "pd_orchestrator_upstream_requests_total"
+    assert run.sample(counted, upstream="d1", phase="decode_attempt", outcome="cancelled") == 1
+    [loser] = [s for s in run.spans if dict(s.attributes or {}).get("pd.endpoint") == "d1"]
+    assert dict(loser.attributes or {})["pd.outcome"] == "cancelled"
