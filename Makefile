@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PORT ?= 8000
 
 .PHONY: run test lint format unit e2e lock clean vllm-env tiny-model e2e-vllm bench \
-	vllm033-env plugin-vllm033 e2e-live
+	vllm033-env plugin-vllm033 e2e-live overhead
 
 $(STAMP): requirements/lock.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ run: $(STAMP)
 BENCH_ARGS ?= --workload shared-prefix --virtual --fleet h200
 bench: $(STAMP)
 	$(BIN)/pd-orchestrator bench $(BENCH_ARGS) --out bench-results/make-bench
+
+## overhead: per-request cost of the gateway against vllm-router and SMG (wrk; ~5 min; not in `make test`)
+OVERHEAD_ARGS ?=
+overhead: $(STAMP)
+	$(BIN)/python benchmarks/overhead_bench.py $(OVERHEAD_ARGS)
 
 ## lint: ruff check + format check, mypy --strict on both packages
 lint: $(STAMP)

@@ -2,6 +2,9 @@
 
 Every adapter is pure: no I/O, no clock, no shared state, and no method mutates its
 arguments (bodies, answers and contexts are read, and new objects are returned).
+Bodies are copied at the top level only: the client's nested values are shared by
+every leg and changed by none (a large prompt is never copied on the request path);
+transfer params are always fresh.
 
 Terms used by every module docstring:
 
@@ -291,13 +294,15 @@ class Connector(Protocol):
 
 
 def one_token_body(body: Body) -> Body:
-    """A deep copy of ``body`` turned into a one-token, non-streamed request.
+    """A copy of ``body`` turned into a one-token, non-streamed request.
 
     ``max_tokens`` (and ``max_completion_tokens`` if present) become 1,
     ``stream_options`` goes, ``min_tokens`` is capped at 1 and the cache-hit
-    threshold is dropped (prefill requests ignore it anyway).
+    threshold is dropped (prefill requests ignore it anyway). The copy is shallow:
+    only top-level fields change, and the client's nested values (messages, tools,
+    a prompt of any size) are shared, never copied and never changed.
     """
-    out = copy.deepcopy(body)
+    out = dict(body)
     out["stream"] = False
     out.pop("stream_options", None)
     out["max_tokens"] = 1
@@ -324,8 +329,9 @@ def answer_params(answer: Body) -> Params | None:
 
 
 def with_params(body: Body, params: Mapping[str, Any] | None) -> Body:
-    """A deep copy of ``body`` whose ``kv_transfer_params`` is ``params`` (absent if None)."""
-    out = copy.deepcopy(body)
+    """A copy of ``body`` (shallow, as :func:`one_token_body`) whose
+    ``kv_transfer_params`` is a copy of ``params`` (absent if None)."""
+    out = dict(body)
     if params is None:
         out.pop("kv_transfer_params", None)
     else:

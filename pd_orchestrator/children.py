@@ -4,22 +4,38 @@ A child prints ``READY <url>`` once it accepts requests. :func:`start_child` wai
 for that line (bounded), :func:`stop_child` stops the child's whole process group
 (SIGTERM, then SIGKILL after a grace period). Output other than the READY line goes
 to a log file whose tail is quoted when a child fails to start.
+
+Log files: with a ``log_dir`` the caller owns them (a :class:`RunDirectory`'s
+``logs/`` for instance). Without one, the log is a temporary file that
+:func:`stop_child` deletes; a child that fails to start keeps its log, and the
+error names the file.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
+from typing import Self
 
-__all__ = ["Child", "ChildStartError", "python_command", "start_child", "stop_child"]
+__all__ = [
+    "Child",
+    "ChildStartError",
+    "RunDirectory",
+    "python_command",
+    "start_child",
+    "stop_child",
+]
 
 _READY = "READY "
 
@@ -36,6 +52,8 @@ class Child:
     url: str
     process: subprocess.Popen[str]
     log_path: Path
+    owns_log: bool = False
+    """Whether :func:`stop_child` deletes the log (a temporary file nobody asked for)."""
 
     @property
     def port(self) -> int:
@@ -60,8 +78,14 @@ def start_child(
     env: Mapping[str, str] | None = None,
     timeout: float = 30.0,
     log_dir: Path | None = None,
+    die_with_parent: bool = False,
 ) -> Child:
-    """Start ``argv`` in its own process group and wait for its READY line."""
+    """Start ``argv`` in its own process group and wait for its READY line.
+
+    ``log_dir``: where the child's stderr goes (``NAME-*.log``); see the module
+    docstring for logs without one. ``die_with_parent``: on Linux the child gets
+    SIGTERM when this process dies, however it dies (SIGKILL included).
+    """
     log = tempfile.NamedTemporaryFile(
         mode="w", prefix=f"{name}-", suffix=".log", dir=log_dir, delete=False
     )
@@ -73,15 +97,34 @@ def start_child(
         env={**os.environ, **(env or {})},
         text=True,
         start_new_session=True,
+        preexec_fn=_parent_death_signal() if die_with_parent else None,
     )
     log.close()
-    child = Child(name=name, url="", process=process, log_path=Path(log.name))
+    child = Child(name, "", process, Path(log.name), owns_log=log_dir is None)
     try:
         child.url = _await_ready(child, timeout)
     except BaseException:
+        child.owns_log = False  # the log is the only account of what went wrong
         stop_child(child)
         raise
     return child
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A ``preexec_fn`` asking Linux to send SIGTERM to the child when its parent
+    dies (``prctl(PR_SET_PDEATHSIG)``); None where there is no such call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+    set_pdeathsig = 1  # PR_SET_PDEATHSIG
+
+    def arm() -> None:
+        prctl(set_pdeathsig, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the call
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
 
 
 def _await_ready(child: Child, timeout: float) -> str:
@@ -99,8 +142,8 @@ def _await_ready(child: Child, timeout: float) -> str:
             data = os.read(fd, 65536)
             if not data:
                 raise ChildStartError(
-                    f"{child.name} exited with {child.process.wait(5)} before it was ready:\n"
-                    f"{child.log_tail()}"
+                    f"{child.name} exited with {child.process.wait(5)} before it was ready "
+                    f"(log: {child.log_path}):\n{child.log_tail()}"
                 )
             pending += data
             for line in pending.split(b"\n")[:-1]:
@@ -108,7 +151,10 @@ def _await_ready(child: Child, timeout: float) -> str:
                 if text.startswith(_READY):
                     return text[len(_READY) :].strip()
             pending = pending.rsplit(b"\n", 1)[-1]
-    raise ChildStartError(f"{child.name} was not ready after {timeout:.0f}s:\n{child.log_tail()}")
+    raise ChildStartError(
+        f"{child.name} was not ready after {timeout:.0f}s (log: {child.log_path}):\n"
+        f"{child.log_tail()}"
+    )
 
 
 def stop_child(child: Child, grace: float = 5.0) -> int | None:
@@ -123,6 +169,8 @@ def stop_child(child: Child, grace: float = 5.0) -> int | None:
             process.wait(grace)
     if process.stdout is not None:
         process.stdout.close()
+    if child.owns_log:
+        child.log_path.unlink(missing_ok=True)
     return process.returncode
 
 
@@ -131,3 +179,56 @@ def _signal_group(process: subprocess.Popen[str], sig: signal.Signals) -> None:
         os.killpg(process.pid, sig)
     except ProcessLookupError:
         pass
+
+
+class RunDirectory:
+    """A scratch directory for one run: ``logs/`` for the children's logs, and room
+    for the run's other files (``path``).
+
+    Created on ``__enter__`` under the temporary directory, removed whole on
+    ``__exit__`` -- unless :meth:`keep_logs` was called, in which case ``logs/``
+    stays (everything else still goes).
+    """
+
+    def __init__(self, prefix: str = "pdo-run-") -> None:
+        self.prefix = prefix
+        self._path: Path | None = None
+        self._keep_logs = False
+
+    @property
+    def path(self) -> Path:
+        if self._path is None:
+            raise RuntimeError("the run directory exists only inside its with block")
+        return self._path
+
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+    def keep_logs(self) -> Path:
+        """Keep ``logs/`` after the run; returns its path."""
+        self._keep_logs = True
+        return self.logs
+
+    def __enter__(self) -> Self:
+        self._path = Path(tempfile.mkdtemp(prefix=self.prefix))
+        self.logs.mkdir()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        path, self._path = self.path, None
+        if not self._keep_logs:
+            shutil.rmtree(path, ignore_errors=True)
+            return
+        for entry in path.iterdir():
+            if entry.name == "logs":
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)

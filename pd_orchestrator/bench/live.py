@@ -25,9 +25,6 @@ in front of the simulators, built into a cached venv outside the clone.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,6 +40,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from pd_orchestrator.bench.fleet import FleetSpec, InstanceSpec
+from pd_orchestrator.bench.peers import VLLM_ROUTER, free_port, peer_executable, start_process
 from pd_orchestrator.bench.results import RequestRecord, RunResult
 from pd_orchestrator.bench.strategies import Mode, Strategy
 from pd_orchestrator.bench.workloads import BenchRequest, Workload, materialize
@@ -63,7 +61,7 @@ __all__ = [
     "start_fleet",
 ]
 
-VLLM_ROUTER_VERSION = "0.1.17"
+VLLM_ROUTER_VERSION = VLLM_ROUTER.version
 _COUNTERS = {
     "vllm:prefill_tokens_computed": "prefill_tokens",
     "vllm:nixl_bytes_transferred": "kv_bytes",
@@ -416,55 +414,22 @@ async def _wait_ready(url: str, path: str, limit: float = 30.0) -> None:
 
 
 # -- vllm-router ------------------------------------------------------------------------------
-def _cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "pd-orchestrator"
-
-
 def router_executable(version: str = VLLM_ROUTER_VERSION, python: str = sys.executable) -> Path:
     """vllm-router's executable in a cached venv outside the clone (built on first use)."""
-    venv = _cache_root() / f"vllm-router-{version}"
-    executable = venv / "bin" / "vllm-router"
-    if executable.exists():
-        return executable
-    subprocess.run([python, "-m", "venv", str(venv)], check=True, capture_output=True)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
-    installed = subprocess.run(
-        [*pip, f"vllm-router=={version}"], capture_output=True, text=True, check=False
-    )
-    if installed.returncode != 0:
-        raise RuntimeError(f"installing vllm-router {version} failed:\n{installed.stderr[-2000:]}")
-    return executable
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    return peer_executable(replace(VLLM_ROUTER, version=version), python)
 
 
 @contextmanager
 def _router(fleet: FleetSpec, urls: dict[str, str], policy: str) -> Iterator[Child]:
     """vllm-router in P/D mode over the fleet's prefillers and decoders."""
-    port = _free_port()
+    port = free_port()
     argv = [str(router_executable()), "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--vllm-pd-disaggregation", "--kv-connector", "nixl", "--policy", policy]
     for instance in fleet.prefillers:
         argv += ["--prefill", urls[instance.name]]
     for instance in fleet.decoders:
         argv += ["--decode", urls[instance.name]]
-    log = tempfile.NamedTemporaryFile(mode="w", prefix="vllm-router-", suffix=".log", delete=False)
-    process = subprocess.Popen(
-        argv,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-        text=True,
-    )
-    log.close()
-    child = Child("vllm-router", f"http://127.0.0.1:{port}", process, Path(log.name))
+    child = start_process("vllm-router", argv, f"http://127.0.0.1:{port}")
     try:
         yield child
     finally:

@@ -6,13 +6,14 @@ import argparse
 from collections.abc import Callable, Sequence
 
 from pd_orchestrator import __version__
-from pd_orchestrator.cli import bench, gateway, sim, top
+from pd_orchestrator.cli import bench, gateway, sim, top, up
 
 __all__ = ["build_parser", "main"]
 
 _COMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None], ...] = (
     sim.add_parser,
     gateway.add_parsers,
+    up.add_parser,
     top.add_parser,
     bench.add_parser,
 )

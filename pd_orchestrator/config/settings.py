@@ -374,8 +374,16 @@ class UpstreamConfig(_Strict):
         description="idle connections are dropped after this; keep it below the upstream "
         "servers' keep-alive timeout (uvicorn, so vLLM: 5 s)",
     )
-    prefill_attempts: Annotated[int, Field(ge=1, le=10)] = 3
-    retry_backoff: Annotated[float, Field(ge=0.0)] = 0.05
+    prefill_attempts: Annotated[int, Field(ge=1, le=10)] = Field(
+        default=3, description="prefill attempts per hand-over, each on another prefiller"
+    )
+    retry_backoff: Annotated[float, Field(ge=0.0)] = Field(
+        default=0.05,
+        description="base of the jittered exponential backoff between prefill attempts",
+    )
+    prefill_budget: Seconds = Field(
+        default=60.0, description="seconds all prefill attempts of one hand-over may take"
+    )
     api_key: SecretStr | None = Field(
         default=None,
         description="bearer key sent to every endpoint instead of the client's "

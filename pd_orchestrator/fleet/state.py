@@ -10,6 +10,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from connectors import PeerUpdate
 from pd_orchestrator.fleet.endpoints import Endpoint, Role
 
 __all__ = ["EndpointStatus", "FleetState"]
@@ -34,6 +35,7 @@ class FleetState:
         self._in_flight = dict.fromkeys(self._endpoints, 0)
         self.unhealthy_after = unhealthy_after
         self.checked_once = False
+        self._learned: dict[str, PeerUpdate] = {}
 
     def endpoints(self, role: Role | None = None) -> list[Endpoint]:
         """Endpoints able to play ``role`` (``both`` endpoints count for either)."""
@@ -108,6 +110,16 @@ class FleetState:
             yield
         finally:
             self.leave(name)
+
+    def learned(self, name: str) -> PeerUpdate | None:
+        """What answers and lookups taught about ``name``'s connector addresses."""
+        return self._learned.get(name)
+
+    def learn(self, name: str, update: PeerUpdate) -> None:
+        self._learned[name] = update
+
+    def forget(self, name: str) -> None:
+        self._learned.pop(name, None)
 
     def any_decoder_healthy(self) -> bool:
         return any(self._healthy[e.name] for e in self.endpoints(Role.DECODE))

@@ -8,11 +8,12 @@ One client request, from its plan to the last byte the client gets:
    content or a finish).
 2. **Admitted**: that decoder's leg serves. Decision ``decode``.
 3. **Rejected** (``finish_reason == "cache_threshold"`` with no token, or a stream
-   that ends with no choice): the P/D leg -- the connector's prefill body to a
-   prefiller compatible with the decoder (retried across prefillers on 502/503/504
-   and broken connections), its transfer params to the decoder with threshold 0.
-   A prefill that returns no params but finished is itself the answer. Decision
-   ``pd``. (Ask-all's ``local`` fallback: the decoder serves with threshold 0.)
+   that ends with no choice): the P/D leg (:mod:`~pd_orchestrator.flows.handover`)
+   -- prefill on a prefiller compatible with the decoder, the KV handed over as the
+   decoder's connector says (legs in sequence or together), the decode leg with
+   threshold 0; retried on other prefillers when the prefill side fails. A prefill
+   that returns no params but finished is itself the answer. Decision ``pd``.
+   (Ask-all's ``local`` fallback: the decoder serves with threshold 0.)
 4. **Relay**: every leg is read and relayed the same way, whole answers as one
    batch and streams batch by batch, into the client's renderer
    (:mod:`~pd_orchestrator.flows.render`), which writes SSE or one JSON answer. The
@@ -37,13 +38,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
-
 from connectors import Connector
 from pd_orchestrator.config.settings import HandbackConfig, UpstreamConfig
 from pd_orchestrator.fleet.endpoints import Endpoint
 from pd_orchestrator.flows.attempts import Attempt
-from pd_orchestrator.flows.bodies import continuation_body, leg_body, with_threshold
+from pd_orchestrator.flows.bodies import continuation_body, leg_body
+from pd_orchestrator.flows.handover import Handover
 from pd_orchestrator.flows.legs import Leg, Legs
 from pd_orchestrator.flows.render import Renderer
 from pd_orchestrator.flows.request import ClientRequest
@@ -56,7 +56,6 @@ from pd_orchestrator.upstream.client import Phase
 from pd_orchestrator.upstream.errors import (
     UpstreamError,
     UpstreamProtocolError,
-    UpstreamStatusError,
     UpstreamTimeout,
     UpstreamUnavailable,
 )
@@ -92,12 +91,6 @@ class Outcome:
     itl: float | None
     prompt_tokens: int | None
     handbacks: int
-
-
-def _retryable(exc: BaseException) -> bool:
-    if isinstance(exc, UpstreamStatusError):
-        return exc.retryable
-    return isinstance(exc, _BROKEN)
 
 
 class Flow:
@@ -180,42 +173,24 @@ class Flow:
         return leg
 
     async def _pd(self, body: Json, path: str, kind: Kind, *, original_prompt: bool) -> Leg:
-        """Prefill ``body`` on a prefiller, then decode it on :attr:`decoder` with the
-        transfer params and the threshold ``body`` carries (one leg, however reached)."""
+        """The P/D leg to :attr:`decoder` (one leg, however reached; see
+        :mod:`~pd_orchestrator.flows.handover`)."""
         decoder = self.decoder
         prefillers = self.plan.prefillers_for(decoder)
         if not prefillers:
             raise GatewayError(503, f"no prefiller can hand KV over to decoder {decoder.name}")
-        connector = self.settings.connectors[decoder.connector]
-        answer = await self._prefill(prefillers, connector.prefill_body(body), path)
-        outcome = connector.read_prefill(answer)
-        if outcome.params is None and outcome.finished:
-            assert self.prefiller is not None
-            return self.legs.answer(self.prefiller, answer, kind, original_prompt)
-        threshold = float(body.get("cache_hit_threshold") or 0.0)
-        decode = with_threshold(connector.decode_body(body, outcome.params), threshold)
-        return await self.legs.open(
-            decoder, path, decode, Phase.DECODE, kind=kind, original_prompt=original_prompt
+        settings = self.settings
+        handover = Handover(
+            self.legs,
+            settings.connectors[decoder.connector],
+            decoder,
+            prefillers,
+            settings.upstream,
+            settings.clock,
         )
-
-    async def _prefill(self, prefillers: tuple[Endpoint, ...], body: Json, path: str) -> Json:
-        """The prefill answer, retried with backoff across ``prefillers``."""
-        config = self.settings.upstream
-        started = self.settings.clock()
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(config.prefill_attempts),
-            wait=wait_exponential(multiplier=config.retry_backoff, max=2.0),
-            retry=retry_if_exception(_retryable),
-            reraise=True,
-        )
-        answer: Json = {}
-        async for attempt in retrying:
-            with attempt:
-                index = (attempt.retry_state.attempt_number - 1) % len(prefillers)
-                self.prefiller = prefillers[index]
-                answer = await self.legs.post(self.prefiller, path, body, Phase.PREFILL)
-        self._phase("prefill", started)
-        return answer
+        result = await handover.run(body, path, kind, original_prompt=original_prompt)
+        self.prefiller = result.prefiller
+        return result.leg
 
     # -- relaying --------------------------------------------------------------------------------
     async def _relay_all(self, leg: Leg | None, renderer: Renderer) -> None:

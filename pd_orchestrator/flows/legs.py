@@ -178,15 +178,24 @@ class Legs:
         self._open: list[tuple[Leg, ChunkStream]] = []
         self._prefill_failed = False
 
-    def _headers(self, endpoint: Endpoint, span: Span | None) -> dict[str, str]:
+    def next_id(self) -> str:
+        """A new leg id: ``<request id>-<n>``."""
         self._count += 1
-        headers = {"x-request-id": f"{self.request_id}-{self._count}"}
+        return f"{self.request_id}-{self._count}"
+
+    def _headers(
+        self, endpoint: Endpoint, span: Span | None, extra: Mapping[str, str] | None
+    ) -> dict[str, str]:
+        headers = {"x-request-id": self.next_id()}
         if self.forward:
             headers.update(self.forward)
         if endpoint.authorization is not None:
             headers["authorization"] = endpoint.authorization
         if span is not None and self.trace is not None:
             self.trace.inject(span, headers)
+        if extra:
+            for name, value in extra.items():
+                headers[name.lower()] = value
         return headers
 
     def _span(self, endpoint: Endpoint, phase: str, name: str) -> Span | None:
@@ -216,15 +225,30 @@ class Legs:
             self.metrics.prefill_retries.inc()
 
     async def post(
-        self, endpoint: Endpoint, path: str, body: Json, phase: Phase, *, label: str | None = None
+        self,
+        endpoint: Endpoint,
+        path: str,
+        body: Json,
+        phase: Phase,
+        *,
+        headers: Mapping[str, str] | None = None,
+        label: str | None = None,
     ) -> Json:
-        """POST ``body`` and return the whole answer. ``label`` names the leg in metrics
-        and traces when its phase does not say enough (``probe``)."""
+        """POST ``body`` and return the whole answer (``headers`` add to or replace the
+        leg's own, e.g. a connector's shared ``X-Request-Id``). ``label`` names the leg
+        in metrics and traces when its phase does not say enough (``probe``)."""
         name = label or phase.value
-        return await self._post(endpoint, path, body, phase, name, name)
+        return await self._post(endpoint, path, body, phase, name, name, headers)
 
     async def _post(
-        self, endpoint: Endpoint, path: str, body: Json, phase: Phase, name: str, span_name: str
+        self,
+        endpoint: Endpoint,
+        path: str,
+        body: Json,
+        phase: Phase,
+        name: str,
+        span_name: str,
+        extra: Mapping[str, str] | None,
     ) -> Json:
         fleet = self.fleet
         span = self._span(endpoint, name, span_name)
@@ -233,7 +257,7 @@ class Legs:
         fleet.enter(endpoint.name)
         try:
             answer = await self.upstream.post_json(
-                endpoint, path, body, phase=phase, headers=self._headers(endpoint, span)
+                endpoint, path, body, phase=phase, headers=self._headers(endpoint, span, extra)
             )
         except UpstreamError as exc:
             self._failed_leg(endpoint, exc, name, span)
@@ -273,6 +297,7 @@ class Legs:
         *,
         kind: Kind,
         original_prompt: bool = True,
+        headers: Mapping[str, str] | None = None,
     ) -> Leg:
         """Send ``body``: a stream when it says ``stream``, else a whole answer."""
         threshold = float(body.get("cache_hit_threshold") or 0.0)
@@ -284,14 +309,14 @@ class Legs:
             if not original_prompt:
                 span_name = "continuation"
         if not body.get("stream"):
-            answer = await self._post(endpoint, path, body, phase, name, span_name)
+            answer = await self._post(endpoint, path, body, phase, name, span_name, headers)
             return self.answer(endpoint, answer, kind, original_prompt, threshold)
         span = self._span(endpoint, name, span_name)
         started = self.clock()
         self.fleet.enter(endpoint.name)
         try:
             stream = await self.upstream.open_stream(
-                endpoint, path, body, phase=phase, headers=self._headers(endpoint, span)
+                endpoint, path, body, phase=phase, headers=self._headers(endpoint, span, headers)
             )
         except UpstreamError as exc:
             self.fleet.leave(endpoint.name)
@@ -318,6 +343,14 @@ class Legs:
     ) -> Leg:
         """A whole answer already in hand, as a leg."""
         return Leg(endpoint, kind, _Whole(answer), True, original_prompt, self.clock(), threshold)
+
+    async def lookup(self, endpoint: Endpoint, url: str) -> Any:
+        """A connector's lookup about ``endpoint`` (``GET url``, a JSON answer)."""
+        try:
+            return await self.upstream.get_json(endpoint, url)
+        except UpstreamError as exc:
+            self._failure(endpoint, exc, "lookup")
+            raise
 
     def broken(self, endpoint: str) -> None:
         """A leg of ``endpoint`` broke mid-answer: the fleet stops choosing it."""

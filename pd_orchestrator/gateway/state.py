@@ -96,10 +96,12 @@ def build_state(
         config.threshold, registry, pools={pool.name for pool in config.pools}
     )
     width = config.ask_all.width if config.mode == "ask-all" else None
+    profiles = build_profiles(config.routing, registry)
+    bridges = config.compatibility.connector_pairs()
     return GatewayState(
         config=config,
         fleet=fleet,
-        planner=Planner(build_profiles(config.routing, registry), threshold, pairs, width),
+        planner=Planner(profiles, threshold, pairs, width, bridges),
         prefix=prefix,
         health=HealthMonitor(fleet, upstream, config.health),
         scraper=LoadScraper(fleet, upstream, config.load, clock=clock),

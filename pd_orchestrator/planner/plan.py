@@ -126,13 +126,15 @@ class Served:
 @dataclass(frozen=True)
 class Planner:
     """The routing profiles, the threshold resolver (None: threshold 0, as in a
-    decode-only fleet), the host-staged group pairs and the ask-all width (None:
-    decode-first, the decoders are asked one at a time)."""
+    decode-only fleet), the host-staged group pairs, the ask-all width (None:
+    decode-first, the decoders are asked one at a time) and the bridged
+    ``(prefill connector, decode connector)`` pairs."""
 
     profiles: RoutingProfiles
     threshold: ThresholdResolver | None = None
     allowed_pairs: frozenset[tuple[str, str]] = frozenset()
     width: Width | None = None
+    connector_pairs: frozenset[tuple[str, str]] = frozenset()
 
     def plan(
         self,
@@ -194,9 +196,8 @@ class Planner:
             if facts.prefillers is not None:
                 ranked[key] = facts.prefillers
                 continue
-            ranked[key] = self.profiles.prefill.run(
-                _for_prefill(routing, decoder, self.allowed_pairs), candidates
-            ).endpoints
+            request = _for_prefill(routing, decoder, self.allowed_pairs, self.connector_pairs)
+            ranked[key] = self.profiles.prefill.run(request, candidates).endpoints
         return ranked
 
     def _threshold(
@@ -243,7 +244,10 @@ class Planner:
 
 
 def _for_prefill(
-    routing: RoutingRequest, decoder: Endpoint, pairs: frozenset[tuple[str, str]]
+    routing: RoutingRequest,
+    decoder: Endpoint,
+    pairs: frozenset[tuple[str, str]],
+    connector_pairs: frozenset[tuple[str, str]],
 ) -> RoutingRequest:
     """The decode routing request, asking for prefillers of ``decoder``."""
     return RoutingRequest(
@@ -257,6 +261,7 @@ def _for_prefill(
         cache_salt=routing.cache_salt,
         decoder=decoder,
         allowed_pairs=pairs,
+        allowed_connector_pairs=connector_pairs,
         sequence=routing.sequence,
     )
 

@@ -295,6 +295,29 @@ class Upstream:
                 _check_status(endpoint, phase, response.status, content)
         return ChunkStream(response, endpoint, phase)
 
+    async def get_json(self, endpoint: Endpoint, url: str) -> Any:
+        """``GET url`` (a connector's side channel of ``endpoint``, from its config) and
+        its decoded JSON answer; bounded by the connect timeout for every step."""
+        t = self.timeouts
+        parts = Origin.of(url)
+        path = url.split("://", 1)[-1]
+        path = path[path.index("/") :] if "/" in path else "/"
+        request = Request("GET", parts, path)
+        timeouts = Timeouts(connect=t.connect, read=t.connect, pool=t.pool)
+        with _translate(endpoint, Phase.PROBE):
+            response = await self._send(request, timeouts)
+            try:
+                content = await response.read()
+            finally:
+                await response.aclose()
+        _check_status(endpoint, Phase.PROBE, response.status, content)
+        try:
+            return orjson.loads(content)
+        except orjson.JSONDecodeError as exc:
+            raise UpstreamProtocolError(
+                endpoint.name, Phase.PROBE, "lookup answer is not JSON", role=role_label(endpoint)
+            ) from exc
+
     async def get(self, endpoint: Endpoint, path: str, *, limit: float) -> Reply:
         """A GET for health and metrics, bounded by ``limit`` seconds.
 

@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from connectors import TransferContext, get_connector
-from pd_orchestrator.children import python_command, start_child, stop_child
-from pd_orchestrator.cli.gateway import resolve_simulated
+from pd_orchestrator.children import RunDirectory, python_command, start_child, stop_child
+from pd_orchestrator.cli.up import resolve_simulated
 from pd_orchestrator.config import parse_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,7 +109,8 @@ def test_up_gives_each_simulator_its_own_side_channels(tmp_path: Path) -> None:
         }
     )
     with ExitStack() as stack:
-        resolved, children = resolve_simulated(config, stack, tmp_path)
+        run = stack.enter_context(RunDirectory())
+        resolved, children = resolve_simulated(config, stack, run)
         fleet = {e.name: e for e in resolved.fleet()}
         child = next(c for c in children if c.name == "p0")
         peer = fleet["p0"].peer

@@ -1,4 +1,7 @@
-"""Properties of every adapter: inputs are never mutated, outputs never alias them."""
+"""Properties of every adapter: inputs are never mutated, outputs never alias them.
+
+Bodies are copied at the top level (the client's nested values are shared, never
+changed); everything else an adapter returns is fresh all the way down."""
 
 from __future__ import annotations
 
@@ -111,8 +114,9 @@ def test_no_method_mutates_its_inputs(
         copy.deepcopy(prefill_answer),
         copy.deepcopy(ctx),
     )
+    prefill = connector.prefill_body(body, ctx)
     outputs: list[Any] = [
-        connector.prefill_body(body, ctx),
+        prefill.get("kv_transfer_params"),
         connector.headers(Leg.PREFILL, ctx),
         connector.headers(Leg.DECODE, ctx),
         connector.lookups(ctx),
@@ -126,12 +130,17 @@ def test_no_method_mutates_its_inputs(
     outputs.append(outcome)
     params = outcome.params
     params_before = copy.deepcopy(params)
-    outputs.append(connector.decode_body(body, params, ctx))
+    decode = connector.decode_body(body, params, ctx)
+    outputs.append(decode.get("kv_transfer_params"))
     assert body == body_before
     assert prefill_answer == answer_before
     assert ctx == ctx_before
     assert params == params_before
-    # Outputs are fresh objects: changing them leaves every input as it was.
+    # Outputs are fresh objects (bodies at their top level): changing them leaves every
+    # input as it was.
+    for out in (prefill, decode):
+        out["__mutated__"] = True
+        out.pop("model", None)
     for out in outputs:
         _mutate_all(out)
     if params is not None:

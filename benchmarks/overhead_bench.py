@@ -1,0 +1,607 @@
+"""What a relay adds per request: the gateway against vllm-router and SMG, with wrk.
+
+One invocation starts a minimal OpenAI backend (``minimal_backend.py``: 16 tokens
+at once), then in front of it the gateway (``pd-orchestrator serve`` with a
+generated config: one decode pool and one prefill pool, both the backend, which
+admits every request, so the gateway's path is decode-only), vllm-router and SMG
+(each from PyPI in a cached venv outside the clone, plain routing with the backend
+as their one worker, policy round_robin, logging at warning level), all on
+free loopback ports. wrk (installed with apt-get when missing) then drives every
+target -- the backend straight ("direct") as the baseline -- at each concurrency,
+whole and streamed (``/v1/completions``, a short prompt, ``max_tokens`` 16), in
+interleaved rounds (within a round, every case and every target; the target order
+rotates each round). Each figure is the median over the rounds; "added" is the
+target's figure minus the backend's. Everything started is stopped at the end, on
+errors and on Ctrl-C.
+
+    .venv/bin/python benchmarks/overhead_bench.py [--rounds 3] [--duration 5]
+        [--targets direct,gateway,vllm-router,smg] [--concurrency 1,16]
+        [--gateway-config FILE] [--json FILE]
+
+``--gateway-config FILE`` replaces the generated gateway config; ``${BACKEND_URL}``
+and ``${MODEL}`` in it are replaced by the backend's URL and model name (the
+listen address always comes from the command line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from string import Template
+from typing import Any
+
+import httpx
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from pd_orchestrator.bench.peers import (
+    SMG,
+    VLLM_ROUTER,
+    Peer,
+    cache_root,
+    free_port,
+    peer_executable,
+    start_process,
+)
+from pd_orchestrator.bench.wrk import WrkResult, lua_script, parse_output, wrk_command
+from pd_orchestrator.children import Child, start_child, stop_child
+from pd_orchestrator.cli.signals import exit_on_sigterm
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from minimal_backend import COMPLETION_TOKENS, MODEL  # noqa: E402
+
+TARGETS = ("direct", "gateway", "vllm-router", "smg")
+PEERS = ("smg", "vllm-router")
+PROMPT = "Explain in one sentence what a reverse proxy adds to each request."
+READY_TIMEOUT = 90.0
+console = Console(width=160)
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    """One load shape: wrk connections and whole or streamed answers."""
+
+    concurrency: int
+    stream: bool
+
+    @property
+    def label(self) -> str:
+        return f"c{self.concurrency} {'stream' if self.stream else 'whole'}"
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One wrk run of one target and case in one round."""
+
+    target: str
+    case: Case
+    round: int
+    result: WrkResult
+
+
+@dataclass(frozen=True, slots=True)
+class Figures:
+    """Medians over the rounds of one target and case; ``added_*`` against direct."""
+
+    target: str
+    case: Case
+    p50: float
+    p99: float
+    rps: float
+    errors: int
+    runs: int
+    added_p50: float | None = None
+    added_p99: float | None = None
+
+
+# -- wrk ---------------------------------------------------------------------------------------
+def ensure_wrk() -> str:
+    """wrk's path; installs the Debian package ``wrk`` with apt-get when it is missing."""
+    found = shutil.which("wrk")
+    if found:
+        return found
+    if shutil.which("apt-get") is None:
+        raise SystemExit("wrk is not installed and apt-get is not available: install wrk first")
+    sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for command in (["apt-get", "update"], ["apt-get", "install", "-y", "wrk"]):
+        console.print(f"wrk is missing: running `{' '.join(sudo + command)}`")
+        done = subprocess.run(sudo + command, env=env, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise SystemExit(f"`{' '.join(command)}` failed:\n{done.stderr[-2000:]}")
+    found = shutil.which("wrk")
+    if found is None:
+        raise SystemExit("apt-get installed wrk but it is not on PATH")
+    return found
+
+
+def wrk_version(wrk: str) -> str:
+    done = subprocess.run([wrk, "-v"], capture_output=True, text=True, check=False)
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def request_body(stream: bool, prompt: str, model: str = MODEL) -> str:
+    """The completions request wrk sends (``max_tokens`` 16; usage chunk when streamed)."""
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": COMPLETION_TOKENS}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    return json.dumps(body, separators=(",", ":"))
+
+
+def run_wrk(
+    wrk: str, url: str, script: Path, case: Case, duration: float, threads: int
+) -> WrkResult:
+    """One wrk run of ``case`` against ``url`` for ``duration`` seconds."""
+    command = wrk_command(
+        wrk,
+        f"{url}/v1/completions",
+        str(script),
+        connections=case.concurrency,
+        duration=duration,
+        threads=threads,
+    )
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=duration + 60, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"wrk failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    return parse_output(done.stdout)
+
+
+# -- targets -----------------------------------------------------------------------------------
+def _stopped_with(stack: ExitStack, child: Child) -> Child:
+    stack.callback(stop_child, child)
+    return child
+
+
+def start_backend(stack: ExitStack) -> Child:
+    argv = [sys.executable, str(HERE / "minimal_backend.py"), "--port", "0", "--model", MODEL]
+    return _stopped_with(stack, start_child("backend", argv, timeout=30))
+
+
+def gateway_config(backend_url: str, model: str = MODEL) -> dict[str, Any]:
+    """One decode pool and one prefill pool, both the backend; defaults elsewhere."""
+
+    def pool(role: str) -> dict[str, Any]:
+        return {
+            "name": role,
+            "role": role,
+            "hardware": "cpu",
+            "group": "bench",
+            "model": model,
+            "endpoints": [{"name": f"backend-{role}", "url": backend_url}],
+        }
+
+    return {"version": 1, "connector": "nixl", "pools": [pool("decode"), pool("prefill")]}
+
+
+def _gateway_config_file(backend_url: str, source: Path | None, directory: Path) -> Path:
+    path = directory / "gateway.yaml"
+    if source is None:
+        path.write_text(yaml.safe_dump(gateway_config(backend_url), sort_keys=False))
+    else:
+        text = Template(source.read_text()).safe_substitute(BACKEND_URL=backend_url, MODEL=MODEL)
+        path.write_text(text)
+    return path
+
+
+def start_gateway(stack: ExitStack, backend_url: str, source: Path | None) -> Child:
+    directory = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pdo-overhead-")))
+    config = _gateway_config_file(backend_url, source, directory)
+    executable = Path(sys.executable).with_name("pd-orchestrator")
+    command = (
+        [str(executable)] if executable.exists() else [sys.executable, "-m", "pd_orchestrator"]
+    )
+    port = free_port()
+    argv = [*command, "serve", "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
+    return _stopped_with(stack, start_process("gateway", argv, f"http://127.0.0.1:{port}"))
+
+
+def _executable(peer: Peer) -> str:
+    """``peer``'s script from its cached venv, saying so when it is built first."""
+    if not (cache_root() / peer.venv_name / "bin" / peer.script).exists():
+        console.print(f"installing {peer.package} {peer.version} into {cache_root()} (first use)")
+    return str(peer_executable(peer))
+
+
+def start_vllm_router(stack: ExitStack, backend_url: str, policy: str) -> Child:
+    port, metrics = free_port(), free_port()
+    argv = [_executable(VLLM_ROUTER), "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--worker-urls", backend_url, "--log-level", "warning"]
+    argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics)]
+    argv += ["--policy", policy] if policy != "default" else []
+    return _stopped_with(stack, start_process("vllm-router", argv, f"http://127.0.0.1:{port}"))
+
+
+def start_smg(stack: ExitStack, backend_url: str, policy: str) -> Child:
+    port, metrics = free_port(), free_port()
+    argv = [_executable(SMG), "launch", "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--worker-urls", backend_url, "--log-level", "warn", "--disable-tokenizer-autoload"]
+    argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics)]
+    argv += ["--policy", policy] if policy != "default" else []
+    return _stopped_with(stack, start_process("smg", argv, f"http://127.0.0.1:{port}"))
+
+
+def wait_serving(child: Child, prompt: str, limit: float = READY_TIMEOUT) -> None:
+    """Wait until ``child`` answers a whole and a streamed completion with 200, then
+    check both answers (:func:`check_answer`): a broken relay is not measured."""
+    deadline = time.monotonic() + limit
+    pending = [False, True]
+    with httpx.Client(base_url=child.url, timeout=5.0) as client:
+        while pending:
+            if child.process.poll() is not None:
+                raise RuntimeError(f"{child.name} exited:\n{child.log_tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{child.name} did not serve within {limit:.0f}s:\n{child.log_tail()}"
+                )
+            try:
+                response = client.post(
+                    "/v1/completions",
+                    content=request_body(pending[0], prompt),
+                    headers={"content-type": "application/json"},
+                )
+            except httpx.HTTPError:
+                response = None
+            if response is not None and response.status_code == 200:
+                problem = check_answer(response, stream=pending.pop(0))
+                if problem:
+                    raise RuntimeError(f"{child.name} answers wrongly: {problem}")
+                continue
+            time.sleep(0.25)
+
+
+def check_answer(response: httpx.Response, *, stream: bool) -> str | None:
+    """What is wrong with an answer to :func:`request_body` (None: nothing): the
+    backend's 16 tokens, no token ids (the client did not ask), finish ``length``;
+    streamed, as SSE with one chunk per token, the usage chunk and ``[DONE]``."""
+    chunks: list[dict[str, Any]]
+    if not stream:
+        chunks = [response.json()]
+    elif not response.headers.get("content-type", "").startswith("text/event-stream"):
+        return f"a streamed answer with content-type {response.headers.get('content-type')}"
+    else:
+        events = [e[6:] for e in response.text.split("\n\n") if e.startswith("data: ")]
+        if not events or events[-1] != "[DONE]":
+            return "a stream that does not end with data: [DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+    texts: list[dict[str, Any]] = [c["choices"][0] for c in chunks if c.get("choices")]
+    usage: list[dict[str, Any]] = [c["usage"] for c in chunks if c.get("usage")]
+    if not texts:
+        return "no choices"
+    if stream and len(texts) != COMPLETION_TOKENS:
+        return f"{len(texts)} token chunks instead of {COMPLETION_TOKENS}"
+    if any("token_ids" in t or "prompt_token_ids" in t for t in texts):
+        return "token ids the client did not ask for"
+    if texts[-1].get("finish_reason") != "length":
+        return f"finish_reason {texts[-1].get('finish_reason')!r} instead of 'length'"
+    if [u.get("completion_tokens") for u in usage] != [COMPLETION_TOKENS]:
+        return f"usage {usage} instead of one with {COMPLETION_TOKENS} completion tokens"
+    return None
+
+
+def start_targets(stack: ExitStack, args: argparse.Namespace) -> dict[str, str]:
+    """Start the backend and every selected relay; their URLs by target name."""
+    backend = start_backend(stack)
+    wait_serving(backend, args.prompt)
+    urls = {"direct": backend.url}
+    starters = {
+        "gateway": lambda: start_gateway(stack, backend.url, args.gateway_config),
+        "vllm-router": lambda: start_vllm_router(stack, backend.url, args.peer_policy),
+        "smg": lambda: start_smg(stack, backend.url, args.peer_policy),
+    }
+    children = [starters[name]() for name in args.targets if name != "direct"]
+    for child in children:
+        wait_serving(child, args.prompt)
+        console.print(f"{child.name} serves at {child.url} (log: {child.log_path})")
+        urls[child.name] = child.url
+    return {name: urls[name] for name in args.targets}
+
+
+# -- measurement -------------------------------------------------------------------------------
+def measure(
+    wrk: str,
+    urls: dict[str, str],
+    cases: list[Case],
+    scripts: dict[bool, Path],
+    args: argparse.Namespace,
+) -> list[Run]:
+    """Warm-up runs (discarded), then ``args.rounds`` interleaved rounds."""
+    names = list(urls)
+    if args.warmup > 0:
+        for case in cases:
+            for name in names:
+                run_wrk(wrk, urls[name], scripts[case.stream], case, args.warmup, args.wrk_threads)
+    runs: list[Run] = []
+    for round_ in range(args.rounds):
+        order = names[round_ % len(names) :] + names[: round_ % len(names)]
+        for case in cases:
+            for name in order:
+                script = scripts[case.stream]
+                result = run_wrk(wrk, urls[name], script, case, args.duration, args.wrk_threads)
+                runs.append(Run(name, case, round_, result))
+                console.print(
+                    f"round {round_ + 1}/{args.rounds} {case.label:10} {name:12} "
+                    f"p50 {result.p50 * 1e3:7.3f} ms  p99 {result.p99 * 1e3:7.3f} ms  "
+                    f"{result.rps:9.0f} req/s  errors {result.errors}",
+                    highlight=False,
+                )
+    return runs
+
+
+def summarize(runs: Sequence[Run]) -> list[Figures]:
+    """Medians per target and case, with the added latency against ``direct``."""
+    keys = list(dict.fromkeys((run.target, run.case) for run in runs))
+    figures: dict[tuple[str, Case], Figures] = {}
+    for target, case in keys:
+        mine = [run.result for run in runs if run.target == target and run.case == case]
+        figures[(target, case)] = Figures(
+            target=target,
+            case=case,
+            p50=statistics.median(r.p50 for r in mine),
+            p99=statistics.median(r.p99 for r in mine),
+            rps=statistics.median(r.rps for r in mine),
+            errors=sum(r.errors for r in mine),
+            runs=len(mine),
+        )
+    for (target, case), figure in figures.items():
+        direct = figures.get(("direct", case))
+        if direct is not None:
+            figures[(target, case)] = replace(
+                figure, added_p50=figure.p50 - direct.p50, added_p99=figure.p99 - direct.p99
+            )
+    return list(figures.values())
+
+
+@dataclass(frozen=True, slots=True)
+class Ratio:
+    """The gateway's figure against one peer's, for one metric."""
+
+    metric: str
+    peer: str
+    gateway: float
+    other: float
+    goal: str
+
+    @property
+    def ratio(self) -> float | None:
+        return self.gateway / self.other if self.other else None
+
+
+def ratios(figures: Sequence[Figures], cases: Sequence[Case]) -> list[Ratio]:
+    """Added p50 at the lowest concurrency and req/s at the highest, gateway vs peers."""
+    table = {(f.target, f.case): f for f in figures}
+    low, high = min(c.concurrency for c in cases), max(c.concurrency for c in cases)
+    found: list[Ratio] = []
+    for peer in PEERS:
+        for case in cases:
+            gateway, other = table.get(("gateway", case)), table.get((peer, case))
+            if gateway is None or other is None:
+                continue
+            if (
+                case.concurrency == low
+                and gateway.added_p50 is not None
+                and other.added_p50 is not None
+            ):
+                goal = "<= 2x" if peer == "smg" else ""
+                found.append(
+                    Ratio(
+                        f"added p50 ms, {case.label}",
+                        peer,
+                        gateway.added_p50 * 1e3,
+                        other.added_p50 * 1e3,
+                        goal,
+                    )
+                )
+            if case.concurrency == high:
+                goal = ">= 0.5x" if peer == "smg" else ""
+                found.append(Ratio(f"req/s, {case.label}", peer, gateway.rps, other.rps, goal))
+    return found
+
+
+# -- report ------------------------------------------------------------------------------------
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.3f}"
+
+
+def figures_table(figures: Sequence[Figures], args: argparse.Namespace) -> Table:
+    title = (
+        f"medians of {args.rounds} rounds x {args.duration:g}s per target and case "
+        f"(wrk, /v1/completions, {COMPLETION_TOKENS} tokens)"
+    )
+    table = Table(title=title)
+    for column in (
+        "case",
+        "target",
+        "p50 ms",
+        "p99 ms",
+        "req/s",
+        "added p50 ms",
+        "added p99 ms",
+        "errors",
+    ):
+        table.add_column(column, justify="right" if column not in ("case", "target") else "left")
+    ordered = sorted(figures, key=lambda f: (f.case.concurrency, f.case.stream))
+    for figure in ordered:
+        table.add_row(
+            figure.case.label,
+            figure.target,
+            _ms(figure.p50),
+            _ms(figure.p99),
+            f"{figure.rps:,.0f}",
+            _ms(figure.added_p50),
+            _ms(figure.added_p99),
+            str(figure.errors),
+        )
+    return table
+
+
+def ratios_table(found: Sequence[Ratio]) -> Table:
+    table = Table(title="gateway against the peers")
+    for column in ("metric", "peer", "gateway", "peer's", "gateway/peer", "goal"):
+        table.add_column(
+            column, justify="left" if column in ("metric", "peer", "goal") else "right"
+        )
+    for r in found:
+        value = "-" if r.ratio is None else f"{r.ratio:.2f}x"
+        table.add_row(
+            r.metric,
+            r.peer,
+            f"{r.gateway:,.3f}" if "ms" in r.metric else f"{r.gateway:,.0f}",
+            f"{r.other:,.3f}" if "ms" in r.metric else f"{r.other:,.0f}",
+            value,
+            r.goal,
+        )
+    return table
+
+
+def write_json(
+    path: Path,
+    args: argparse.Namespace,
+    runs: Sequence[Run],
+    figures: Sequence[Figures],
+    found: Sequence[Ratio],
+    versions: dict[str, str],
+) -> None:
+    def case(c: Case) -> dict[str, Any]:
+        return {"concurrency": c.concurrency, "stream": c.stream, "label": c.label}
+
+    document = {
+        "settings": {
+            "rounds": args.rounds,
+            "duration": args.duration,
+            "warmup": args.warmup,
+            "targets": args.targets,
+            "concurrency": args.concurrency,
+            "modes": args.modes,
+            "prompt": args.prompt,
+            "wrk_threads": args.wrk_threads,
+            "peer_policy": args.peer_policy,
+            "gateway_config": str(args.gateway_config) if args.gateway_config else None,
+            "versions": versions,
+        },
+        "runs": [
+            {
+                "target": r.target,
+                "case": case(r.case),
+                "round": r.round,
+                "rps": r.result.rps,
+                **asdict(r.result),
+            }
+            for r in runs
+        ],
+        "figures": [{**asdict(f), "case": case(f.case)} for f in figures],
+        "ratios": [{**asdict(r), "ratio": r.ratio} for r in found],
+    }
+    path.write_text(json.dumps(document, indent=2) + "\n")
+
+
+# -- command line ------------------------------------------------------------------------------
+def _csv(kind: type, choices: Sequence[str] | None = None) -> Any:
+    def parse(text: str) -> list[Any]:
+        values = [kind(part.strip()) for part in text.split(",") if part.strip()]
+        unknown = [v for v in values if choices is not None and v not in choices]
+        if not values or unknown:
+            raise argparse.ArgumentTypeError(f"expected a comma list of {choices or kind.__name__}")
+        return values
+
+    return parse
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument(
+        "--targets",
+        type=_csv(str, TARGETS),
+        default=list(TARGETS),
+        help="comma list of direct, gateway, vllm-router, smg (default: all)",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    parser.add_argument(
+        "--duration", type=float, default=5.0, help="seconds per wrk run (default 5)"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=1.0,
+        help="seconds of discarded wrk run per target and case first (0: none)",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=_csv(int),
+        default=[1, 16],
+        help="comma list of wrk connection counts (default 1,16)",
+    )
+    parser.add_argument("--modes", type=_csv(str, ("whole", "stream")), default=["whole", "stream"])
+    parser.add_argument("--prompt", default=PROMPT)
+    parser.add_argument("--wrk-threads", type=int, default=1, help="wrk threads (default 1)")
+    parser.add_argument(
+        "--peer-policy",
+        default="round_robin",
+        help="--policy of vllm-router and SMG (default round_robin; 'default': their own, "
+        "cache_aware, with which vllm-router asks the worker to render and tokenize every "
+        "prompt)",
+    )
+    parser.add_argument(
+        "--gateway-config",
+        type=Path,
+        default=None,
+        help="gateway YAML to use instead of the generated one "
+        "(${BACKEND_URL} and ${MODEL} are substituted)",
+    )
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.duration < 1 or args.warmup < 0 or args.wrk_threads < 1:
+        parser.error("--rounds and --duration must be >= 1, --warmup >= 0, --wrk-threads >= 1")
+    if any(c < 1 for c in args.concurrency):
+        parser.error("--concurrency values must be >= 1")
+    args.targets = [t for t in TARGETS if t in args.targets]
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    exit_on_sigterm()
+    wrk = ensure_wrk()
+    cases = [Case(c, mode == "stream") for c in args.concurrency for mode in args.modes]
+    versions = {"wrk": wrk_version(wrk), "vllm-router": VLLM_ROUTER.version, "smg": SMG.version}
+    with ExitStack() as stack:
+        directory = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pdo-wrk-")))
+        scripts = {}
+        for stream in (False, True):
+            scripts[stream] = directory / f"{'stream' if stream else 'whole'}.lua"
+            scripts[stream].write_text(lua_script(request_body(stream, args.prompt)))
+        urls = start_targets(stack, args)
+        runs = measure(wrk, urls, cases, scripts, args)
+    figures = summarize(runs)
+    found = ratios(figures, cases)
+    console.print(figures_table(figures, args))
+    if found:
+        console.print(ratios_table(found))
+    if args.json is not None:
+        write_json(args.json, args, runs, figures, found, versions)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        console.print("interrupted; every process it started is stopped")
+        sys.exit(130)

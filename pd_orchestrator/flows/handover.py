@@ -1,0 +1,269 @@
+"""The P/D leg: prefill on a prefiller, the KV handed to the decoder, decode there.
+
+One hand-over, as its KV connector says (:mod:`connectors`), for the first rejection
+and for every continuation alike:
+
+1. **Context**: a fresh transfer id, the leg id both legs may share, and both peers'
+   connector addresses (configured ``kv`` blocks, updated by what earlier answers
+   and lookups taught about each prefiller: :meth:`FleetState.learned`).
+2. **Lookups** the connector still needs (Mooncake's bootstrap ``/query`` for an
+   engine id nobody configured), run through the legs; what they return is kept.
+3. **Legs**, in the connector's order:
+
+   * ``SEQUENTIAL``: the prefill leg, its answer read (:meth:`read_prefill`), then
+     the decode leg with the transfer params;
+   * ``TOGETHER``: both legs at once, the decode leg built from what is known ahead
+     (``ahead_params``) and read only to its first decisive chunk, held, until the
+     prefill answered; a finished prefill or a stale context closes it (the latter
+     sends the decode leg again with the answer's params), a failed prefill closes
+     it and fails the attempt.
+
+   A prefill answer without transfer params that finished is itself the answer.
+4. **Retries**: an attempt that fails on the prefill side (a broken or refused
+   connection, a timeout, or a 5xx) is retried on the next prefiller not yet seen
+   failing in this request and not unhealthy, after a jittered exponential backoff,
+   up to ``upstream.prefill_attempts`` attempts and within ``upstream.prefill_budget``
+   seconds in all. A 4xx (the request itself is refused) is not retried.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from connectors import Connector, ConnectorError, LegOrder, PrefillOutcome, TransferContext
+from connectors import Leg as Side
+from pd_orchestrator.config.settings import UpstreamConfig
+from pd_orchestrator.fleet.endpoints import Endpoint
+from pd_orchestrator.flows.bodies import with_threshold
+from pd_orchestrator.flows.legs import Leg, Legs
+from pd_orchestrator.flows.sink import GatewayError
+from pd_orchestrator.openai.responses import Kind
+from pd_orchestrator.upstream.client import Phase
+from pd_orchestrator.upstream.errors import (
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamStatusError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+
+__all__ = ["Handover", "HandoverResult", "retryable"]
+
+Json = dict[str, Any]
+
+
+def retryable(exc: BaseException) -> bool:
+    """Whether another prefiller may succeed where this failure happened."""
+    if isinstance(exc, UpstreamStatusError):
+        return exc.status >= 500
+    return isinstance(exc, UpstreamUnavailable | UpstreamTimeout | UpstreamProtocolError)
+
+
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    """What both legs carry: the body (with its threshold), path and API, and whether
+    it serves the client's own prompt."""
+
+    body: Json
+    path: str
+    kind: Kind
+    original_prompt: bool
+
+    @property
+    def threshold(self) -> float:
+        return float(self.body.get("cache_hit_threshold") or 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class HandoverResult:
+    """The leg that serves (the decode leg, or the prefill's finished answer) and the
+    prefiller that prefilled."""
+
+    leg: Leg
+    prefiller: Endpoint
+
+
+@dataclass(slots=True)
+class Handover:
+    """One P/D leg of one request (see the module docstring)."""
+
+    legs: Legs
+    connector: Connector
+    decoder: Endpoint
+    prefillers: tuple[Endpoint, ...]
+    config: UpstreamConfig
+    clock: Callable[[], float]
+    _deadline: float = field(default=0.0, init=False)
+
+    async def run(
+        self, body: Json, path: str, kind: Kind, *, original_prompt: bool
+    ) -> HandoverResult:
+        """Prefill ``body`` and decode it on the decoder with the threshold it carries."""
+        shape = _Shape(body, path, kind, original_prompt)
+        deadline = self.clock() + self.config.prefill_budget
+        tried: list[str] = []
+        attempt = 0
+        while True:
+            prefiller = self._next(tried)
+            tried.append(prefiller.name)
+            try:
+                leg = await self._once(prefiller, shape, deadline)
+            except UpstreamError as exc:
+                attempt += 1
+                if not retryable(exc) or exc.endpoint != prefiller.name:
+                    raise
+                if attempt >= self.config.prefill_attempts:
+                    raise
+                pause = _backoff(self.config.retry_backoff, attempt)
+                if self.clock() + pause >= deadline:
+                    raise
+                await anyio.sleep(pause)
+                continue
+            return HandoverResult(leg, prefiller)
+
+    def _next(self, tried: list[str]) -> Endpoint:
+        """The best prefiller not seen failing in this request and healthy, else the
+        best not yet tried, else the first."""
+        fleet, failed = self.legs.fleet, self.legs.failed
+        fresh = [p for p in self.prefillers if p.name not in failed]
+        for prefiller in fresh:
+            if fleet.is_healthy(prefiller.name):
+                return prefiller
+        untried = [p for p in self.prefillers if p.name not in tried]
+        if fresh or untried:
+            return (fresh or untried)[0]
+        if not self.prefillers:
+            raise GatewayError(503, f"no prefiller can hand KV over to decoder {self.decoder.name}")
+        return self.prefillers[len(tried) % len(self.prefillers)]
+
+    async def _once(self, prefiller: Endpoint, shape: _Shape, deadline: float) -> Leg:
+        ctx = await self._context(prefiller)
+        self._deadline = deadline
+        started = self.clock()
+        if self.connector.order(ctx) is LegOrder.TOGETHER:
+            leg = await self._together(prefiller, ctx, shape)
+        else:
+            leg = await self._sequential(prefiller, ctx, shape)
+        self.legs.metrics.observe_phase("prefill", self.clock() - started)
+        return leg
+
+    async def _context(self, prefiller: Endpoint) -> TransferContext:
+        fleet = self.legs.fleet
+        ctx = TransferContext(
+            request_id=self.legs.next_id(),
+            transfer_id=uuid.uuid4().hex,
+            prefiller=prefiller.peer.updated(fleet.learned(prefiller.name)),
+            decoder=self.decoder.peer.updated(fleet.learned(self.decoder.name)),
+        )
+        for lookup in self.connector.lookups(ctx):
+            peer = prefiller if lookup.leg is Side.PREFILL else self.decoder
+            update = lookup.parse(await self.legs.lookup(peer, lookup.url))
+            fleet.learn(peer.name, update)
+            ctx = ctx.with_peer(lookup.leg, update)
+        return ctx
+
+    async def _prefill(self, prefiller: Endpoint, ctx: TransferContext, shape: _Shape) -> Json:
+        """The prefill leg, within what is left of the prefill budget."""
+        connector = self.connector
+        left = self._deadline - self.clock()
+        try:
+            with anyio.fail_after(max(left, 0.0)):
+                return await self.legs.post(
+                    prefiller,
+                    shape.path,
+                    connector.prefill_body(shape.body, ctx),
+                    Phase.PREFILL,
+                    headers=connector.headers(Side.PREFILL, ctx),
+                )
+        except TimeoutError:
+            raise UpstreamTimeout(
+                prefiller.name, Phase.PREFILL, "prefill budget exhausted", role="prefiller"
+            ) from None
+
+    def _read(self, prefiller: Endpoint, answer: Json, ctx: TransferContext) -> PrefillOutcome:
+        try:
+            outcome = self.connector.read_prefill(answer, ctx)
+        except ConnectorError as exc:
+            raise UpstreamProtocolError(
+                prefiller.name, Phase.PREFILL, f"unusable transfer params ({exc})", role="prefiller"
+            ) from exc
+        if outcome.learned is not None:
+            self.legs.fleet.learn(prefiller.name, outcome.learned)
+        return outcome
+
+    async def _decode(
+        self, ctx: TransferContext, shape: _Shape, params: dict[str, Any] | None
+    ) -> Leg:
+        connector = self.connector
+        decode = with_threshold(connector.decode_body(shape.body, params, ctx), shape.threshold)
+        return await self.legs.open(
+            self.decoder,
+            shape.path,
+            decode,
+            Phase.DECODE,
+            kind=shape.kind,
+            original_prompt=shape.original_prompt,
+            headers=connector.headers(Side.DECODE, ctx),
+        )
+
+    async def _sequential(self, prefiller: Endpoint, ctx: TransferContext, shape: _Shape) -> Leg:
+        answer = await self._prefill(prefiller, ctx, shape)
+        outcome = self._read(prefiller, answer, ctx)
+        if outcome.params is None and outcome.finished:
+            return self.legs.answer(prefiller, answer, shape.kind, shape.original_prompt)
+        return await self._decode(ctx, shape, outcome.params)
+
+    async def _together(self, prefiller: Endpoint, ctx: TransferContext, shape: _Shape) -> Leg:
+        ahead = self.connector.ahead_params(ctx)
+        held: list[Leg] = []
+        failures: list[BaseException] = []
+
+        async def decode(scope: anyio.CancelScope) -> None:
+            with scope:
+                try:
+                    leg = await self._decode(ctx, shape, ahead)
+                    held.append(leg)
+                    await leg.read_until_decisive()
+                except UpstreamError as exc:
+                    failures.append(exc)
+
+        scope = anyio.CancelScope()
+        answer: Json | None = None
+        outcome: PrefillOutcome | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(decode, scope)
+            try:
+                answer = await self._prefill(prefiller, ctx, shape)
+                outcome = self._read(prefiller, answer, ctx)
+            except UpstreamError as exc:
+                failures.insert(0, exc)
+            if outcome is None or outcome.finished or outcome.stale:
+                scope.cancel()  # the decoder would wait for KV that is not coming
+        if answer is None or outcome is None:
+            await self._close(held)
+            raise failures[0]
+        if outcome.finished:
+            await self._close(held)
+            return self.legs.answer(prefiller, answer, shape.kind, shape.original_prompt)
+        if outcome.stale or failures:
+            await self._close(held)
+            if outcome.stale:
+                self.legs.fleet.forget(prefiller.name)
+                return await self._decode(ctx, shape, outcome.params)
+            raise failures[0]
+        return held[0]
+
+    async def _close(self, held: list[Leg]) -> None:
+        for leg in held:
+            await self.legs.close(leg)
+
+
+def _backoff(base: float, attempt: int) -> float:
+    """Full-jitter exponential backoff: uniform in [0, base * 2**(attempt-1)], capped at 2 s."""
+    return random.uniform(0.0, min(2.0, base * 2 ** (attempt - 1)))

@@ -1,0 +1,279 @@
+"""The overhead benchmark's pure parts: wrk's script and output, the minimal backend.
+
+The backend runs as the benchmark runs it (``benchmarks/minimal_backend.py`` as a
+script on a free loopback port); the tests check the answer shapes a relay
+depends on (vLLM's, token ids included) and that answers are memoized.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pd_orchestrator.bench.wrk import MARKER, lua_script, parse_output, wrk_command
+from pd_orchestrator.children import Child, start_child, stop_child
+from pd_orchestrator.sim.tokenizer import SimTokenizer
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+BACKEND = BENCHMARKS / "minimal_backend.py"
+MODEL = "test-model"
+TOKENS = 16
+
+WRK_OUTPUT = """\
+Running 4s test @ http://127.0.0.1:18200/v1/completions
+  1 threads and 1 connections
+  Thread Stats   Avg      Stdev     Max   +/- Stdev
+    Latency   683.44us    1.67ms  27.18ms   95.41%
+    Req/Sec     2.39k   491.88     3.08k    65.00%
+  9506 requests in 4.00s, 6.26MB read
+  Non-2xx or 3xx responses: 3
+Requests/sec:   2375.64
+Transfer/sec:      1.56MB
+PDO_WRK requests=9506 duration_us=4001451 p50_us=375.0 p90_us=579.0 p99_us=6055.0 \
+mean_us=683.4 max_us=27180.0 errors_connect=0 errors_read=1 errors_write=0 errors_status=3 \
+errors_timeout=0
+"""
+
+
+# -- wrk ---------------------------------------------------------------------------------------
+def test_parse_output_reads_the_result_line_in_seconds() -> None:
+    result = parse_output(WRK_OUTPUT)
+    assert result.requests == 9506
+    assert result.duration == pytest.approx(4.001451)
+    assert result.p50 == pytest.approx(375e-6)
+    assert result.p90 == pytest.approx(579e-6)
+    assert result.p99 == pytest.approx(6055e-6)
+    assert result.max == pytest.approx(0.02718)
+    assert result.rps == pytest.approx(9506 / 4.001451)
+    assert (result.errors_status, result.errors_read, result.errors) == (3, 1, 4)
+
+
+def test_parse_output_without_the_result_line_fails() -> None:
+    with pytest.raises(ValueError, match=f"no {MARKER} line"):
+        parse_output(WRK_OUTPUT.rsplit(MARKER, 1)[0])
+
+
+def test_parse_output_names_a_missing_field() -> None:
+    with pytest.raises(ValueError, match="p99_us"):
+        parse_output(WRK_OUTPUT.replace("p99_us=6055.0 ", ""))
+
+
+def test_lua_script_posts_the_body_verbatim() -> None:
+    body = '{"prompt":"a ]] b ]=] c","max_tokens":16}'
+    script = lua_script(body, {"X-Test": "1"})
+    assert 'wrk.method = "POST"' in script
+    assert f"wrk.body = [==[{body}]==]" in script  # a level no closing bracket in the body has
+    assert "wrk.headers[[[X-Test]]] = [[1]]" in script
+    assert "done = function(summary, latency, requests)" in script
+    for field in ("p50_us", "p99_us", "errors_status", "duration_us"):
+        assert f"{field}=" in script
+
+
+def test_wrk_command_caps_threads_at_connections() -> None:
+    command = wrk_command(
+        "wrk", "http://h:1/v1/completions", "s.lua", connections=1, duration=2.4, threads=4
+    )
+    assert command == [
+        "wrk",
+        "--threads",
+        "1",
+        "--connections",
+        "1",
+        "--duration",
+        "2s",
+        "--timeout",
+        "10s",
+        "--script",
+        "s.lua",
+        "http://h:1/v1/completions",
+    ]
+    with pytest.raises(ValueError):
+        wrk_command("wrk", "http://h:1/", "s.lua", connections=0, duration=1)
+
+
+# -- the minimal backend -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def backend() -> Iterator[Child]:
+    argv = [sys.executable, str(BACKEND), "--host", "127.0.0.1", "--port", "0", "--model", MODEL]
+    child = start_child("minimal-backend", argv, timeout=30)
+    try:
+        yield child
+    finally:
+        stop_child(child)
+
+
+@pytest.fixture
+def client(backend: Child) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=backend.url, timeout=5.0) as client:
+        yield client
+
+
+def _events(response: httpx.Response) -> list[Any]:
+    assert response.headers["content-type"] == "text/event-stream"
+    data = [line[6:] for line in response.text.split("\n\n") if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(item) for item in data[:-1]]
+
+
+def test_whole_completion_with_token_ids(client: httpx.Client) -> None:
+    prompt = "hello there, relay"
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 16,
+        "return_token_ids": True,
+        "cache_hit_threshold": 1.0,
+    }
+    answer = client.post("/v1/completions", json=body).json()
+    (choice,) = answer["choices"]
+    assert answer["object"] == "text_completion"
+    assert choice["finish_reason"] == "length"  # admitted whatever the threshold
+    assert len(choice["token_ids"]) == TOKENS
+    assert choice["text"] == SimTokenizer().decode(choice["token_ids"])
+    assert choice["prompt_token_ids"] == SimTokenizer().encode(prompt)
+    assert answer["usage"]["prompt_tokens"] == len(choice["prompt_token_ids"])
+    assert answer["usage"]["completion_tokens"] == TOKENS
+
+
+def test_whole_completion_without_token_ids_and_a_smaller_limit(client: httpx.Client) -> None:
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4}
+    answer = client.post("/v1/completions", json=body).json()
+    (choice,) = answer["choices"]
+    assert "token_ids" not in choice and "prompt_token_ids" not in choice
+    assert answer["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 4,
+        "total_tokens": 7,
+        "prompt_tokens_details": None,
+    }
+
+
+def test_streamed_completion_one_chunk_per_token(client: httpx.Client) -> None:
+    prompt = "stream me"
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 16,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
+    chunks = _events(client.post("/v1/completions", json=body))
+    *tokens, usage = chunks
+    assert len(tokens) == TOKENS
+    assert [len(c["choices"][0]["token_ids"]) for c in tokens] == [1] * TOKENS
+    assert tokens[0]["choices"][0]["prompt_token_ids"] == SimTokenizer().encode(prompt)
+    assert all("prompt_token_ids" not in c["choices"][0] for c in tokens[1:])
+    reasons = [c["choices"][0]["finish_reason"] for c in tokens]
+    assert reasons == [None] * (TOKENS - 1) + ["length"]
+    whole = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt}).json()
+    assert "".join(c["choices"][0]["text"] for c in tokens) == whole["choices"][0]["text"]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == TOKENS
+
+
+def test_streamed_without_usage_or_ids(client: httpx.Client) -> None:
+    body = {"model": MODEL, "prompt": "plain", "stream": True}
+    chunks = _events(client.post("/v1/completions", json=body))
+    assert len(chunks) == TOKENS
+    assert all("usage" not in c and "token_ids" not in c["choices"][0] for c in chunks)
+
+
+def test_chat_carries_prompt_ids_at_the_top(client: httpx.Client) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    body = {"model": MODEL, "messages": messages, "return_token_ids": True}
+    answer = client.post("/v1/chat/completions", json=body).json()
+    assert answer["object"] == "chat.completion"
+    assert answer["prompt_token_ids"] and "prompt_token_ids" not in answer["choices"][0]
+    assert len(answer["choices"][0]["token_ids"]) == TOKENS
+    streamed = _events(client.post("/v1/chat/completions", json={**body, "stream": True}))
+    role, *tokens = streamed
+    assert role["choices"][0]["delta"]["role"] == "assistant"
+    assert role["prompt_token_ids"] == answer["prompt_token_ids"]
+    assert len(tokens) == TOKENS and tokens[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_probes(client: httpx.Client) -> None:
+    assert client.get("/health").status_code == 200
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [MODEL]
+    for path in ("/loads", "/v1/loads"):
+        (rank,) = client.get(path).json()["loads"]
+        assert rank["num_running_reqs"] == 0 and rank["token_usage"] == 0.0
+    for _ in range(2):
+        missing = client.get("/get_nothing")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
+    unknown = "minimal_backend_unknown_requests_total"
+    assert _metric(client, unknown, {"path": "/get_nothing"})[0] == 2
+    assert client.post("/v1/completions", content=b"{oops").status_code == 400
+    assert client.get("/v1/completions").status_code == 405
+
+
+def _metric(
+    client: httpx.Client, name: str, labels: dict[str, str] | None = None
+) -> tuple[float, dict[str, str]]:
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and (labels is None or sample.labels == labels):
+                return sample.value, sample.labels
+    raise AssertionError(f"{name} {labels or ''} not in /metrics")
+
+
+def test_metrics_and_memoized_answers(client: httpx.Client) -> None:
+    value, labels = _metric(client, "vllm:kv_cache_usage_perc")
+    assert value == 0.0 and labels == {"model_name": MODEL}
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+        assert _metric(client, name)[0] == 0.0
+    served, _ = _metric(client, "minimal_backend_completions_total")
+    built, _ = _metric(client, "minimal_backend_answers_built_total")
+    body = {"model": MODEL, "prompt": "memo me", "max_tokens": 16}
+    first = client.post("/v1/completions", json=body).content
+    second = client.post("/v1/completions", json=body).content
+    assert first == second
+    assert _metric(client, "minimal_backend_completions_total")[0] == served + 2
+    assert _metric(client, "minimal_backend_answers_built_total")[0] == built + 1
+
+
+# -- the benchmark's answer check ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def bench() -> Iterator[ModuleType]:
+    """The benchmark script as a module (its dataclasses need it in ``sys.modules``)."""
+    spec = importlib.util.spec_from_file_location(
+        "overhead_bench", BENCHMARKS / "overhead_bench.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_the_backend_passes_the_answer_check(
+    bench: ModuleType, client: httpx.Client, stream: bool
+) -> None:
+    body = bench.request_body(stream, "check me", model=MODEL)
+    response = client.post("/v1/completions", content=body)
+    assert bench.check_answer(response, stream=stream) is None
+
+
+def test_the_answer_check_refuses_token_ids_and_unstreamed_streams(
+    bench: ModuleType, client: httpx.Client
+) -> None:
+    body = {"model": MODEL, "prompt": "check me", "max_tokens": 16, "return_token_ids": True}
+    with_ids = client.post("/v1/completions", json=body)
+    assert "token ids" in bench.check_answer(with_ids, stream=False)
+    whole = client.post("/v1/completions", json={**body, "return_token_ids": False})
+    assert "content-type" in bench.check_answer(whole, stream=True)
+    short = client.post("/v1/completions", json={**body, "max_tokens": 3, "stream": True})
+    assert "3 token chunks" in bench.check_answer(short, stream=True)
