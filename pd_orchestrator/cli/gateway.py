@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import inspect
 import json
 import logging
@@ -50,6 +51,12 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     serve.add_argument("--config", type=Path, required=True, help="YAML configuration file")
     serve.add_argument("--host", default=None, help="listen address (overrides the config)")
     serve.add_argument("--port", type=int, default=None, help="listen port (overrides the config)")
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="gateway processes sharing the port (overrides listen.workers; see README)",
+    )
     add_logging_arguments(serve)
     serve.set_defaults(handler=run_serve)
 
@@ -92,6 +99,7 @@ def serve_gateway(
     *,
     sock: socket.socket | None = None,
     gateway: Gateway | None = None,
+    extra_sockets: list[socket.socket] | None = None,
 ) -> None:
     """Run the gateway until SIGINT/SIGTERM.
 
@@ -100,8 +108,9 @@ def serve_gateway(
     (what :mod:`pd_orchestrator.children` waits for). With ``config_path``, SIGHUP
     reloads the configuration from it. ``sock``: a listening socket bound already
     (default: bind ``config.listen`` now). ``gateway``: the gateway to serve
-    (default: one built from ``config`` and ``config_path``). Logging is configured
-    from ``config.logging`` first (uvicorn's records included).
+    (default: one built from ``config`` and ``config_path``). ``extra_sockets``: more
+    listening sockets serving the same application (a worker's own metrics port).
+    Logging is configured from ``config.logging`` first (uvicorn's records included).
     """
     from pd_orchestrator.gateway import Gateway
     from pd_orchestrator.telemetry.logs import configure_logging
@@ -128,8 +137,9 @@ def serve_gateway(
     tracing = "on" if gateway.tracing is not None else "off"
 
     async def main() -> None:
+        _tune_gc()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(server.serve, [sock])
+            tg.start_soon(server.serve, [sock, *(extra_sockets or [])])
             while not server.started:  # noqa: ASYNC110 - uvicorn exposes no event
                 await anyio.sleep(0.02)
             logger.info(
@@ -141,6 +151,16 @@ def serve_gateway(
                 await announced
 
     anyio.run(main, backend_options={"use_uvloop": True})
+
+
+def _tune_gc() -> None:
+    """Collect less often: a request allocates a few hundred short-lived objects, and
+    with the default thresholds the collector ran every few requests. What exists
+    at start-up (modules, configuration, plans' building blocks) is frozen out of
+    every collection."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 50, 100)
 
 
 def _announce(url: str) -> None:
@@ -156,8 +176,15 @@ def run_serve(args: argparse.Namespace) -> int:
     if missing:
         console.print(f"[bold red]error:[/] endpoints without a url: {', '.join(missing)}")
         return 2
-    exit_on_sigterm()
     config = with_logging(with_listen(config, args.host, args.port), args)
+    if args.workers is not None:
+        listen = config.listen.model_copy(update={"workers": args.workers})
+        config = config.model_copy(update={"listen": listen})
+    if config.listen.workers > 1:
+        from pd_orchestrator.cli.workers import serve_workers
+
+        return serve_workers(config, serve_gateway, _announce, args.config)
+    exit_on_sigterm()
     serve_gateway(config, config_path=args.config)
     return 0
 
@@ -175,7 +202,7 @@ def run_check_config(args: argparse.Namespace) -> int:
 
 def endpoint_table(config: GatewayConfig, title: str) -> RenderableType:
     """The fleet as a table that reads at 80 columns: name, role, pool, hardware (with
-    the compatibility group when it differs), URL (or ``sim PROFILE``); the
+    the compatibility group when it differs), KV connector, URL (or ``sim PROFILE``); the
     served model below it (several: each with its pools) rather than as a wide column."""
     table = Table(
         title=title,
@@ -185,14 +212,14 @@ def endpoint_table(config: GatewayConfig, title: str) -> RenderableType:
         padding=(0, 2, 0, 0),
         header_style="bold underline",
     )
-    for column in ("name", "role", "pool", "hardware"):
+    for column in ("name", "role", "pool", "hardware", "kv"):
         table.add_column(column, no_wrap=True)
     table.add_column("url", overflow="fold")  # a long URL folds rather than cut a name
     models: dict[str, list[str]] = {}
     for e in config.fleet():
         hardware = e.hardware if e.group in (e.hardware, "default") else f"{e.hardware}/{e.group}"
         url = e.url or f"sim {e.sim.profile if e.sim else '?'}"
-        table.add_row(e.name, e.role, e.pool, hardware, url)
+        table.add_row(e.name, e.role, e.pool, hardware, e.connector, url)
         pools = models.setdefault(_model_of(e), [])
         if e.pool not in pools:
             pools.append(e.pool)

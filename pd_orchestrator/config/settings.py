@@ -75,8 +75,14 @@ class _Strict(BaseModel):
 
 
 class ListenConfig(_Strict):
+    """Where the gateway listens; ``workers`` > 1 runs that many gateway processes on
+    the port (``SO_REUSEPORT``), each with its own state (see ``pd_orchestrator.cli.
+    workers``); ``worker_metrics_port`` P: worker *i* also serves on P + *i*."""
+
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
+    workers: Annotated[int, Field(ge=1, le=64)] = 1
+    worker_metrics_port: Annotated[int, Field(ge=1, le=65535)] | None = None
 
 
 class SimSpec(_Strict):

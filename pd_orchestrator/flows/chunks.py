@@ -10,7 +10,7 @@ client (a request continued as a token prompt) is re-rendered as a chat chunk.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from pd_orchestrator.openai.responses import Kind, stream_chunk
 
@@ -38,9 +38,12 @@ class Identity:
     model: str
 
 
-@dataclass(frozen=True, slots=True)
-class ChunkView:
-    """What a chunk (or a whole answer) says, in API-independent terms."""
+class ChunkView(NamedTuple):
+    """What a chunk (or a whole answer) says, in API-independent terms.
+
+    A named tuple: one is made per relayed chunk, and a tuple is the cheapest
+    immutable record Python makes.
+    """
 
     has_choice: bool
     text: str
@@ -70,47 +73,52 @@ class ChunkView:
 
 
 def _ids(value: Any) -> tuple[int, ...] | None:
-    if isinstance(value, list) and all(isinstance(v, int) for v in value):
-        return tuple(value)
-    return None
+    """Token ids as an upstream sent them (a list, taken as vLLM's list of ints; a
+    malformed upstream is caught when a continuation is sent, not on every chunk)."""
+    return tuple(value) if type(value) is list else None
 
 
 def _first_choice(chunk: Json) -> Json | None:
     choices = chunk.get("choices")
-    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+    if type(choices) is list and choices and type(choices[0]) is dict:
         return choices[0]
     return None
 
 
 def _usage(chunk: Json) -> Json | None:
     usage = chunk.get("usage")
-    return usage if isinstance(usage, dict) else None
+    return usage if type(usage) is dict else None
+
+
+_OTHER_DELTAS = ("tool_calls", "reasoning_content", "reasoning")
 
 
 def view_chunk(chunk: Json, kind: Kind) -> ChunkView:
     """Read one streamed chunk of an answer of ``kind``."""
     choice = _first_choice(chunk)
+    usage = chunk.get("usage")
+    if type(usage) is not dict:
+        usage = None
     if choice is None:
-        return ChunkView(False, "", None, None, _ids(chunk.get("prompt_token_ids")), _usage(chunk))
+        return ChunkView(False, "", None, None, _ids(chunk.get("prompt_token_ids")), usage)
+    ids = choice.get("token_ids")
+    token_ids = tuple(ids) if type(ids) is list else None
     if kind == "completion":
         text = choice.get("text") or ""
+        raw_prompt = choice.get("prompt_token_ids")
         other = False
-        prompt_ids = _ids(choice.get("prompt_token_ids"))
     else:
-        raw_delta = choice.get("delta")
-        delta: Json = raw_delta if isinstance(raw_delta, dict) else {}
+        delta = choice.get("delta")
+        if type(delta) is not dict:
+            delta = {}
         text = delta.get("content") or ""
-        other = any(delta.get(k) for k in ("tool_calls", "reasoning_content", "reasoning"))
-        prompt_ids = _ids(chunk.get("prompt_token_ids"))
-    return ChunkView(
-        has_choice=True,
-        text=str(text),
-        token_ids=_ids(choice.get("token_ids")),
-        finish_reason=choice.get("finish_reason"),
-        prompt_token_ids=prompt_ids,
-        usage=_usage(chunk),
-        other_delta=other,
-    )
+        raw_prompt = chunk.get("prompt_token_ids")
+        # tool calls or reasoning make a chunk decisive (only asked when it has no text)
+        other = not text and any(delta.get(k) for k in _OTHER_DELTAS)
+    prompt_ids = tuple(raw_prompt) if type(raw_prompt) is list else None
+    if type(text) is not str:
+        text = str(text)
+    return ChunkView(True, text, token_ids, choice.get("finish_reason"), prompt_ids, usage, other)
 
 
 def view_answer(answer: Json, kind: Kind) -> ChunkView:

@@ -109,6 +109,7 @@ class Leg:
     threshold: float = 0.0
     held: list[Json] = field(default_factory=list)
     decisive: ChunkView | None = None
+    views: dict[int, ChunkView] = field(default_factory=dict)
     tokens: int = 0
     usage: Json | None = None
     open: bool = True
@@ -118,7 +119,12 @@ class Leg:
     span: Span | None = None
 
     def view(self, chunk: Json) -> ChunkView:
-        """What ``chunk`` (an answer when ``whole``) says."""
+        """What ``chunk`` (an answer when ``whole``) says (read once per held chunk)."""
+        views = self.views
+        if views:
+            seen = views.pop(id(chunk), None)
+            if seen is not None:
+                return seen
         return view_answer(chunk, self.kind) if self.whole else view_chunk(chunk, self.kind)
 
     async def read_until_decisive(self) -> ChunkView | None:
@@ -129,6 +135,7 @@ class Leg:
             self.held.extend(batch)
             for chunk in batch:
                 view = self.view(chunk)
+                self.views[id(chunk)] = view  # the relay reads it from here
                 if view.decisive:
                     self.decisive = view
                     return view
@@ -366,20 +373,28 @@ class Legs:
             if open_leg is leg:
                 del self._open[index]
                 try:
-                    with anyio.move_on_after(CLOSE_SECONDS, shield=True):
+                    if stream.done:  # read to its end: the connection just goes back
                         await stream.aclose()
+                    else:
+                        with anyio.move_on_after(CLOSE_SECONDS, shield=True):
+                            await stream.aclose()
                 finally:
                     self.fleet.leave(leg.endpoint.name)
-                    self._closed(leg)
+                    self._closed(leg, stream.done)
                 return
 
-    def _closed(self, leg: Leg) -> None:
-        """Account for a stream that ended: read to its end, cancelled or broken."""
+    def _closed(self, leg: Leg, done: bool) -> None:
+        """Account for a stream that ended: read to its ``[DONE]`` (``done``), closed
+        before it, or broken."""
         name = leg.endpoint.name
         if leg.error is not None:
             self._failed_leg(leg.endpoint, leg.error, leg.phase, leg.span)
             return
-        outcome = "ok" if leg.ended else "cancelled"
+        ended = done or leg.ended
+        if leg.phase == "decode_attempt" and (ended or leg.decisive) and _rejects(leg.decisive):
+            outcome = "rejected"
+        else:
+            outcome = "ok" if ended else "cancelled"
         self.metrics.count_leg(name, leg.phase, outcome, self.clock() - leg.started)
         if leg.span is not None:
             RequestTrace.end_leg(leg.span, outcome, {"pd.completion_tokens": leg.tokens})
@@ -388,6 +403,14 @@ class Legs:
         """Close every leg still open."""
         while self._open:
             await self.close(self._open[-1][0])
+
+
+def _rejects(view: ChunkView | None) -> bool:
+    """A decode attempt's first decisive part (None: a stream that ended with no
+    choice) says ``cache_threshold`` without a token (as ``attempts.admits`` reads it)."""
+    if view is None:
+        return True
+    return view.rejected and not view.token_ids and not view.completion_tokens
 
 
 def _answer_attributes(answer: Json) -> dict[str, Any]:

@@ -48,12 +48,13 @@ class _Timing:
         self._gaps = 0
         self._last = 0.0
 
-    def content(self) -> None:
+    def content(self, chunks: int = 1) -> None:
+        """``chunks`` pieces of content reached the client now (one write)."""
         now = self.clock()
         if self.ttft is None:
             self.ttft = now - self.arrival
-        else:
-            self._gaps += 1
+            chunks -= 1
+        self._gaps += chunks
         self._last = now
 
     @property
@@ -96,6 +97,7 @@ class StreamRenderer:
         self._first_sent = False
         self._keep_ids = request.want_token_ids
         self._chat = request.kind == "chat"
+        self._contents = 0
         transcript.keep_text = False
 
     async def begin(self, headers: Mapping[str, str]) -> None:
@@ -120,7 +122,7 @@ class StreamRenderer:
         self._first_sent = True
         self._out.append(encode_event(out))
         if view.text or view.token_ids:
-            self.timing.content()
+            self._contents += 1
 
     def _role_chunk(self) -> Json:
         identity = self.transcript.identity
@@ -144,6 +146,9 @@ class StreamRenderer:
             return
         out, self._out = self._out, []
         await self.sink.send(out[0] if len(out) == 1 else b"".join(out))
+        if self._contents:
+            self.timing.content(self._contents)
+            self._contents = 0
 
     async def end(self, headers: Mapping[str, str]) -> None:
         transcript = self.transcript

@@ -14,8 +14,10 @@ returns a :class:`Plan`:
    ``width`` at once for ask-all.
 3. **Prefillers per decoder**: the prefill profile's ranking for each class of
    decoder in the plan (compatibility group and connector: the compatibility
-   filter looks at nothing else of the decoder), or the prefillers the request
-   named itself (a sidecar's header).
+   filter looks at nothing else of the decoder), over the plan's snapshot, or the
+   prefillers the request named itself (a sidecar's header). A class's ranking is
+   worked out when first asked for (:class:`PrefillRanking`): a request its
+   decoder admits needs none, unless the threshold policy reads the prefillers.
 4. **Threshold**: the policy's decision for the first decoder, which sees that
    decoder's load, the prompt's size and its compatible prefillers' load.
 
@@ -27,7 +29,7 @@ What the planner learns comes back after the request: :meth:`Planner.learn`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -35,6 +37,7 @@ from pd_orchestrator.fleet.endpoints import Endpoint, Role
 from pd_orchestrator.policies.base import LatencyObservation, ThresholdContext, ThresholdDecision
 from pd_orchestrator.policies.threshold import ThresholdResolver
 from pd_orchestrator.prefix.runtime import PrefixFields
+from pd_orchestrator.routing.engine import Profile
 from pd_orchestrator.routing.profiles import RoutingProfiles
 from pd_orchestrator.routing.types import Candidate, RoutingRequest, RoutingResult
 
@@ -43,6 +46,7 @@ __all__ = [
     "NoCandidateError",
     "Plan",
     "Planner",
+    "PrefillRanking",
     "RequestFacts",
     "Served",
     "compatibility_class",
@@ -83,6 +87,45 @@ def compatibility_class(decoder: Endpoint) -> tuple[str, str]:
     return (decoder.group, decoder.connector)
 
 
+class PrefillRanking:
+    """The prefill profile's ranking for each class of decoder, over the plan's
+    snapshot (or the prefillers a request named itself), worked out the first time
+    a class is asked for: most requests are admitted and never need one."""
+
+    __slots__ = ("_cache", "_candidates", "_connector_pairs", "_named", "_pairs", "_profile",
+                 "_routing")  # fmt: skip
+
+    def __init__(
+        self,
+        profile: Profile,
+        routing: RoutingRequest,
+        candidates: tuple[Candidate, ...],
+        pairs: frozenset[tuple[str, str]],
+        connector_pairs: frozenset[tuple[str, str]],
+        named: tuple[Endpoint, ...] | None,
+    ) -> None:
+        self._profile = profile
+        self._routing = routing
+        self._candidates = candidates
+        self._pairs = pairs
+        self._connector_pairs = connector_pairs
+        self._named = named
+        self._cache: dict[tuple[str, str], tuple[Endpoint, ...]] = {}
+
+    def for_decoder(self, decoder: Endpoint) -> tuple[Endpoint, ...]:
+        """Prefillers whose KV can reach ``decoder``, best first (may be empty)."""
+        key = compatibility_class(decoder)
+        ranked = self._cache.get(key)
+        if ranked is None:
+            if self._named is not None:
+                ranked = self._named
+            else:
+                request = _for_prefill(self._routing, decoder, self._pairs, self._connector_pairs)
+                ranked = self._profile.run(request, self._candidates).endpoints
+            self._cache[key] = ranked
+        return ranked
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     """The routing decision for one request (see the module docstring)."""
@@ -90,7 +133,7 @@ class Plan:
     decoders: tuple[Endpoint, ...]
     asked: tuple[Endpoint, ...]
     threshold: ThresholdDecision
-    prefillers: Mapping[tuple[str, str], tuple[Endpoint, ...]]
+    prefillers: PrefillRanking
     candidates: tuple[Candidate, ...]
     routing: RoutingRequest
     ranking: RoutingResult
@@ -105,7 +148,7 @@ class Plan:
 
     def prefillers_for(self, decoder: Endpoint) -> tuple[Endpoint, ...]:
         """Prefillers whose KV can reach ``decoder``, best first (may be empty)."""
-        return self.prefillers.get(compatibility_class(decoder), ())
+        return self.prefillers.for_decoder(decoder)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +206,14 @@ class Planner:
         if ranking.pick is None:
             raise NoCandidateError(_why("decoder", ranking))
         decoders = ranking.endpoints
-        prefillers = self._prefillers(facts, routing, decoders, prefillers_in)
+        prefillers = PrefillRanking(
+            self.profiles.prefill,
+            routing,
+            prefillers_in,
+            self.allowed_pairs,
+            self.connector_pairs,
+            facts.prefillers,
+        )
         threshold = self._threshold(facts, ranking.pick.candidate, prefillers, prefillers_in, now)
         return Plan(
             decoders=decoders,
@@ -181,37 +231,20 @@ class Planner:
             return decoders
         return decoders[:width]
 
-    def _prefillers(
-        self,
-        facts: RequestFacts,
-        routing: RoutingRequest,
-        decoders: tuple[Endpoint, ...],
-        candidates: tuple[Candidate, ...],
-    ) -> dict[tuple[str, str], tuple[Endpoint, ...]]:
-        ranked: dict[tuple[str, str], tuple[Endpoint, ...]] = {}
-        for decoder in decoders:
-            key = compatibility_class(decoder)
-            if key in ranked:
-                continue
-            if facts.prefillers is not None:
-                ranked[key] = facts.prefillers
-                continue
-            request = _for_prefill(routing, decoder, self.allowed_pairs, self.connector_pairs)
-            ranked[key] = self.profiles.prefill.run(request, candidates).endpoints
-        return ranked
-
     def _threshold(
         self,
         facts: RequestFacts,
         decoder: Candidate,
-        prefillers: Mapping[tuple[str, str], tuple[Endpoint, ...]],
+        prefillers: PrefillRanking,
         candidates: tuple[Candidate, ...],
         now: float,
     ) -> ThresholdDecision:
         resolver = self.threshold
         if resolver is None:
             return DECODE_ONLY
-        compatible = {e.name for e in prefillers.get(compatibility_class(decoder.endpoint), ())}
+        compatible: set[str] = set()
+        if resolver.reads_prefillers:
+            compatible = {e.name for e in prefillers.for_decoder(decoder.endpoint)}
         tokens = facts.prompt_tokens
         if tokens is None:
             tokens = resolver.estimate_tokens(facts.model, facts.prompt_chars)

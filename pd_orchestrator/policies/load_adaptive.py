@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Self
+from typing import Annotated, ClassVar, Self
 
 from pydantic import Field, model_validator
 
@@ -135,6 +135,8 @@ class _Track:
 @dataclass(slots=True)
 class LoadAdaptivePolicy:
     """See the module docstring; state: one :class:`_Track` per decoder name."""
+
+    reads_prefillers: ClassVar[bool] = True
 
     params: LoadAdaptiveParams
     name: str = "load-adaptive"

@@ -39,12 +39,21 @@ class ThresholdResolver:
 
     ``exact_prompt_length``: the configuration asks the gateway to count prompt
     tokens exactly (``/tokenize``) rather than use :meth:`estimate_tokens`.
+    ``reads_prefillers``: some policy of the tree reads the compatible prefillers
+    (declared by a policy's ``reads_prefillers`` attribute); otherwise the planner
+    leaves them out of the context and ranks no prefiller for an admitted request.
     """
 
     policy: ThresholdPolicy
     honour_client: bool = True
     prompt_length: PromptLengthEstimator = field(default_factory=PromptLengthEstimator)
     exact_prompt_length: bool = False
+    reads_prefillers: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        self.reads_prefillers = any(
+            getattr(p, "reads_prefillers", False) for p in _tree(self.policy)
+        )
 
     def estimate_tokens(self, model: str, chars: int) -> int:
         """The prompt's tokens, estimated from its characters (see the estimator)."""
@@ -64,6 +73,19 @@ class ThresholdResolver:
     def observe_usage(self, model: str, prompt_chars: int, prompt_tokens: int) -> None:
         """Upstream counted ``prompt_tokens`` for a prompt of ``prompt_chars`` characters."""
         self.prompt_length.observe(model, prompt_chars, prompt_tokens)
+
+
+def _tree(policy: ThresholdPolicy) -> list[ThresholdPolicy]:
+    """``policy`` and every policy it composes (children, override rules, default)."""
+    found = [policy]
+    for child in getattr(policy, "children", ()):
+        found += _tree(child)
+    for rule in getattr(policy, "rules", ()):
+        found += _tree(rule.policy)
+    default = getattr(policy, "default", None)
+    if default is not None:
+        found += _tree(default)
+    return found
 
 
 def build_estimator(config: PromptLengthConfig) -> PromptLengthEstimator:

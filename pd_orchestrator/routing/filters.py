@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 from pydantic import Field
 
@@ -54,6 +54,8 @@ class HealthyFilter:
     endpoints of its role, so "none is healthy" means none of that role.
     """
 
+    trusted: ClassVar[bool] = True
+
     params: HealthyParams
 
     def filter(
@@ -79,6 +81,8 @@ class ModelFilter:
     model keeps every candidate. No parameters.
     """
 
+    trusted: ClassVar[bool] = True
+
     def filter(
         self, request: RoutingRequest, candidates: Sequence[Candidate]
     ) -> Sequence[Candidate]:
@@ -92,6 +96,8 @@ class RoleFilter:
 
     A request for role ``both`` keeps every candidate. No parameters.
     """
+
+    trusted: ClassVar[bool] = True
 
     def filter(
         self, request: RoutingRequest, candidates: Sequence[Candidate]
@@ -127,6 +133,8 @@ class CompatibilityFilter:
     group)`` is in ``pairs`` or in ``request.allowed_pairs``. Without a decoder on
     the request there is nothing to be compatible with and every candidate is kept.
     """
+
+    trusted: ClassVar[bool] = True
 
     pairs: frozenset[tuple[str, str]]
 

@@ -10,12 +10,14 @@
 * ``pd_orchestrator_ttft_seconds`` -- arrival to the first content sent to the client;
 * ``pd_orchestrator_itl_seconds`` -- a request's mean gap between later content (ITL);
 * ``pd_orchestrator_upstream_requests_total{upstream,phase,outcome}`` -- every
-  upstream request (leg) by endpoint name, phase and outcome: ``ok`` (answered and
-  read to its end), ``cancelled`` (closed by the gateway before its end: a rejected
-  attempt, a losing ask-all leg, a client that left) or the failure (``unavailable``,
-  ``timeout``, ``http_4xx``, ``http_5xx``, ``protocol``);
+  upstream request (leg) by endpoint name, phase and outcome: ``ok`` (answered: a
+  whole answer, or a stream read to its end), ``rejected`` (a streamed decode
+  attempt answered ``cache_threshold`` without a token), ``cancelled`` (closed by
+  the gateway before its end: a losing ask-all leg, a client that left) or the
+  failure (``unavailable``, ``timeout``, ``http_4xx``, ``http_5xx``, ``protocol``);
 * ``pd_orchestrator_upstream_seconds{upstream,phase}`` -- from sending a leg to the
-  end of its answer (a stream: until it was read to its end or closed), answered legs only;
+  end of its answer (a stream: until it was read to its end or closed); failed legs
+  are not observed;
 * ``pd_orchestrator_upstream_errors_total{upstream,kind}`` -- failures by endpoint
   and error class (``recovered``: a broken decode leg continued elsewhere);
 * ``pd_orchestrator_prefill_retries_total`` -- prefill legs sent again after a failed one;
@@ -123,7 +125,7 @@ class GatewayMetrics:
         )
         self.upstream_seconds = Histogram(
             "pd_orchestrator_upstream_seconds",
-            "From sending an upstream request to the end of its answer (answered legs).",
+            "From sending an upstream request to the end of its answer (failed legs excluded).",
             ["upstream", "phase"],
             buckets=_SECONDS,
             registry=r,

@@ -138,9 +138,15 @@ class ChunkStream:
         self._pieces = response.__aiter__()
         self._splitter = _SseSplitter()
         self._done = False
+        self._drained = False
 
     def __aiter__(self) -> ChunkStream:
         return self
+
+    @property
+    def done(self) -> bool:
+        """Whether ``[DONE]`` was read (closing is then only a release, no I/O)."""
+        return self._done
 
     async def __anext__(self) -> list[Json]:
         while not self._done:
@@ -158,6 +164,11 @@ class ChunkStream:
             batch = self._decode(payloads)
             if batch:
                 return batch
+        if not self._drained:  # read the answer's last bytes: its connection is reused
+            self._drained = True
+            with _translate(self.endpoint, self.phase):
+                async for _ in self._pieces:
+                    pass
         raise StopAsyncIteration
 
     def _decode(self, payloads: list[bytes]) -> list[Json]:

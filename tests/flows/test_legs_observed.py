@@ -150,8 +150,8 @@ async def test_every_leg_is_counted_by_upstream_phase_and_outcome() -> None:
     run = await _serve(_pd_script(), STREAM)
     assert run.flow.decision == "pd"
     counted = "pd_orchestrator_upstream_requests_total"
-    # the rejected attempt is closed before its [DONE]: cancelled, not failed
-    assert run.sample(counted, upstream="d0", phase="decode_attempt", outcome="cancelled") == 1
+    # the attempt answered cache_threshold without a token: rejected, not failed
+    assert run.sample(counted, upstream="d0", phase="decode_attempt", outcome="rejected") == 1
     assert run.sample(counted, upstream="p0", phase="prefill", outcome="ok") == 1
     assert run.sample(counted, upstream="d0", phase="decode", outcome="ok") == 1
     seconds = "pd_orchestrator_upstream_seconds_count"
@@ -262,7 +262,7 @@ async def test_a_trace_has_a_span_per_leg_below_the_request_and_propagates_it() 
         assert span.context.trace_id == root.context.trace_id
     attributes = {name: dict(span.attributes or {}) for name, span in by_name.items()}
     assert attributes["prefill"]["pd.endpoint"] == "p0"
-    assert attributes["decode_attempt"]["pd.outcome"] == "cancelled"
+    assert attributes["decode_attempt"]["pd.outcome"] == "rejected"
     assert attributes["decode"]["pd.completion_tokens"] == 4
     # each upstream request carries its own leg span's context
     attempt, decode = run.headers("d0")

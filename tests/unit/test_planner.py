@@ -39,8 +39,9 @@ def _request(prompt: str = "hello") -> RequestFacts:
 class _Fixed:
     """A policy that always answers 0.5 and remembers what it was shown."""
 
-    def __init__(self) -> None:
+    def __init__(self, reads_prefillers: bool = True) -> None:
         self.seen: list[ThresholdContext] = []
+        self.reads_prefillers = reads_prefillers
 
     def decide(self, context: ThresholdContext) -> ThresholdDecision:
         self.seen.append(context)
@@ -68,6 +69,14 @@ def test_plan_ranks_only_decoders_and_asks_the_threshold() -> None:
     assert {c.endpoint.name for c in context.prefillers} == {
         e.name for e in plan.prefillers_for(plan.decoder)
     }
+
+
+def test_a_policy_that_reads_no_prefillers_costs_no_prefill_ranking() -> None:
+    policy = _Fixed(reads_prefillers=False)
+    plan = _planner(policy=policy).plan(_request(), [Candidate(e) for e in FLEET], 0.0, 0)
+    [context] = policy.seen
+    assert context.prefillers == () and not plan.prefillers._cache
+    assert {e.name for e in plan.prefillers_for(plan.decoder)}  # ranked when asked for
 
 
 def test_busy_decoders_rank_last() -> None:
