@@ -131,14 +131,19 @@ class Leg:
         """Hold chunks until one carries content or a finish; None if none does."""
         if self.decisive is not None:
             return self.decisive
-        while (batch := await self._next()) is not None:
-            self.held.extend(batch)
-            for chunk in batch:
-                view = self.view(chunk)
-                self.views[id(chunk)] = view  # the relay reads it from here
-                if view.decisive:
-                    self.decisive = view
-                    return view
+        try:
+            async for batch in self.source:
+                self.held.extend(batch)
+                for chunk in batch:
+                    view = self.view(chunk)
+                    self.views[id(chunk)] = view  # the relay reads it from here
+                    if view.decisive:
+                        self.decisive = view
+                        return view
+        except UpstreamError as exc:
+            self.error = exc
+            raise
+        self.ended = True
         return None
 
     async def next_batch(self) -> list[Json] | None:
@@ -146,9 +151,6 @@ class Leg:
         if self.held:
             held, self.held = self.held, []
             return held
-        return await self._next()
-
-    async def _next(self) -> list[Json] | None:
         try:
             return await self.source.__anext__()
         except StopAsyncIteration:
@@ -205,10 +207,6 @@ class Legs:
                 headers[name.lower()] = value
         return headers
 
-    def _span(self, endpoint: Endpoint, phase: str, name: str) -> Span | None:
-        trace = self.trace
-        return None if trace is None else trace.leg(name, endpoint.name, phase)
-
     def _failure(self, endpoint: Endpoint, exc: UpstreamError, phase: str) -> None:
         """Count and log a failed leg (the one place upstream failures are logged)."""
         self.metrics.count_upstream_error(endpoint.name, type(exc).__name__)
@@ -226,11 +224,6 @@ class Legs:
             exc.message,
         )
 
-    def _sending(self, phase: str) -> None:
-        if phase == "prefill" and self._prefill_failed:
-            self._prefill_failed = False
-            self.metrics.prefill_retries.inc()
-
     async def post(
         self,
         endpoint: Endpoint,
@@ -244,7 +237,7 @@ class Legs:
         """POST ``body`` and return the whole answer (``headers`` add to or replace the
         leg's own, e.g. a connector's shared ``X-Request-Id``). ``label`` names the leg
         in metrics and traces when its phase does not say enough (``probe``)."""
-        name = label or phase.value
+        name: str = label or phase  # a StrEnum: its value as a label
         return await self._post(endpoint, path, body, phase, name, name, headers)
 
     async def _post(
@@ -258,8 +251,11 @@ class Legs:
         extra: Mapping[str, str] | None,
     ) -> Json:
         fleet = self.fleet
-        span = self._span(endpoint, name, span_name)
-        self._sending(name)
+        trace = self.trace
+        span = None if trace is None else trace.leg(span_name, endpoint.name, name)
+        if self._prefill_failed and name == "prefill":
+            self._prefill_failed = False
+            self.metrics.prefill_retries.inc()
         started = self.clock()
         fleet.enter(endpoint.name)
         try:
@@ -308,7 +304,7 @@ class Legs:
     ) -> Leg:
         """Send ``body``: a stream when it says ``stream``, else a whole answer."""
         threshold = float(body.get("cache_hit_threshold") or 0.0)
-        name = phase.value
+        name: str = phase  # a StrEnum: its value as a label
         span_name = name
         if phase is Phase.DECODE:
             if "kv_transfer_params" in body:
@@ -318,7 +314,8 @@ class Legs:
         if not body.get("stream"):
             answer = await self._post(endpoint, path, body, phase, name, span_name, headers)
             return self.answer(endpoint, answer, kind, original_prompt, threshold)
-        span = self._span(endpoint, name, span_name)
+        trace = self.trace
+        span = None if trace is None else trace.leg(span_name, endpoint.name, name)
         started = self.clock()
         self.fleet.enter(endpoint.name)
         try:
