@@ -118,3 +118,21 @@ def test_flags_override_the_config() -> None:
         level="debug", format="json", access_log=True
     )
     assert with_overrides(config, None, "text").format == "text"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["serve", "--config", "x.yaml"], ["up"], ["sim"]],
+    ids=["serve", "up", "sim"],
+)
+def test_every_daemon_takes_the_logging_flags(argv: list[str]) -> None:
+    from pd_orchestrator.cli.logs import logging_from_args
+    from pd_orchestrator.cli.main import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args([*argv, "--log-level", "debug", "--log-format", "json"])
+    assert logging_from_args(args) == LoggingConfig(level="debug", format="json")
+    defaults = parser.parse_args(argv)
+    assert logging_from_args(defaults, LoggingConfig(level="error")).level == "error"
+    with pytest.raises(SystemExit):
+        parser.parse_args([*argv, "--log-format", "xml"])
