@@ -100,6 +100,7 @@ def serve_gateway(
     sock: socket.socket | None = None,
     gateway: Gateway | None = None,
     extra_sockets: list[socket.socket] | None = None,
+    tls: tuple[Path, Path] | None = None,
 ) -> None:
     """Run the gateway until SIGINT/SIGTERM.
 
@@ -110,6 +111,7 @@ def serve_gateway(
     (default: bind ``config.listen`` now). ``gateway``: the gateway to serve
     (default: one built from ``config`` and ``config_path``). ``extra_sockets``: more
     listening sockets serving the same application (a worker's own metrics port).
+    ``tls``: serve HTTPS with this certificate and key file.
     Logging is configured from ``config.logging`` first (uvicorn's records included).
     """
     from pd_orchestrator.gateway import Gateway
@@ -118,7 +120,8 @@ def serve_gateway(
     configure_logging(config.logging)
     if sock is None:
         sock = bind_socket(config.listen.host, config.listen.port)
-    url = f"http://{config.listen.host}:{sock.getsockname()[1]}"
+    scheme = "https" if tls is not None else "http"
+    url = f"{scheme}://{config.listen.host}:{sock.getsockname()[1]}"
     if gateway is None:
         gateway = Gateway(config, config_path=config_path)
     server = uvicorn.Server(
@@ -127,11 +130,13 @@ def serve_gateway(
             log_level="warning",
             log_config=None,
             timeout_graceful_shutdown=5,
-            http="httptools",
+            http=gateway.http_protocol(),
             interface="asgi3",
             proxy_headers=False,
             server_header=False,
             access_log=False,
+            ssl_certfile=None if tls is None else str(tls[0]),
+            ssl_keyfile=None if tls is None else str(tls[1]),
         )
     )
     tracing = "on" if gateway.tracing is not None else "off"

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Sequence
 
 from pd_orchestrator import __version__
-from pd_orchestrator.cli import bench, gateway, sim, top, up
+from pd_orchestrator.cli import bench, gateway, sidecar, sim, top, up
 
 __all__ = ["build_parser", "main"]
 
@@ -14,6 +15,7 @@ _COMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]],
     sim.add_parser,
     gateway.add_parsers,
     up.add_parser,
+    sidecar.add_parser,
     top.add_parser,
     bench.add_parser,
 )
@@ -33,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the process exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["sidecar"]:  # llm-d's flags may come Go-style: -port=8000
+        argv = ["sidecar", *sidecar.normalize_flags(argv[1:])]
     args = build_parser().parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:

@@ -9,6 +9,7 @@ lists as JSON) override them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 from urllib.parse import urlsplit
 
@@ -35,6 +36,7 @@ from connectors import (
     can_pair,
     get_connector,
 )
+from pd_orchestrator.config.allowlist import parse_entries
 from pd_orchestrator.config.load import LoadConfig
 from pd_orchestrator.config.observability import AuthConfig, LoggingConfig, TracingConfig
 from pd_orchestrator.config.policy import ThresholdConfig
@@ -55,9 +57,11 @@ __all__ = [
     "HealthConfig",
     "HostStagedPair",
     "KvSettings",
+    "LimitsConfig",
     "ListenConfig",
     "LoggingConfig",
     "PoolConfig",
+    "SecurityConfig",
     "SidecarConfig",
     "SimSpec",
     "ThresholdConfig",
@@ -348,22 +352,40 @@ class HandbackConfig(_Strict):
 
 
 class SidecarConfig(_Strict):
-    """Sidecar mode: one local decoder; the prefiller may come from a header."""
+    """Sidecar mode: one local decoder; the prefiller (and a KV source) may come from
+    headers an upstream scheduler sets (llm-d's names by default). Every host a
+    header names must be in the allow-list (``allowed_prefillers`` and the lines of
+    ``allowlist_file``: ``host:port``, ``host``, a network, or a DNS name resolved
+    every ``allowlist_refresh`` seconds), else 403 -- unless ``ssrf_protection`` is
+    off, which accepts any host (llm-d's ``--enable-ssrf-protection=false``).
+    ``prefiller_sampling``: spread requests over the prefillers a header names
+    (default: the first, the others as retries). ``prefiller_kv``: the side-channel
+    ports of header-named prefillers (vLLM's defaults)."""
 
     enabled: bool = False
     prefiller_header: str = "x-prefiller-host-port"
+    kv_source_header: str = "x-kv-cache-source-host-port"
+    ssrf_protection: bool = True
     allowed_prefillers: list[str] = Field(
-        default_factory=list, description="host:port values the header may name"
+        default_factory=list, description="hosts, host:port, networks or DNS names"
     )
+    allowlist_file: Path | None = None
+    allowlist_refresh: Seconds = 10.0
+    prefiller_sampling: bool = False
+    prefiller_kv: KvSettings | None = None
 
     @field_validator("allowed_prefillers")
     @classmethod
-    def _host_ports(cls, values: list[str]) -> list[str]:
-        for value in values:
-            host, sep, port = value.rpartition(":")
-            if not sep or not host or not port.isdigit():
-                raise ValueError(f"{value!r} is not host:port")
+    def _entries(cls, values: list[str]) -> list[str]:
+        parse_entries(values)  # ValueError names the bad entry
         return values
+
+    @field_validator("allowlist_file")
+    @classmethod
+    def _readable(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            parse_entries(value.read_text().splitlines())
+        return value
 
 
 class UpstreamConfig(_Strict):
@@ -407,9 +429,65 @@ class HealthConfig(_Strict):
 
 class AdminConfig(_Strict):
     """The admin API (``POST /admin/reload``): off unless a bearer token is set
-    (``PDO_ADMIN__TOKEN`` keeps it out of the file)."""
+    (``PDO_ADMIN__TOKEN`` keeps it out of the file). Requests must carry
+    ``Authorization: Bearer <token>``. An empty token (``PDO_ADMIN__TOKEN=``) is an
+    error, not an open door: leave the key unset to turn the API off."""
 
     token: SecretStr | None = None
+
+    @field_validator("token")
+    @classmethod
+    def _usable_token(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None:
+            return None
+        secret = value.get_secret_value()
+        if not secret:
+            raise ValueError("the admin token is empty (unset it to turn the admin API off)")
+        if not all("!" <= char <= "~" for char in secret):
+            raise ValueError("the admin token must be printable ASCII without spaces")
+        return value
+
+
+MIB = 1 << 20
+KIB = 1 << 10
+
+
+class LimitsConfig(_Strict):
+    """Limits on what a client may send, each checked before the work it protects
+    and answered in the OpenAI error shape.
+
+    ``max_body_bytes`` (413): a request body, refused from its ``Content-Length``
+    before a byte is read, or as soon as a chunked body passes it (never buffered
+    beyond). 16 MiB holds a 1M-token prompt as text or as token ids, or a few
+    images as data URLs; parsing costs about 4 ms per MiB of text and up to
+    60 ms per MiB of tiny JSON objects. ``max_header_bytes`` and ``max_headers``
+    (431): the request line and headers (names plus values), counted while they
+    arrive (Envoy's defaults are 60 KiB and 100). ``max_json_depth`` (400): nesting
+    of the JSON body (the JSON encoder stops at 254 levels, hence the ceiling).
+    ``max_messages`` and ``max_prompt_token_ids`` (400): checked before the body is
+    validated, whose cost grows with them (about 7 us per chat message).
+    """
+
+    max_body_bytes: Annotated[int, Field(ge=KIB)] = 16 * MIB
+    max_header_bytes: Annotated[int, Field(ge=KIB)] = 64 * KIB
+    max_headers: Annotated[int, Field(ge=8)] = 100
+    max_json_depth: Annotated[int, Field(ge=4, le=200)] = 64
+    max_messages: Annotated[int, Field(ge=1)] = 4096
+    max_prompt_token_ids: Annotated[int, Field(ge=1)] = MIB
+
+
+class SecurityConfig(_Strict):
+    """What the gateway lets clients steer.
+
+    ``trust_client_transfer_params``: the KV-transfer fields of vLLM's request
+    models -- ``kv_transfer_params``, ``ec_transfer_params`` and the same keys (and
+    ``kv_cache_report_mode``) inside ``vllm_xargs`` -- tell an engine which host to
+    pull KV from or push it to, and make it hold KV for a lease. They are the
+    gateway's to set: a client body carrying one is refused (400) unless this is
+    true, for a trusted caller such as an llm-d scheduler that sets them itself.
+    """
+
+    trust_client_transfer_params: bool = False
 
 
 class AskAllFallbackConfig(_Strict):
@@ -468,6 +546,8 @@ class GatewayConfig(BaseSettings):
     prefix: PrefixConfig = Field(default_factory=PrefixConfig)
     mode: Literal["decode-first", "ask-all"] = "decode-first"
     admin: AdminConfig = Field(default_factory=AdminConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
     ask_all: AskAllConfig = Field(default_factory=AskAllConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     tracing: TracingConfig = Field(default_factory=TracingConfig)

@@ -142,8 +142,11 @@ def view_answer(answer: Json, kind: Kind) -> ChunkView:
     )
 
 
-def relay_chunk(chunk: Json, identity: Identity, *, keep_ids: bool, first: bool) -> Json:
-    """A same-API chunk for the client: its identity, ids only if asked, no usage.
+def relay_chunk(
+    chunk: Json, identity: Identity, *, keep_ids: bool, first: bool, index: int = 0
+) -> Json:
+    """A same-API chunk for the client: its identity, ids only if asked, no usage,
+    the choice numbered ``index``.
 
     Takes ``chunk`` over (it is changed and returned: no copy on the relay path).
     """
@@ -161,14 +164,22 @@ def relay_chunk(chunk: Json, identity: Identity, *, keep_ids: bool, first: bool)
             choice.pop("token_ids", None)
         if not keep_ids or not first:
             choice.pop("prompt_token_ids", None)
+        if index:
+            choice["index"] = index
     return out
 
 
 def render_chunk(
-    view: ChunkView, identity: Identity, kind: Kind, *, keep_ids: bool, finish: str | None
+    view: ChunkView,
+    identity: Identity,
+    kind: Kind,
+    *,
+    keep_ids: bool,
+    finish: str | None,
+    index: int = 0,
 ) -> Json:
     """A client chunk of ``kind`` made from a chunk of another API."""
-    return stream_chunk(
+    chunk = stream_chunk(
         kind=kind,
         response_id=identity.response_id,
         model=identity.model,
@@ -177,6 +188,9 @@ def render_chunk(
         finish_reason=finish,
         token_ids=list(view.token_ids or ()) if keep_ids else None,
     )
+    if index:
+        chunk["choices"][0]["index"] = index
+    return chunk
 
 
 def answer_as_chunks(answer: Json, kind: Kind) -> list[Json]:

@@ -187,6 +187,7 @@ class Flow:
             prefillers,
             settings.upstream,
             settings.clock,
+            self.request.kv_source,
         )
         result = await handover.run(body, path, kind, original_prompt=original_prompt)
         self.prefiller = result.prefiller
@@ -246,7 +247,7 @@ class Flow:
         """Continue elsewhere after a decode leg broke mid-answer, or give up."""
         if self.recoveries >= self.settings.handback.max_recoveries:
             raise exc
-        if self.transcript.prompt_ids is None:
+        if self.transcript.prompt_ids is None or not self.request.continuable:
             raise exc
         self.recoveries += 1
         self.legs.broken(exc.endpoint)
@@ -257,6 +258,12 @@ class Flow:
         """The leg that continues the request after ``len(generated)`` tokens."""
         transcript = self.transcript
         handback = self.settings.handback
+        if not self.request.continuable:
+            raise GatewayError(
+                502,
+                "the decoder handed back a request a continuation cannot honour "
+                "(tools, structured output or logprobs)",
+            )  # its threshold is 0: only a client's own threshold gets here
         if not recovering:
             transcript.handbacks += 1
             self.settings.metrics.handbacks.inc()

@@ -36,7 +36,14 @@ from typing import Any
 
 import anyio
 
-from connectors import Connector, ConnectorError, LegOrder, PrefillOutcome, TransferContext
+from connectors import (
+    Connector,
+    ConnectorError,
+    LegOrder,
+    PeerInfo,
+    PrefillOutcome,
+    TransferContext,
+)
 from connectors import Leg as Side
 from pd_orchestrator.config.settings import UpstreamConfig
 from pd_orchestrator.fleet.endpoints import Endpoint
@@ -99,6 +106,7 @@ class Handover:
     prefillers: tuple[Endpoint, ...]
     config: UpstreamConfig
     clock: Callable[[], float]
+    kv_source: PeerInfo | None = None
     _deadline: float = field(default=0.0, init=False)
 
     async def run(
@@ -160,6 +168,7 @@ class Handover:
             transfer_id=uuid.uuid4().hex,
             prefiller=prefiller.peer.updated(fleet.learned(prefiller.name)),
             decoder=self.decoder.peer.updated(fleet.learned(self.decoder.name)),
+            kv_source=self.kv_source,
         )
         for lookup in self.connector.lookups(ctx):
             peer = prefiller if lookup.leg is Side.PREFILL else self.decoder

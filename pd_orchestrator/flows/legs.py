@@ -218,11 +218,13 @@ class Legs:
         client_side = isinstance(exc, UpstreamStatusError) and 400 <= exc.status < 500
         logger.log(
             logging.INFO if client_side else logging.WARNING,
-            "upstream %s failed during %s: %s",
+            "upstream %s failed during %s (%s): %s",
             endpoint.name,
             phase,
+            type(exc).__name__,
             exc.message,
         )
+        exc.logged = True
 
     async def post(
         self,

@@ -79,7 +79,12 @@ class Renderer(Protocol):
 
 
 class StreamRenderer:
-    """Server-sent events for a streaming client."""
+    """Server-sent events for a streaming client.
+
+    ``index``: the choice this renderer writes (``n`` > 1: one renderer per choice).
+    ``final``: it ends the answer (usage, ``[DONE]``); with several choices the
+    choices' renderers are not final and :mod:`~pd_orchestrator.flows.choices` ends it.
+    """
 
     def __init__(
         self,
@@ -87,11 +92,16 @@ class StreamRenderer:
         transcript: Transcript,
         sink: ClientSink,
         clock: Callable[[], float],
+        *,
+        index: int = 0,
+        final: bool = True,
     ) -> None:
         self.request = request
         self.transcript = transcript
         self.sink = sink
         self.timing = _Timing(request.arrival, clock)
+        self.index = index
+        self.final = final
         self._out: list[bytes] = []
         self._role_sent = False
         self._first_sent = False
@@ -101,21 +111,26 @@ class StreamRenderer:
         transcript.keep_text = False
 
     async def begin(self, headers: Mapping[str, str]) -> None:
-        await self.sink.start(200, headers, "text/event-stream")
+        if self.index == 0:
+            await self.sink.start(200, headers, "text/event-stream")
 
     def emit(self, leg: Leg, chunk: Json, view: ChunkView, finish: str | None) -> None:
         identity = self.transcript.identity
         assert identity is not None
         if leg.kind == "chat" and not view.decisive and self._role_sent:
             return  # a second role chunk (a later chat leg's opening)
+        first = not self._first_sent
         if leg.kind == self.request.kind and not leg.whole and finish == view.finish_reason:
-            out = relay_chunk(chunk, identity, keep_ids=self._keep_ids, first=not self._first_sent)
+            out = relay_chunk(
+                chunk, identity, keep_ids=self._keep_ids, first=first, index=self.index
+            )
         else:
             if self._chat and not self._role_sent:
                 self._out.append(encode_event(self._role_chunk()))
             out = render_chunk(
-                view, identity, self.request.kind, keep_ids=self._keep_ids, finish=finish
-            )
+                view, identity, self.request.kind, keep_ids=self._keep_ids, finish=finish,
+                index=self.index,
+            )  # fmt: skip
             if self._keep_ids and not self._first_sent and view.prompt_token_ids is not None:
                 self._prompt_ids(out, view.prompt_token_ids)
         self._role_sent = self._role_sent or self._chat
@@ -128,7 +143,7 @@ class StreamRenderer:
         identity = self.transcript.identity
         assert identity is not None
         choice = {
-            "index": 0,
+            "index": self.index,
             "delta": {"role": "assistant", "content": ""},
             "logprobs": None,
             "finish_reason": None,
@@ -151,6 +166,9 @@ class StreamRenderer:
             self._contents = 0
 
     async def end(self, headers: Mapping[str, str]) -> None:
+        if not self.final:
+            await self.flush()
+            return
         transcript = self.transcript
         if self.request.include_usage and transcript.identity is not None:
             identity = identity_fields(transcript.identity, self.request.kind)
@@ -162,7 +180,11 @@ class StreamRenderer:
 
 
 class WholeRenderer:
-    """One JSON answer for a client that did not ask to stream."""
+    """One JSON answer for a client that did not ask to stream.
+
+    ``final`` as for :class:`StreamRenderer`: a choice's renderer that is not final
+    keeps its answer (:attr:`answer`) for the one that merges the choices.
+    """
 
     def __init__(
         self,
@@ -170,11 +192,17 @@ class WholeRenderer:
         transcript: Transcript,
         sink: ClientSink,
         clock: Callable[[], float],
+        *,
+        index: int = 0,
+        final: bool = True,
     ) -> None:
         self.request = request
         self.transcript = transcript
         self.sink = sink
         self.timing = _Timing(request.arrival, clock)
+        self.index = index
+        self.final = final
+        self.answer: Json | None = None
         transcript.keep_text = True
 
     async def begin(self, headers: Mapping[str, str]) -> None:
@@ -193,15 +221,24 @@ class WholeRenderer:
         if transcript.template is None:
             transcript.template = transcript.blank_answer()
         answer = transcript.whole_answer()
+        self.timing.content()
+        if not self.final:
+            self.answer = answer
+            return
         all_headers = {**headers, "x-pd-handbacks": str(transcript.handbacks)}
         self.sink.answer(200, all_headers, orjson.dumps(answer))
-        self.timing.content()
 
 
 def renderer_for(
-    request: ClientRequest, transcript: Transcript, sink: ClientSink, clock: Callable[[], float]
-) -> Renderer:
+    request: ClientRequest,
+    transcript: Transcript,
+    sink: ClientSink,
+    clock: Callable[[], float],
+    *,
+    index: int = 0,
+    final: bool = True,
+) -> StreamRenderer | WholeRenderer:
     """The renderer the client asked for (``stream`` or not)."""
     if request.stream:
-        return StreamRenderer(request, transcript, sink, clock)
-    return WholeRenderer(request, transcript, sink, clock)
+        return StreamRenderer(request, transcript, sink, clock, index=index, final=final)
+    return WholeRenderer(request, transcript, sink, clock, index=index, final=final)

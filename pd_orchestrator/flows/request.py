@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from connectors import PeerInfo
 from pd_orchestrator.openai.protocol import ChatCompletionRequest, OpenAIRequest, message_text
 from pd_orchestrator.openai.responses import Kind
 
-__all__ = ["CHAT_ONLY_FIELDS", "TOKEN_ID_CHARS", "ClientRequest"]
+__all__ = ["CHAT_ONLY_FIELDS", "TOKEN_ID_CHARS", "UNCONTINUABLE_FIELDS", "ClientRequest"]
 
 TOKEN_ID_CHARS = 4
 """Characters a token-id prompt counts per token in :attr:`ClientRequest.prompt_chars`."""
@@ -36,6 +37,31 @@ CHAT_ONLY_FIELDS = frozenset(
 )
 """Fields dropped when a request continues as a token prompt on ``/v1/completions``."""
 
+UNCONTINUABLE_FIELDS = (
+    "tools",
+    "tool_choice",
+    "functions",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+)
+"""Fields a continuation cannot honour: a token prompt on ``/v1/completions`` loses a
+constraint's state (tools, structured outputs) and the chat shape of logprobs. A
+request that sets one (to anything but its neutral value) is never handed back."""
+
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "tool_choice": (None, "none"),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "prompt_logprobs": (None, 0),
+}
+
 
 @dataclass(frozen=True, slots=True)
 class ClientRequest:
@@ -47,10 +73,25 @@ class ClientRequest:
     view: OpenAIRequest
     request_id: str
     arrival: float
+    kv_source: PeerInfo | None = None
+    """An instance that holds the prompt's prefix, named by an upstream scheduler
+    (llm-d's ``x-kv-cache-source-host-port``); connectors that pull from peers use it."""
 
     @property
     def stream(self) -> bool:
         return self.view.stream
+
+    @property
+    def continuable(self) -> bool:
+        """Whether a continuation (prompt + generated tokens as a token prompt) would
+        serve exactly what was asked (see :data:`UNCONTINUABLE_FIELDS`)."""
+        body = self.body
+        for name in UNCONTINUABLE_FIELDS:
+            if name in body and body[name] not in _NEUTRAL.get(name, (None,)):
+                if name == "response_format" and _plain_text(body[name]):
+                    continue
+                return False
+        return True
 
     @property
     def want_token_ids(self) -> bool:
@@ -95,3 +136,7 @@ class ClientRequest:
         if isinstance(view.prompt, str):
             return view.prompt[:limit]
         return ",".join(map(str, view.prompt[: limit // 4]))
+
+
+def _plain_text(response_format: Any) -> bool:
+    return isinstance(response_format, dict) and response_format.get("type") == "text"

@@ -1,10 +1,14 @@
 """Admission: a completion request read, parsed once and checked, before any routing.
 
-:func:`read_body` reads the body; :func:`admit` decodes it (400 unless a JSON
-object), parses it into its typed view (400 naming the field), checks the model
-(404) and, in sidecar mode, the prefillers a request names in its header (403 unless
-allow-listed), and returns the request (raw body kept for pass-through, typed view
-for everything the gateway reads) with the planner's view of it
+:func:`~pd_orchestrator.gateway.limits.read_body` reads the body; :func:`admit`
+decodes it (400 unless a JSON object), checks it against the limits
+(:func:`~pd_orchestrator.gateway.limits.check_json`: depth, messages, token ids),
+refuses the KV-transfer fields a client may not set (400, see
+:func:`refuse_transfer_fields`), parses it into its typed view (400 naming the
+field), checks the model (404) and, in sidecar mode, the prefillers and the KV
+source a request names in its headers (403 unless allow-listed), and returns the
+request (raw body kept for pass-through, typed view for everything the gateway
+reads) with the planner's view of it
 (:class:`~pd_orchestrator.planner.plan.RequestFacts`). Nothing later reads the raw
 body again except to forward it.
 """
@@ -14,24 +18,46 @@ from __future__ import annotations
 import itertools
 import re
 import uuid
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
+from connectors import PeerInfo
+from pd_orchestrator.config.allowlist import split_host_port
+from pd_orchestrator.config.settings import KvSettings
 from pd_orchestrator.fleet.endpoints import Endpoint, Role
 from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.flows.sink import GatewayError
+from pd_orchestrator.gateway.limits import check_json
 from pd_orchestrator.gateway.state import GatewayState
 from pd_orchestrator.openai.protocol import RequestError, parse_for
 from pd_orchestrator.openai.responses import Kind
 from pd_orchestrator.planner.plan import RequestFacts
 from pd_orchestrator.prefix.runtime import PrefixFields
 
-__all__ = ["Admitted", "RequestIds", "admit", "header_map", "request_id_of"]
+__all__ = [
+    "TRANSFER_FIELDS",
+    "TRANSFER_XARGS",
+    "Admitted",
+    "RequestIds",
+    "admit",
+    "header_map",
+    "refuse_transfer_fields",
+    "request_id_of",
+]
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+TRANSFER_FIELDS = ("kv_transfer_params", "ec_transfer_params")
+"""Body fields of vLLM 0.33's completion and chat request models that steer a KV
+(or encoder-cache) transfer: the peer to pull from or push to, and a lease."""
+TRANSFER_XARGS = ("kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode")
+"""Keys of ``vllm_xargs`` that vLLM reads as the same (``Request`` takes both
+transfer params and the KV-event report mode from the sampling params' extra args)."""
+_NOT_YOURS = "`{}` may not be set by a client: the gateway sets the KV transfer"
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +97,20 @@ def _decode(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def refuse_transfer_fields(body: dict[str, Any]) -> None:
+    """400 when a client body sets a KV-transfer field (see :data:`TRANSFER_FIELDS`
+    and :data:`TRANSFER_XARGS`); a null value is no setting and passes."""
+    for name in TRANSFER_FIELDS:
+        if body.get(name) is not None:
+            raise GatewayError(400, _NOT_YOURS.format(name), name)
+    xargs = body.get("vllm_xargs")
+    if type(xargs) is dict:
+        for key in TRANSFER_XARGS:
+            if key in xargs:
+                param = f"vllm_xargs.{key}"
+                raise GatewayError(400, _NOT_YOURS.format(param), param)
+
+
 def admit(
     state: GatewayState,
     kind: Kind,
@@ -82,6 +122,10 @@ def admit(
 ) -> Admitted:
     """Admit one completion request (see the module docstring); raises GatewayError."""
     body = _decode(raw)
+    config = state.config
+    check_json(body, config.limits, kind)
+    if not config.security.trust_client_transfer_params:
+        refuse_transfer_fields(body)
     try:
         view = parse_for(kind, body)
     except RequestError as exc:
@@ -95,8 +139,13 @@ def admit(
         view=view,
         request_id=request_id_of(headers.get("x-request-id"), ids),
         arrival=arrival,
+        kv_source=_kv_source(state, headers),
     )
-    return Admitted(request, facts(request, state.prefix.view_fields(view), _named(state, headers)))
+    named = _named(state, headers)
+    if named is not None and len(named) > 1 and state.config.sidecar.prefiller_sampling:
+        turn = zlib.crc32(request.request_id.encode()) % len(named)  # spread, reproducibly
+        named = named[turn:] + named[:turn]
+    return Admitted(request, facts(request, state.prefix.view_fields(view), named))
 
 
 def facts(
@@ -110,7 +159,21 @@ def facts(
         fields=fields,
         client_threshold=request.view.cache_hit_threshold,
         prefillers=prefillers,
+        continuable=request.continuable,
     )
+
+
+def _host_port(state: GatewayState, header: str, value: str) -> tuple[str, int]:
+    """``host:port`` a header names, checked against the allow-list (400, 403)."""
+    try:
+        host, port = split_host_port(value)
+    except ValueError:
+        port = None
+    if port is None:
+        raise GatewayError(400, f"header {header} must name host:port")
+    if state.config.sidecar.ssrf_protection and not state.allowlist.current.allows(host, port):
+        raise GatewayError(403, f"{header}: {value.strip()!r} is not in the allow-list")
+    return host, port
 
 
 def _named(state: GatewayState, headers: dict[str, str]) -> tuple[Endpoint, ...] | None:
@@ -119,31 +182,48 @@ def _named(state: GatewayState, headers: dict[str, str]) -> tuple[Endpoint, ...]
     header = headers.get(sidecar.prefiller_header.lower()) if sidecar.enabled else None
     if header is None:
         return None
-    chosen = []
-    for item in (part.strip().lower() for part in header.split(",")):
-        if not item:
-            continue
-        if item not in state.allowed_prefillers:
-            raise GatewayError(403, f"prefiller {item!r} is not in the allow-list")
-        chosen.append(_prefiller(state, item))
+    chosen = [
+        _prefiller(state, *_host_port(state, sidecar.prefiller_header, item))
+        for item in header.split(",")
+        if item.strip()
+    ]
     if not chosen:
         raise GatewayError(400, f"header {sidecar.prefiller_header} names no prefiller")
     return tuple(chosen)
 
 
-def _prefiller(state: GatewayState, host_port: str) -> Endpoint:
-    fleet = state.fleet
-    for endpoint in fleet.endpoints(Role.PREFILL):
+def _prefiller(state: GatewayState, host: str, port: int) -> Endpoint:
+    host_port = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    for endpoint in state.fleet.endpoints(Role.PREFILL):
         if endpoint.host_port == host_port:
             return endpoint
-    decoder = fleet.endpoints(Role.DECODE)[0]
+    decoder = state.fleet.endpoints(Role.DECODE)[0]
+    kv = state.config.sidecar.prefiller_kv
     return Endpoint(
         name=host_port,
         url=f"http://{host_port}",
         role=Role.PREFILL,
         group=decoder.group,
         connector=decoder.connector,
+        kv=None if kv is None else _peer(kv, host),
     )
+
+
+def _kv_source(state: GatewayState, headers: dict[str, str]) -> PeerInfo | None:
+    """The instance llm-d names as holding the prompt's prefix (P2P pulls): its host
+    (allow-listed) with the side-channel ports of header-named prefillers."""
+    sidecar = state.config.sidecar
+    header = headers.get(sidecar.kv_source_header.lower()) if sidecar.enabled else None
+    if header is None or not header.strip():
+        return None
+    host, _ = _host_port(state, sidecar.kv_source_header, header.split(",")[0])
+    kv = sidecar.prefiller_kv
+    return PeerInfo(host=host) if kv is None else _peer(kv, host)
+
+
+def _peer(kv: KvSettings, host: str) -> PeerInfo:
+    """``kv``'s ports at ``host`` (a header names the host)."""
+    return kv.model_copy(update={"host": host}).peer(None)
 
 
 def header_map(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:

@@ -20,18 +20,23 @@ A completion request goes straight down, and its result comes back up:
    the access log is on (:mod:`~pd_orchestrator.gateway.observe`).
 
 The completion routes are dispatched before Starlette's router (they are the hot
-path); everything else goes through Starlette.
+path); everything else goes through Starlette. Every request's head is checked
+against ``limits`` first (:mod:`~pd_orchestrator.gateway.limits`), and every
+error the gateway answers -- unknown routes and methods included -- is
+``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import hashlib
+import hmac
 import itertools
 import logging
-import secrets
 import signal
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -40,6 +45,7 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -48,9 +54,11 @@ from starlette.types import Receive, Scope, Send
 from pd_orchestrator.config.loader import ConfigError, load_config
 from pd_orchestrator.config.settings import GatewayConfig
 from pd_orchestrator.fleet.state import FleetState
+from pd_orchestrator.flows.choices import choice_request, run_choices
 from pd_orchestrator.flows.flow import Flow, Outcome
 from pd_orchestrator.flows.legs import Legs
 from pd_orchestrator.flows.render import renderer_for
+from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.flows.sink import ClientSink, GatewayError
 from pd_orchestrator.gateway.admission import (
     Admitted,
@@ -60,8 +68,10 @@ from pd_orchestrator.gateway.admission import (
     request_id_of,
 )
 from pd_orchestrator.gateway.auth import OPEN_PATHS, ApiKeys, forwarded_headers, unauthorized
+from pd_orchestrator.gateway.limits import REFUSALS_THAT_CLOSE, check_head, read_body
 from pd_orchestrator.gateway.observe import Answered, log_access, span_attributes
 from pd_orchestrator.gateway.passthrough import json_object, tokenizer_decoder, versions
+from pd_orchestrator.gateway.protocol import limited_protocol
 from pd_orchestrator.gateway.response import error_of, error_response, respond
 from pd_orchestrator.gateway.state import (
     GatewayState,
@@ -87,21 +97,23 @@ __all__ = ["Gateway"]
 logger = logging.getLogger("pd_orchestrator.gateway")
 
 _ROUTES: dict[str, Kind] = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+_CLOSE = {"connection": "close"}
 
 
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param=param), status)
+def _error(
+    status: int, message: str, param: str | None = None, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param=param), status, headers=headers)
 
 
-async def _read_body(receive: Receive) -> bytes:
-    chunks: list[bytes] = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise GatewayError(499, "the client disconnected")
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("latin-1")).digest()
+
+
+async def _refuse(send: Send, exc: GatewayError) -> None:
+    """Answer a refusal; one that leaves the request unread also closes the connection."""
+    headers = _CLOSE if exc.status in REFUSALS_THAT_CLOSE else None
+    await error_response(send, exc.status, exc.message, exc.param, headers)
 
 
 class Gateway:
@@ -152,16 +164,31 @@ class Gateway:
         """The ASGI application (the gateway itself)."""
         return self
 
+    def http_protocol(self) -> type[asyncio.Protocol]:
+        """The uvicorn HTTP protocol class to serve this gateway with: it enforces the
+        head limits of the current configuration while a head arrives
+        (:mod:`~pd_orchestrator.gateway.protocol`)."""
+        return limited_protocol(lambda: self.state.config.limits)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        keys = self._api_keys
-        if keys is not None and scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            if not keys.allows(scope["headers"]):
-                await unauthorized(send)
+        if scope["type"] == "http":
+            try:
+                check_head(scope, self.state.config.limits)
+            except GatewayError as exc:
+                await _refuse(send, exc)
                 return
-        if scope["type"] == "http" and scope["method"] == "POST":
+            keys = self._api_keys
+            if keys is not None and scope["path"] not in OPEN_PATHS:
+                if not keys.allows(scope["headers"]):
+                    await unauthorized(send)
+                    return
             kind = _ROUTES.get(scope["path"])
             if kind is not None:
-                await self._completion(scope, receive, send, kind)
+                if scope["method"] == "POST":
+                    await self._completion(scope, receive, send, kind)
+                else:
+                    message = f"method {scope['method']} is not allowed on {scope['path']}"
+                    await error_response(send, 405, message, None, {"allow": "POST"})
                 return
         await self._router(scope, receive, send)
 
@@ -177,7 +204,24 @@ class Gateway:
             Route("/detokenize", self._tokenizer, methods=["POST"]),
             Route("/admin/reload", self._admin_reload, methods=["POST"]),
         ]
-        return Starlette(routes=routes, lifespan=self._lifespan)
+        handlers = {HTTPException: self._http_error, Exception: self._internal_error}
+        return Starlette(routes=routes, lifespan=self._lifespan, exception_handlers=handlers)
+
+    async def _http_error(self, request: Request, exc: Exception) -> Response:
+        """Starlette's 404 and 405 (and any HTTP error) in the OpenAI error shape."""
+        assert isinstance(exc, HTTPException)
+        method, path = request.method, request.url.path
+        if exc.status_code == 404:
+            message = f"there is no route {path}"
+        elif exc.status_code == 405:
+            message = f"method {method} is not allowed on {path}"
+        else:
+            message = exc.detail
+        return _error(exc.status_code, message, headers=exc.headers)
+
+    async def _internal_error(self, request: Request, exc: Exception) -> Response:
+        """An unexpected error on a Starlette route (the server logs its traceback)."""
+        return _error(500, f"internal error: {type(exc).__name__}")
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -211,6 +255,8 @@ class Gateway:
                     await tg.start(state.health.run)
                     await tg.start(state.scraper.run)
                     await tg.start(state.prefix.run)
+                    if state.config.sidecar.enabled:
+                        await tg.start(state.allowlist.run)
                     task_status.started()
 
         await self._tasks.start(monitors)
@@ -259,22 +305,20 @@ class Gateway:
         trace = None if tracing is None else tracing.request("POST", path, headers)
         try:
             admitted, plan = await self._plan(state, headers, receive, kind, path)
-        except GatewayError as exc:
-            self.metrics.count_request(path, "error", exc.status)
-            if exc.status != 499:
-                await error_response(send, exc.status, exc.message, exc.param)
-            self._observe(state, trace, Answered("POST", path, exc.status, None), started)
+        except Exception as exc:
+            status, message, param = error_of(exc)
+            self.metrics.count_request(path, "error", status)
+            if status != 499:
+                await _refuse(send, GatewayError(status, message, param))
+            self._observe(state, trace, Answered("POST", path, status, None, message), started)
             return
-        request_id = admitted.request.request_id
         forward = forwarded_headers(headers, own_keys=self._api_keys is not None, tracing=trace)
-        legs = Legs(
-            self.upstream, state.fleet, self.metrics, request_id, self.clock,
-            forward=forward, trace=trace,
-        )  # fmt: skip
-        flow = Flow(admitted.request, plan, legs, state.attempt, state.flow)
+        flows = self._flows(state, admitted.request, plan, forward, trace)
+        flow = flows[0]
+        serve = partial(self._run, flow) if len(flows) == 1 else partial(self._choices, flows)
         self.metrics.in_flight.inc()
         try:
-            pending = await respond(receive, send, partial(self._run, flow), flow.headers)
+            pending = await respond(receive, send, serve, flow.headers)
             self._learn(state, admitted, plan, pending.result)
             status = await pending.finish()
         finally:
@@ -296,7 +340,7 @@ class Gateway:
     async def _plan(
         self, state: GatewayState, headers: dict[str, str], receive: Receive, kind: Kind, path: str
     ) -> tuple[Admitted, Plan]:
-        raw = await _read_body(receive)
+        raw = await read_body(receive, state.config.limits.max_body_bytes)
         now = self.clock()
         admitted = admit(state, kind, path, raw, headers, now, self._ids)
         REQUEST_ID.set(admitted.request.request_id)
@@ -330,9 +374,37 @@ class Gateway:
         )
         return Admitted(request, replace(facts, fields=fields))
 
+    def _flows(
+        self,
+        state: GatewayState,
+        request: ClientRequest,
+        plan: Plan,
+        forward: dict[str, str] | None,
+        trace: RequestTrace | None,
+    ) -> list[Flow]:
+        """The request's flow; one per choice when it asks for ``n`` > 1. Every leg of
+        every choice carries ``forward`` and, when tracing, hangs below ``trace``."""
+        requests = [request]
+        if request.view.n > 1:
+            requests = [choice_request(request, i) for i in range(request.view.n)]
+        upstream, fleet, metrics, clock = self.upstream, state.fleet, self.metrics, self.clock
+        return [
+            Flow(
+                one,
+                plan,
+                Legs(upstream, fleet, metrics, one.request_id, clock, forward=forward, trace=trace),
+                state.attempt,
+                state.flow,
+            )
+            for one in requests
+        ]
+
     async def _run(self, flow: Flow, sink: ClientSink) -> Outcome:
         renderer = renderer_for(flow.request, flow.transcript, sink, self.clock)
         return await flow.run(renderer)
+
+    async def _choices(self, flows: list[Flow], sink: ClientSink) -> Outcome:
+        return await run_choices(flows, flows[0].request, sink, self.clock)
 
     def _learn(
         self, state: GatewayState, admitted: Admitted, plan: Plan, outcome: Outcome | None
@@ -343,7 +415,10 @@ class Gateway:
         served = Served(
             outcome.decoder, self.clock(), outcome.ttft, outcome.itl, outcome.prompt_tokens
         )
-        state.planner.learn(plan, admitted.facts, served)
+        try:
+            state.planner.learn(plan, admitted.facts, served)
+        except Exception:  # a learning plugin's fault must not fail a served request
+            logger.exception("learning from a served request failed")
 
     def _count(self, path: str, outcome: Outcome | None, status: int) -> None:
         """Count one answered request by route, decision and status."""
@@ -405,13 +480,20 @@ class Gateway:
         return JSONResponse(answer, status, headers={"x-request-id": request_id})
 
     async def _admin_reload(self, request: Request) -> Response:
-        """``POST /admin/reload`` with ``Authorization: Bearer <admin.token>``."""
+        """``POST /admin/reload`` with ``Authorization: Bearer <admin.token>`` (the
+        scheme is case-insensitive; nothing else is accepted). The token is compared in
+        constant time, through digests so its length does not show either. 200
+        ``{"reloaded": true, "message"}`` when applied; a refused file is a 422 error
+        whose message says why."""
         token = self.config.admin.token
         if token is None:
             return _error(404, "the admin API is disabled (set admin.token)")
-        offered = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not secrets.compare_digest(offered.encode(), token.get_secret_value().encode()):
-            return _error(401, "a valid admin bearer token is required")
+        scheme, _, offered = request.headers.get("authorization", "").partition(" ")
+        valid = hmac.compare_digest(_digest(offered), _digest(token.get_secret_value()))
+        if scheme.lower() != "bearer" or not valid:
+            message = "a valid admin bearer token is required"
+            return _error(401, message, headers={"www-authenticate": "Bearer"})
         result = await self.reload()
-        status = 200 if result.applied else 422
-        return JSONResponse({"reloaded": result.applied, "message": result.message}, status)
+        if not result.applied:
+            return _error(422, result.message)
+        return JSONResponse({"reloaded": True, "message": result.message})

@@ -33,17 +33,37 @@ __all__ = ["DISCONNECTED", "Pending", "error_of", "error_response", "respond"]
 
 T = TypeVar("T")
 logger = logging.getLogger("pd_orchestrator.gateway")
+upstream_logger = logging.getLogger("pd_orchestrator.upstream")
 DISCONNECTED = 499
 """The status recorded for a client that left before its answer ended."""
 _JSON = "application/json"
 
 
 def error_of(exc: Exception) -> tuple[int, str, str | None]:
-    """Status, message and parameter of an error a flow raised."""
+    """Status, message and parameter of an error a flow raised.
+
+    An upstream failure is logged in full (``pd_orchestrator.upstream``: endpoint,
+    phase, status and the upstream's own message; WARNING, or INFO for an upstream
+    4xx passed on as the client's error) unless the legs logged it already where
+    the leg failed (``exc.logged``); the client gets the gateway's words for it
+    (:func:`~pd_orchestrator.upstream.errors.client_error`).
+    """
     if isinstance(exc, GatewayError):
         return exc.status, exc.message, exc.param
     if isinstance(exc, UpstreamError):
         mapped = client_error(exc)
+        if exc.logged:  # the legs logged it where the leg failed
+            return mapped.status, mapped.message, mapped.param
+        upstream_logger.log(
+            logging.INFO if mapped.status < 500 else logging.WARNING,
+            "%s %s failed during %s (%s): %s; answered %d",
+            exc.role or "endpoint",
+            exc.endpoint,
+            exc.phase,
+            type(exc).__name__,
+            exc.message,
+            mapped.status,
+        )
         return mapped.status, mapped.message, mapped.param
     logger.error("unexpected error while serving a request", exc_info=exc)
     return 500, f"internal error: {type(exc).__name__}", None
@@ -104,10 +124,16 @@ class _AsgiSink:
         await self._send({"type": "http.response.body", "body": tail, "more_body": False})
 
 
-async def error_response(send: Send, status: int, message: str, param: str | None = None) -> None:
+async def error_response(
+    send: Send,
+    status: int,
+    message: str,
+    param: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> None:
     """A whole JSON error answer in vLLM's shape."""
     sink = _AsgiSink(send)
-    sink.answer(status, {}, orjson.dumps(error_body(message, status, param=param)))
+    sink.answer(status, headers or {}, orjson.dumps(error_body(message, status, param=param)))
     await sink.finish()
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from connectors import Connector, get_connector
 from pd_orchestrator.config.settings import GatewayConfig
+from pd_orchestrator.fleet.allowlist import AllowListKeeper
 from pd_orchestrator.fleet.endpoints import endpoints_from_config
 from pd_orchestrator.fleet.health import HealthMonitor
 from pd_orchestrator.fleet.scraper import LoadScraper
@@ -54,7 +55,7 @@ class GatewayState:
     prefix: PrefixRuntime
     health: HealthMonitor
     scraper: LoadScraper
-    allowed_prefillers: frozenset[str]
+    allowlist: AllowListKeeper
     models: frozenset[str]
     attempt: Attempt
     flow: FlowSettings
@@ -105,7 +106,11 @@ def build_state(
         prefix=prefix,
         health=HealthMonitor(fleet, upstream, config.health),
         scraper=LoadScraper(fleet, upstream, config.load, clock=clock),
-        allowed_prefillers=frozenset(v.lower() for v in config.sidecar.allowed_prefillers),
+        allowlist=AllowListKeeper(
+            config.sidecar.allowed_prefillers,
+            config.sidecar.allowlist_file,
+            config.sidecar.allowlist_refresh,
+        ),
         models=frozenset(config.models()),
         attempt=attempt_for(config.mode, config.ask_all, metrics),
         flow=FlowSettings(config.handback, config.upstream, _connectors(config), metrics, clock),

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 __all__ = [
+    "MAX_CHOICES",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
@@ -46,6 +47,8 @@ class StreamOptions(_Model):
 
 
 Threshold = Annotated[float, Field(ge=0.0, le=1.0)]
+MAX_CHOICES = 16
+"""The most choices (``n``) one request may ask for."""
 
 
 class _CommonRequest(_Model):
@@ -63,9 +66,9 @@ class _CommonRequest(_Model):
 
     @field_validator("n")
     @classmethod
-    def _only_one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("only n=1 is supported")
+    def _choices_in_range(cls, value: int) -> int:
+        if not 1 <= value <= MAX_CHOICES:
+            raise ValueError(f"n must be between 1 and {MAX_CHOICES}")
         return value
 
     @property

@@ -43,6 +43,7 @@ from pd_orchestrator.routing.types import Candidate, RoutingRequest, RoutingResu
 
 __all__ = [
     "DECODE_ONLY",
+    "NOT_CONTINUABLE",
     "NoCandidateError",
     "Plan",
     "Planner",
@@ -54,6 +55,10 @@ __all__ = [
 
 DECODE_ONLY = ThresholdDecision(0.0, "none", "no-threshold")
 """The decision of a planner without a threshold resolver (every decoder admits)."""
+
+NOT_CONTINUABLE = ThresholdDecision(0.0, "gateway", "not-continuable")
+"""The decision for a request a continuation could not honour (see
+:attr:`RequestFacts.continuable`): admitted wherever it goes, never handed back."""
 
 Width = Literal["all"] | int
 
@@ -70,7 +75,9 @@ class RequestFacts:
     known; ``affinity_key`` keeps a conversation's turns together among equals;
     ``fields`` are the prefix scorers' inputs; ``client_threshold`` is the request's
     own ``cache_hit_threshold``; ``prefillers`` are the prefillers the request names
-    itself (None: the prefill profile ranks them).
+    itself (None: the prefill profile ranks them). ``continuable``: a continuation
+    would honour the request (no tools, structured outputs or logprobs); one that is
+    not gets threshold 0, so that no decoder rejects it or hands it back.
     """
 
     model: str
@@ -80,6 +87,7 @@ class RequestFacts:
     client_threshold: float | None = None
     prompt_tokens: int | None = None
     prefillers: tuple[Endpoint, ...] | None = None
+    continuable: bool = True
 
 
 def compatibility_class(decoder: Endpoint) -> tuple[str, str]:
@@ -242,6 +250,8 @@ class Planner:
         resolver = self.threshold
         if resolver is None:
             return DECODE_ONLY
+        if not facts.continuable:
+            return NOT_CONTINUABLE
         compatible: set[str] = set()
         if resolver.reads_prefillers:
             compatible = {e.name for e in prefillers.for_decoder(decoder.endpoint)}

@@ -444,6 +444,8 @@ class SimServer:
             request = parse_for(kind, body)
         except RequestError as exc:
             raise HTTPFailure(400, str(exc), exc.param) from None
+        if request.n != 1:
+            raise HTTPFailure(400, "the simulator generates one choice per request (n=1)", "n")
         if request.model != self.model:
             raise HTTPFailure(404, f"The model `{request.model}` does not exist.", "model")
         prompt_ids = self._prompt_ids(request)

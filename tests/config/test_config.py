@@ -40,7 +40,7 @@ def test_configs_directory_is_not_empty() -> None:
         (BASE | {"decoders": [{"name": "d0"}]}, "needs a url"),
         (BASE | {"decoders": [{"name": "d0", "url": "ftp://x"}]}, "http(s) URL"),
         (BASE | {"prefillers": [{"name": "d0", "url": "http://h:1"}]}, "unique: d0"),
-        (BASE | {"sidecar": {"allowed_prefillers": ["nohost"]}}, "host:port"),
+        (BASE | {"sidecar": {"allowed_prefillers": ["host:notaport"]}}, "host:port"),
         ({"decoders": BASE["decoders"]}, "decoders without a compatible prefiller: d0"),
         (BASE | {"decoders": [{"name": "d", "sim": {"profile": "tpu"}}]}, "unknown profile"),
     ],
@@ -238,3 +238,35 @@ def test_endpoint_kv_block_overrides_the_pools() -> None:
     fleet = {e.name: e.peer for e in config.fleet()}
     assert fleet["p0"].engine_id == "pool-default" and fleet["p0"].host == "127.0.0.1"
     assert (fleet["p1"].engine_id, fleet["p1"].host) == ("own", "10.1.1.1")
+
+
+@pytest.mark.parametrize("token", ["", "two words", "tab\there", "caf\u00e9"], ids=repr)
+def test_an_unusable_admin_token_is_a_config_error(token: str) -> None:
+    with pytest.raises(ConfigError, match=r"admin\.token"):
+        parse_config(BASE | {"admin": {"token": token}})
+
+
+def test_an_empty_admin_token_from_the_environment_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PDO_ADMIN__TOKEN", "")
+    with pytest.raises(ConfigError, match=r"admin\.token: Value error, the admin token is empty"):
+        parse_config(BASE)
+    monkeypatch.setenv("PDO_ADMIN__TOKEN", "s3cret")
+    token = parse_config(BASE).admin.token
+    assert token is not None and token.get_secret_value() == "s3cret"
+
+
+def test_limits_and_security_have_safe_defaults_and_env_overrides(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    config = parse_config(BASE)
+    assert config.security.trust_client_transfer_params is False
+    assert config.limits.max_body_bytes == 16 << 20 and config.limits.max_json_depth == 64
+    monkeypatch.setenv("PDO_LIMITS__MAX_BODY_BYTES", "4096")
+    monkeypatch.setenv("PDO_SECURITY__TRUST_CLIENT_TRANSFER_PARAMS", "true")
+    config = parse_config(BASE)
+    assert config.limits.max_body_bytes == 4096
+    assert config.security.trust_client_transfer_params is True
+    with pytest.raises(ConfigError, match=r"limits\.max_json_depth"):
+        parse_config(BASE | {"limits": {"max_json_depth": 300}})  # past the encoder's 254

@@ -26,6 +26,7 @@ from referencing import Registry, Resource
 
 from pd_orchestrator.children import python_command
 from pd_orchestrator.cli.main import build_parser
+from pd_orchestrator.cli.sidecar import sidecar_config
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -351,8 +352,27 @@ def test_the_sidecar_takes_llm_d_flags() -> None:
     (vllm,) = deployment["spec"]["template"]["spec"]["containers"]
     assert int(_flags(vllm["args"])["port"]) == int(flags["vllm-port"])
     assert int(flags["port"]) == sidecar["ports"][0]["containerPort"]
-    try:
-        parsed = build_parser().parse_args(args)
-    except SystemExit:
-        pytest.skip("this build has no `sidecar` command yet; the flags are llm-d's")
+    parsed = build_parser().parse_args(args)
     assert parsed.command == "sidecar"
+
+
+def test_the_sidecar_starts_from_the_manifest_with_its_mounted_allow_list(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    deployment = _find("Deployment", "vllm-decode", "sidecar")
+    (sidecar,) = _ours(deployment)
+    env = {item["name"]: item["value"] for item in sidecar["env"]}
+    mount = next(m for m in sidecar["volumeMounts"] if m["name"] == "allowlist")
+    allowlist = _find("ConfigMap", "pd-orchestrator-sidecar-allowlist", "sidecar")
+    (name,) = allowlist["data"]
+    assert env["PDO_SIDECAR__ALLOWLIST_FILE"] == f"{mount['mountPath']}/{name}"
+    prefill = _find("Service", "vllm-prefill", "sidecar")
+    assert prefill["spec"]["clusterIP"] == "None"  # its name resolves to the pods
+    assert allowlist["data"][name].split() == ["vllm-prefill"]
+    local = tmp_path / name
+    local.write_text(allowlist["data"][name])
+    monkeypatch.setenv("PDO_SIDECAR__ALLOWLIST_FILE", str(local))
+    config = sidecar_config(build_parser().parse_args(sidecar["args"]))
+    assert config.sidecar.enabled and config.sidecar.ssrf_protection
+    assert [e.connector for e in config.fleet()] == ["nixl"]
+    assert config.listen.port == 8000 and config.fleet()[0].url == "http://127.0.0.1:8200"

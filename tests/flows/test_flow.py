@@ -373,3 +373,57 @@ async def test_a_streamed_leg_is_in_flight_until_it_ends_or_is_cancelled() -> No
     with anyio.move_on_after(0.5):  # the client leaves while the leg streams
         await flow.run(renderer_for(request, flow.transcript, Sink(), anyio.current_time))
     assert seen == [1] and fleet.status("d0").in_flight == 0
+
+
+CONSTRAINED = [
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
+    ("chat", {"tool_choice": "required"}),
+    ("chat", {"response_format": {"type": "json_object"}}),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}}),
+    ("chat", {"logprobs": True}),
+    ("chat", {"logprobs": True, "top_logprobs": 3}),
+    ("completion", {"logprobs": 2}),
+    ("completion", {"guided_json": {"type": "object"}}),
+]
+
+
+@pytest.mark.parametrize(
+    ("kind", "field"), CONSTRAINED, ids=[next(iter(f)) + f"-{k}" for k, f in CONSTRAINED]
+)
+async def test_a_request_a_continuation_cannot_honour_is_never_handed_back(
+    kind: str, field: dict[str, Any]
+) -> None:
+    """Threshold 0 (the decoder neither rejects nor hands it back), fields untouched."""
+    if kind == "chat":
+        body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        answer = {"id": "up", "object": "chat.completion", "created": 7, "model": "m",
+                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "x"},
+                               "finish_reason": "length", "token_ids": [5]}]}  # fmt: skip
+    else:
+        body = {"model": "m", "prompt": "hello"}
+        answer = {"id": "up", "object": "text_completion", "created": 7, "model": "m",
+                  "choices": [{"index": 0, "text": "x", "finish_reason": "length",
+                               "token_ids": [5]}]}  # fmt: skip
+    body |= field | {"cache_hit_threshold": 0.9}  # not even the client's own threshold
+    request = _request(kind, body)
+    routing = RoutingConfig.model_validate({"decode": {"scorers": []}})
+    planner = Planner(build_profiles(routing, builtin_registry()), ThresholdResolver(_Half()))  # type: ignore[arg-type]
+    facts = RequestFacts(model="m", prompt_chars=5, continuable=request.continuable)
+    plan = planner.plan(facts, [Candidate(e) for e in FLEET], 0.0, 0)
+    assert not request.continuable and plan.threshold.value == 0.0
+    script = Script({"d0": [_whole(answer)], "d1": [_whole(answer)]})
+    run = await _serve(script, body, kind=kind, plan=plan)
+    [sent] = [b for _, b in script.seen]
+    assert sent["cache_hit_threshold"] == 0.0
+    assert {k: sent[k] for k in field} == field
+    assert run.flow.decision == "decode"
+
+
+@pytest.mark.parametrize(
+    "field",
+    [{"tool_choice": "none"}, {"logprobs": False}, {"response_format": {"type": "text"}}, {}],
+    ids=["tool-choice-none", "logprobs-false", "text-format", "nothing"],
+)
+def test_neutral_values_keep_a_request_continuable(field: dict[str, Any]) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]} | field
+    assert _request("chat", body).continuable

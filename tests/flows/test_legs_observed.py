@@ -179,7 +179,8 @@ async def test_a_prefill_sent_again_is_a_retry_and_its_failure_is_logged_once(
     [record] = [r for r in caplog.records if r.name == "pd_orchestrator.upstream"]
     assert record.levelno == logging.WARNING
     assert record.getMessage() == (
-        "upstream p0 failed during prefill: HTTP 503: engine overloaded, try later"
+        "upstream p0 failed during prefill (UpstreamStatusError): "
+        "HTTP 503: engine overloaded, try later"
     )
 
 
@@ -209,7 +210,8 @@ async def test_a_stream_that_breaks_mid_answer_is_counted_and_logged(
     assert run.sample(errors, upstream="d0", kind="recovered") == 1
     messages = [r.getMessage() for r in caplog.records if r.name == "pd_orchestrator.upstream"]
     assert messages == [
-        "upstream d0 failed during decode_attempt: connection broken (reset by peer)"
+        "upstream d0 failed during decode_attempt (UpstreamProtocolError): "
+        "connection broken (reset by peer)"
     ]
 
 

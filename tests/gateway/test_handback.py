@@ -129,3 +129,30 @@ async def test_a_decode_leg_that_breaks_mid_stream_is_continued_elsewhere(
         assert answer.token_ids == expected.token_ids
     text = await metrics_text(gateway.url)
     assert metric(text, "pd_orchestrator_upstream_errors_total", kind="recovered") >= 1
+
+
+async def test_requests_a_continuation_cannot_honour_are_not_handed_back(
+    sim_factory: SimFactory, gateway_factory: GatewayFactory
+) -> None:
+    """Tools (or structured output, or logprobs) go with threshold 0: a preempted one
+    is recomputed by its decoder, and its answer is still the reference's."""
+    decoder = _pressured_decoder(sim_factory)
+    prefiller = sim_factory("--profile", "instant", "--kv-connector", "nixl", name="prefill")
+    reference = sim_factory("--profile", "instant", name="reference")
+    config = gateway_config([decoder], [prefiller], threshold={"policy": {"value": 0.6}})
+    gateway = gateway_factory(config)
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    answers: list[Answer | None] = [None] * len(PROMPTS)
+
+    async def one(i: int) -> None:
+        answers[i] = await call(gateway.url, "chat", _body("chat", i, True) | {"tools": tools})
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(PROMPTS)):
+            tg.start_soon(one, i)
+    for i, answer in enumerate(answers):
+        assert answer is not None and answer.status == 200 and answer.decision == "decode"
+        expected = await call(reference.url, "chat", _body("chat", i, False))
+        assert answer.token_ids == expected.token_ids
+    assert metric(await metrics_text(gateway.url), "pd_orchestrator_handbacks_total") == 0
+    assert metric(await metrics_text(decoder.url), "vllm:num_preemptions_total") >= 1

@@ -72,7 +72,7 @@ async def test_access_log_and_upstream_failures_carry_the_request_id(
     assert len(upstream) == 1, upstream  # logged once, where the leg failed
     assert upstream[0]["request_id"] == "req-ok-1" and upstream[0]["level"] == "WARNING"
     assert upstream[0]["message"] == (
-        "upstream decode-0 failed during decode_attempt: "
+        "upstream decode-0 failed during decode_attempt (UpstreamStatusError): "
         "HTTP 500: injected failure (--failure-rate)"
     )
 

@@ -72,7 +72,7 @@ async def test_an_invalid_config_is_refused_and_the_old_one_stays(served: Served
     served.path.write_text(yaml.safe_dump(served.config | {"thresold": {"value": 1}}))
     response = await _reload(url)
     assert response.status_code == 422
-    assert "thresold: unknown key" in response.json()["message"]
+    assert "thresold: unknown key" in response.json()["error"]["message"]
     answer = await call(url, "completion", _body(f"{uuid.uuid4().hex} still serving"))
     assert answer.status == 200
     text = await metrics_text(url)

@@ -122,8 +122,8 @@ def test_flags_override_the_config() -> None:
 
 @pytest.mark.parametrize(
     "argv",
-    [["serve", "--config", "x.yaml"], ["up"], ["sim"]],
-    ids=["serve", "up", "sim"],
+    [["serve", "--config", "x.yaml"], ["up"], ["sim"], ["sidecar"]],
+    ids=["serve", "up", "sim", "sidecar"],
 )
 def test_every_daemon_takes_the_logging_flags(argv: list[str]) -> None:
     from pd_orchestrator.cli.logs import logging_from_args
