@@ -168,8 +168,9 @@ async def test_the_clients_authorization_is_forwarded_to_every_leg(
     ok = await call(gateway.url, "completion", _cold(), {"authorization": "Bearer up-key"})
     assert ok.status == 200 and ok.decision == "pd"  # the prefill leg carried it too
     refused = await call(gateway.url, "completion", _cold())
-    assert refused.status == 401  # the upstream's refusal, passed on
-    assert _is_openai_error(refused.body or {}, 401)
+    # the upstream's 401, in the gateway's words (upstream 401/403 map to 502)
+    assert refused.status == 502 and _is_openai_error(refused.body or {}, 502)
+    assert "(HTTP 401)" in (refused.body or {})["error"]["message"]
 
 
 def _pools(decoder: Child, prefiller: Child, **pool: Any) -> list[dict[str, Any]]:
