@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SIM_MODEL = "sim-model"
 GATEWAY_KEY = "bench-key"
 BENCH_TIMEOUT = 600.0
+START_SECONDS = 120.0  # a busy machine starts Python slowly
 
 __all__ = ["Measurement", "measure", "sim_gateway", "vllm_tools"]
 
@@ -109,7 +110,8 @@ def _counts(gateway: str, decoder: str) -> tuple[float, float]:
 def _gateway(config: dict[str, Any], workdir: Path) -> Iterator[Child]:
     path = workdir / f"gateway-{len(list(workdir.iterdir()))}.yaml"
     path.write_text(yaml.safe_dump(config))
-    child = start_child("gateway", python_command("serve", "--config", str(path), "--port", "0"))
+    argv = python_command("serve", "--config", str(path), "--port", "0")
+    child = start_child("gateway", argv, timeout=START_SECONDS)
     try:
         yield child
     finally:
@@ -130,7 +132,10 @@ def sim_gateway(workdir: Path, *, client_key: str | None = None) -> Iterator[tup
     """(gateway URL, decoder URL) over a simulated decoder and prefiller."""
     sim = ("--profile", "instant", "--kv-connector", "nixl", "--model", SIM_MODEL)
     with ExitStack() as stack:
-        children = [start_child(n, python_command("sim", "--port", "0", *sim)) for n in "dp"]
+        children = [
+            start_child(n, python_command("sim", "--port", "0", *sim), timeout=START_SECONDS)
+            for n in "dp"
+        ]
         for child in children:
             stack.callback(stop_child, child)
         decoder, prefiller = (child.url for child in children)
