@@ -193,6 +193,7 @@ class GatewayMetrics:
         )
 
         self._children: dict[tuple[Any, ...], Any] = {}
+        self._legs: dict[tuple[str, str, str], tuple[Any, Any]] = {}
 
     def _child(self, metric: Any, *labels: str) -> Any:
         key = (id(metric), *labels)
@@ -220,9 +221,16 @@ class GatewayMetrics:
     def count_leg(self, upstream: str, phase: str, outcome: str, seconds: float | None) -> None:
         """One upstream request that ended with ``outcome``; ``seconds`` (when given)
         is its time from sending to the end of its answer."""
-        self._child(self.upstream_requests, upstream, phase, outcome).inc()
+        key = (upstream, phase, outcome)
+        children = self._legs.get(key)
+        if children is None:
+            children = self._legs[key] = (
+                self.upstream_requests.labels(upstream, phase, outcome),
+                self.upstream_seconds.labels(upstream, phase),
+            )
+        children[0].inc()
         if seconds is not None:
-            self._child(self.upstream_seconds, upstream, phase).observe(seconds)
+            children[1].observe(seconds)
 
     def count_upstream_error(self, upstream: str, kind: str) -> None:
         """One failure talking to ``upstream`` (``kind``: the error's class)."""
