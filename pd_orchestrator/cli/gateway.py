@@ -10,6 +10,7 @@ import argparse
 import gc
 import inspect
 import json
+import logging
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -21,6 +22,8 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from pd_orchestrator import __version__
+from pd_orchestrator.cli.logs import add_logging_arguments, logging_from_args
 from pd_orchestrator.cli.signals import exit_on_sigterm
 from pd_orchestrator.config import ConfigError, GatewayConfig, load_config
 from pd_orchestrator.config.settings import FleetEndpoint
@@ -30,9 +33,17 @@ from pd_orchestrator.sim.server import bind_socket
 if TYPE_CHECKING:
     from pd_orchestrator.gateway import Gateway
 
-__all__ = ["add_parsers", "endpoint_table", "load_checked", "serve_gateway", "with_listen"]
+__all__ = [
+    "add_parsers",
+    "endpoint_table",
+    "load_checked",
+    "serve_gateway",
+    "with_listen",
+    "with_logging",
+]
 
 OnReady = Callable[[str], Awaitable[None] | None]
+logger = logging.getLogger("pd_orchestrator.gateway")
 
 
 def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -46,6 +57,7 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         default=None,
         help="gateway processes sharing the port (overrides listen.workers; see README)",
     )
+    add_logging_arguments(serve)
     serve.set_defaults(handler=run_serve)
 
     check = subparsers.add_parser("check-config", help="validate a configuration file")
@@ -75,6 +87,11 @@ def with_listen(config: GatewayConfig, host: str | None, port: int | None) -> Ga
     return config.model_copy(update={"listen": listen})
 
 
+def with_logging(config: GatewayConfig, args: argparse.Namespace) -> GatewayConfig:
+    """``config`` with the command line's ``--log-level`` and ``--log-format``."""
+    return config.model_copy(update={"logging": logging_from_args(args, config.logging)})
+
+
 def serve_gateway(
     config: GatewayConfig,
     on_ready: OnReady | None = None,
@@ -95,9 +112,12 @@ def serve_gateway(
     (default: one built from ``config`` and ``config_path``). ``extra_sockets``: more
     listening sockets serving the same application (a worker's own metrics port).
     ``tls``: serve HTTPS with this certificate and key file.
+    Logging is configured from ``config.logging`` first (uvicorn's records included).
     """
     from pd_orchestrator.gateway import Gateway
+    from pd_orchestrator.telemetry.logs import configure_logging
 
+    configure_logging(config.logging)
     if sock is None:
         sock = bind_socket(config.listen.host, config.listen.port)
     scheme = "https" if tls is not None else "http"
@@ -108,6 +128,7 @@ def serve_gateway(
         uvicorn.Config(
             gateway.app(),
             log_level="warning",
+            log_config=None,
             timeout_graceful_shutdown=5,
             http=gateway.http_protocol(),
             interface="asgi3",
@@ -118,6 +139,7 @@ def serve_gateway(
             ssl_keyfile=None if tls is None else str(tls[1]),
         )
     )
+    tracing = "on" if gateway.tracing is not None else "off"
 
     async def main() -> None:
         _tune_gc()
@@ -125,6 +147,10 @@ def serve_gateway(
             tg.start_soon(server.serve, [sock, *(extra_sockets or [])])
             while not server.started:  # noqa: ASYNC110 - uvicorn exposes no event
                 await anyio.sleep(0.02)
+            logger.info(
+                "pd-orchestrator %s serving on %s (%s, %d endpoints, tracing %s)",
+                __version__, url, config.mode, len(config.fleet()), tracing,
+            )  # fmt: skip
             announced = (on_ready or _announce)(url)
             if inspect.isawaitable(announced):
                 await announced
@@ -155,7 +181,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if missing:
         console.print(f"[bold red]error:[/] endpoints without a url: {', '.join(missing)}")
         return 2
-    config = with_listen(config, args.host, args.port)
+    config = with_logging(with_listen(config, args.host, args.port), args)
     if args.workers is not None:
         listen = config.listen.model_copy(update={"workers": args.workers})
         config = config.model_copy(update={"listen": listen})

@@ -55,7 +55,8 @@ from typing import Any
 import yaml
 from rich.console import Console
 
-from pd_orchestrator.cli.gateway import serve_gateway
+from pd_orchestrator.cli.gateway import serve_gateway, with_logging
+from pd_orchestrator.cli.logs import add_logging_arguments
 from pd_orchestrator.cli.signals import exit_on_sigterm
 from pd_orchestrator.config import ConfigError, GatewayConfig
 from pd_orchestrator.config.loader import load_config, parse_config
@@ -154,6 +155,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         _flag(parser, ignored, help=argparse.SUPPRESS)
     _flag(parser, "--tracing", "--zap-devel", dest="ignored_bool", kind=bool,
           help=argparse.SUPPRESS)  # fmt: skip
+    add_logging_arguments(parser)
     parser.set_defaults(handler=run_sidecar)
 
 
@@ -311,5 +313,6 @@ def run_sidecar(args: argparse.Namespace) -> int:
         cert = Path(flags["cert_path"])
         tls = (cert / "tls.crt", cert / "tls.key")
     exit_on_sigterm()
+    config = with_logging(config, args)
     serve_gateway(config, config_path=None, extra_sockets=extra, tls=tls)
     return 0

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import anyio
 
+from pd_orchestrator.cli.logs import add_logging_arguments, setup_logging
 from pd_orchestrator.cli.signals import exit_on_sigterm
 from pd_orchestrator.prefix.hashing import HASH_ALGOS
 from pd_orchestrator.sim.options import SimOptions
@@ -72,6 +73,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         action="store_true",
         help="publish block hashes as digest bytes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)",
     )
+    add(
+        "--api-key",
+        action="append",
+        default=None,
+        help="as vLLM's --api-key: /v1 routes need 'Authorization: Bearer KEY' (repeatable)",
+    )
+    add_logging_arguments(parser)
     parser.set_defaults(handler=run)
 
 
@@ -105,6 +113,7 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
         kv_events_topic=args.kv_events_topic,
         kv_events_buffer_steps=args.kv_events_buffer_steps,
         kv_events_int_hashes=not args.kv_events_bytes_hashes,
+        api_keys=tuple(args.api_key or ()),
     )
 
 
@@ -115,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         options = options_from_args(args)
     except (ValueError, KeyError) as exc:
         raise SystemExit(f"pd-orchestrator sim: {exc}") from None
+    setup_logging(args)
     exit_on_sigterm()
     anyio.run(serve, options)
     return 0

@@ -46,7 +46,14 @@ from pd_orchestrator.children import (
     start_child,
     stop_child,
 )
-from pd_orchestrator.cli.gateway import endpoint_table, load_checked, serve_gateway, with_listen
+from pd_orchestrator.cli.gateway import (
+    endpoint_table,
+    load_checked,
+    serve_gateway,
+    with_listen,
+    with_logging,
+)
+from pd_orchestrator.cli.logs import add_logging_arguments
 from pd_orchestrator.cli.signals import exit_on_sigterm
 from pd_orchestrator.config import ConfigError, EndpointConfig, GatewayConfig
 from pd_orchestrator.config.settings import FleetEndpoint, KvSettings, ListenConfig
@@ -85,6 +92,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=None,
         help="write the started endpoints (name, role, url, pid) here as JSON",
     )
+    add_logging_arguments(up)
     up.set_defaults(handler=run_up)
 
 
@@ -236,7 +244,7 @@ def run_up(args: argparse.Namespace) -> int:
     config = load_checked(args.config, errors)
     if config is None:
         return 2
-    config = with_listen(config, args.host, args.port)
+    config = with_logging(with_listen(config, args.host, args.port), args)
     with _noting_hangups() as hangups:
         try:
             sock = bind_gateway(config.listen)

@@ -38,6 +38,7 @@ from connectors import (
 )
 from pd_orchestrator.config.allowlist import parse_entries
 from pd_orchestrator.config.load import LoadConfig
+from pd_orchestrator.config.observability import AuthConfig, LoggingConfig, TracingConfig
 from pd_orchestrator.config.policy import ThresholdConfig
 from pd_orchestrator.config.prefix import PrefixConfig
 from pd_orchestrator.config.routing import RoutingConfig
@@ -46,6 +47,7 @@ __all__ = [
     "AdminConfig",
     "AskAllConfig",
     "AskAllFallbackConfig",
+    "AuthConfig",
     "CompatibilityConfig",
     "ConnectorBridge",
     "EndpointConfig",
@@ -57,12 +59,14 @@ __all__ = [
     "KvSettings",
     "LimitsConfig",
     "ListenConfig",
+    "LoggingConfig",
     "PoolConfig",
     "SecurityConfig",
     "SidecarConfig",
     "SimSpec",
     "ThresholdConfig",
     "TimeoutConfig",
+    "TracingConfig",
     "UpstreamConfig",
 ]
 
@@ -206,6 +210,11 @@ class PoolConfig(_Strict):
     group: str | None = Field(default=None, description="default: the hardware label")
     sim: SimSpec | None = Field(default=None, description="default sim block of the endpoints")
     kv: KvSettings | None = Field(default=None, description="default kv block of the endpoints")
+    api_key: SecretStr | None = Field(
+        default=None,
+        description="bearer key sent to this pool's endpoints instead of the client's "
+        "Authorization (default: upstream.api_key)",
+    )
     endpoints: Annotated[list[EndpointConfig], Field(min_length=1)]
 
     @model_validator(mode="after")
@@ -286,6 +295,7 @@ class FleetEndpoint:
     connector: ConnectorName
     sim: SimSpec | None
     kv: KvSettings = field(default_factory=KvSettings)
+    api_key: SecretStr | None = field(default=None, repr=False)
 
     @property
     def peer(self) -> PeerInfo:
@@ -401,6 +411,11 @@ class UpstreamConfig(_Strict):
     )
     prefill_budget: Seconds = Field(
         default=60.0, description="seconds all prefill attempts of one hand-over may take"
+    )
+    api_key: SecretStr | None = Field(
+        default=None,
+        description="bearer key sent to every endpoint instead of the client's "
+        "Authorization (PDO_UPSTREAM__API_KEY); a pool's api_key wins",
     )
 
 
@@ -534,6 +549,9 @@ class GatewayConfig(BaseSettings):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     security: SecurityConfig = Field(default_factory=SecurityConfig)
     ask_all: AskAllConfig = Field(default_factory=AskAllConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
 
     @classmethod
     def settings_customise_sources(
@@ -591,6 +609,7 @@ class GatewayConfig(BaseSettings):
                 connector=pool.connector or self.connector,
                 sim=e.sim or pool.sim,
                 kv=e.kv or pool.kv or KvSettings(),
+                api_key=pool.api_key or self.upstream.api_key,
             )
             for pool in self.pools
             for e in pool.endpoints

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from connectors import PeerInfo
@@ -32,7 +32,9 @@ class Role(enum.StrEnum):
 class Endpoint:
     """A vLLM instance: config name, base URL, role, hardware label, model, pool,
     compatibility group (KV moves only between endpoints of one group), connector
-    spec and ``kv``: its connector-relevant addresses (None: the defaults)."""
+    spec and ``kv``: its connector-relevant addresses (None: the defaults).
+    ``authorization``: the ``Authorization`` value its legs carry instead of the
+    client's (from the pool's ``api_key``), never printed."""
 
     name: str
     url: str
@@ -43,6 +45,7 @@ class Endpoint:
     group: str = "default"
     connector: str = "nixl"
     kv: PeerInfo | None = None
+    authorization: str | None = field(default=None, repr=False, compare=False)
 
     @property
     def peer(self) -> PeerInfo:
@@ -73,6 +76,9 @@ def _endpoint(config: FleetEndpoint) -> Endpoint:
         group=config.group,
         connector=config.connector,
         kv=config.peer,
+        authorization=None
+        if config.api_key is None
+        else f"Bearer {config.api_key.get_secret_value()}",
     )
 
 

@@ -39,6 +39,7 @@ from pd_orchestrator.upstream.client import Upstream
 from pd_orchestrator.upstream.errors import UpstreamError
 
 __all__ = [
+    "LOAD_SERIES",
     "LoadConfig",
     "LoadScraper",
     "MetricsError",
@@ -68,6 +69,10 @@ _WANTED = frozenset(
         *_PREEMPTIONS,
     ]
 )
+
+
+LOAD_SERIES = _WANTED
+"""Every vLLM sample name the scraper reads (current and older names)."""
 
 
 class MetricsError(ValueError):

@@ -247,7 +247,7 @@ class Probe(_AskAll):
         async def probe(decoder: Endpoint) -> None:
             try:
                 answers[decoder.name] = await legs.post(
-                    decoder, request.path, probe_body, Phase.DECODE_ATTEMPT
+                    decoder, request.path, probe_body, Phase.DECODE_ATTEMPT, label="probe"
                 )
             except UpstreamError:
                 answers[decoder.name] = None

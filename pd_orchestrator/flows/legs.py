@@ -8,8 +8,19 @@ request goes through it, so every one is treated alike:
 * its success or failure reported to the fleet (a connection that cannot be made
   counts as a failed check; a leg that breaks mid-answer marks its endpoint
   unhealthy: :meth:`Legs.broken`);
-* its failures counted in ``pd_orchestrator_upstream_errors_total``;
-* given an id (``X-Request-Id: <request id>-<n>``);
+* counted by endpoint, phase and outcome, with its duration
+  (``pd_orchestrator_upstream_requests_total``, ``pd_orchestrator_upstream_seconds``);
+  a prefill sent again after a failed one is a retry
+  (``pd_orchestrator_prefill_retries_total``), a decode leg that carries KV transfer
+  parameters a hand-over (``pd_orchestrator_kv_transfers_total``);
+* its failures -- when it is sent, or mid-answer -- counted in
+  ``pd_orchestrator_upstream_errors_total`` and logged once, with the endpoint's
+  name, the phase and the upstream's own message (the one place they are logged;
+  the client gets the gateway's words);
+* given an id (``X-Request-Id: <request id>-<n>``), the request's ``forward``
+  headers (the client's ``Authorization`` unless the endpoint's pool has its own
+  key, which replaces it) and, when tracing, a span of its own whose
+  ``traceparent`` it carries;
 * closed when the request ends, whatever ends it (:meth:`Legs.aclose`, shielded and
   bounded).
 
@@ -20,25 +31,45 @@ batch (``whole``), so a flow relays both alike.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+from opentelemetry.trace import Span
 
 from pd_orchestrator.fleet.endpoints import Endpoint
 from pd_orchestrator.fleet.state import FleetState
 from pd_orchestrator.flows.chunks import ChunkView, view_answer, view_chunk
 from pd_orchestrator.openai.responses import Kind
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
+from pd_orchestrator.telemetry.tracing import RequestTrace
 from pd_orchestrator.upstream.client import ChunkStream, Phase, Upstream
-from pd_orchestrator.upstream.errors import UpstreamError
+from pd_orchestrator.upstream.errors import (
+    UpstreamError,
+    UpstreamStatusError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 
 __all__ = ["CLOSE_SECONDS", "Leg", "Legs"]
 
 Json = dict[str, Any]
 CLOSE_SECONDS = 2.0
 """How long closing one leg may take before it is abandoned."""
+logger = logging.getLogger("pd_orchestrator.upstream")
+
+
+def outcome_of(exc: UpstreamError) -> str:
+    """The ``outcome`` label of a failed leg."""
+    if isinstance(exc, UpstreamStatusError):
+        return "http_4xx" if 400 <= exc.status < 500 else "http_5xx"
+    if isinstance(exc, UpstreamUnavailable):
+        return "unavailable"
+    if isinstance(exc, UpstreamTimeout):
+        return "timeout"
+    return "protocol"
 
 
 class _Whole:
@@ -64,7 +95,9 @@ class Leg:
     ``kind``: the API its chunks speak. ``whole``: its one batch is a whole answer.
     ``original_prompt``: it serves the client's prompt (not a continuation).
     ``held``: chunks read ahead (to the first decisive one) and not yet relayed.
-    ``tokens`` and ``usage``: what it generated and reported.
+    ``tokens`` and ``usage``: what it generated and reported. ``ended``: read to its
+    end; ``error``: what broke it mid-answer; ``phase`` and ``span``: how
+    :class:`Legs` accounts for it when it closes.
     """
 
     endpoint: Endpoint
@@ -80,6 +113,10 @@ class Leg:
     tokens: int = 0
     usage: Json | None = None
     open: bool = True
+    ended: bool = False
+    error: UpstreamError | None = None
+    phase: str = ""
+    span: Span | None = None
 
     def view(self, chunk: Json) -> ChunkView:
         """What ``chunk`` (an answer when ``whole``) says (read once per held chunk)."""
@@ -94,14 +131,19 @@ class Leg:
         """Hold chunks until one carries content or a finish; None if none does."""
         if self.decisive is not None:
             return self.decisive
-        async for batch in self.source:
-            self.held.extend(batch)
-            for chunk in batch:
-                view = self.view(chunk)
-                self.views[id(chunk)] = view  # the relay reads it from here
-                if view.decisive:
-                    self.decisive = view
-                    return view
+        try:
+            async for batch in self.source:
+                self.held.extend(batch)
+                for chunk in batch:
+                    view = self.view(chunk)
+                    self.views[id(chunk)] = view  # the relay reads it from here
+                    if view.decisive:
+                        self.decisive = view
+                        return view
+        except UpstreamError as exc:
+            self.error = exc
+            raise
+        self.ended = True
         return None
 
     async def next_batch(self) -> list[Json] | None:
@@ -112,7 +154,11 @@ class Leg:
         try:
             return await self.source.__anext__()
         except StopAsyncIteration:
+            self.ended = True
             return None
+        except UpstreamError as exc:
+            self.error = exc
+            raise
 
 
 class Legs:
@@ -125,34 +171,60 @@ class Legs:
         metrics: GatewayMetrics,
         request_id: str,
         clock: Callable[[], float],
+        *,
+        forward: Mapping[str, str] | None = None,
+        trace: RequestTrace | None = None,
     ) -> None:
         self.upstream = upstream
         self.fleet = fleet
         self.metrics = metrics
         self.request_id = request_id
         self.clock = clock
+        self.forward = forward
+        self.trace = trace
         self.failed: set[str] = set()
         self._count = 0
         self._open: list[tuple[Leg, ChunkStream]] = []
+        self._prefill_failed = False
 
     def next_id(self) -> str:
         """A new leg id: ``<request id>-<n>``."""
         self._count += 1
         return f"{self.request_id}-{self._count}"
 
-    def _headers(self, extra: Mapping[str, str] | None) -> dict[str, str]:
+    def _headers(
+        self, endpoint: Endpoint, span: Span | None, extra: Mapping[str, str] | None
+    ) -> dict[str, str]:
         headers = {"x-request-id": self.next_id()}
+        if self.forward:
+            headers.update(self.forward)
+        if endpoint.authorization is not None:
+            headers["authorization"] = endpoint.authorization
+        if span is not None and self.trace is not None:
+            self.trace.inject(span, headers)
         if extra:
             for name, value in extra.items():
-                headers.pop(name.lower(), None)
                 headers[name.lower()] = value
         return headers
 
-    def _failure(self, endpoint: Endpoint, exc: UpstreamError) -> None:
-        self.metrics.upstream_errors.labels(endpoint.name, type(exc).__name__).inc()
+    def _failure(self, endpoint: Endpoint, exc: UpstreamError, phase: str) -> None:
+        """Count and log a failed leg (the one place upstream failures are logged)."""
+        self.metrics.count_upstream_error(endpoint.name, type(exc).__name__)
         self.failed.add(endpoint.name)
         if exc.connection_failed:
             self.fleet.record_failure(endpoint.name)
+        if phase == "prefill":
+            self._prefill_failed = True
+        client_side = isinstance(exc, UpstreamStatusError) and 400 <= exc.status < 500
+        logger.log(
+            logging.INFO if client_side else logging.WARNING,
+            "upstream %s failed during %s (%s): %s",
+            endpoint.name,
+            phase,
+            type(exc).__name__,
+            exc.message,
+        )
+        exc.logged = True
 
     async def post(
         self,
@@ -162,22 +234,64 @@ class Legs:
         phase: Phase,
         *,
         headers: Mapping[str, str] | None = None,
+        label: str | None = None,
     ) -> Json:
         """POST ``body`` and return the whole answer (``headers`` add to or replace the
-        leg's own, e.g. a connector's shared ``X-Request-Id``)."""
+        leg's own, e.g. a connector's shared ``X-Request-Id``). ``label`` names the leg
+        in metrics and traces when its phase does not say enough (``probe``)."""
+        name: str = label or phase  # a StrEnum: its value as a label
+        return await self._post(endpoint, path, body, phase, name, name, headers)
+
+    async def _post(
+        self,
+        endpoint: Endpoint,
+        path: str,
+        body: Json,
+        phase: Phase,
+        name: str,
+        span_name: str,
+        extra: Mapping[str, str] | None,
+    ) -> Json:
         fleet = self.fleet
+        trace = self.trace
+        span = None if trace is None else trace.leg(span_name, endpoint.name, name)
+        if self._prefill_failed and name == "prefill":
+            self._prefill_failed = False
+            self.metrics.prefill_retries.inc()
+        started = self.clock()
         fleet.enter(endpoint.name)
         try:
             answer = await self.upstream.post_json(
-                endpoint, path, body, phase=phase, headers=self._headers(headers)
+                endpoint, path, body, phase=phase, headers=self._headers(endpoint, span, extra)
             )
         except UpstreamError as exc:
-            self._failure(endpoint, exc)
+            self._failed_leg(endpoint, exc, name, span)
+            raise
+        except BaseException:
+            self._cancelled_leg(endpoint, name, span)
             raise
         finally:
             fleet.leave(endpoint.name)
         fleet.record_success(endpoint.name)
+        self.metrics.count_leg(endpoint.name, name, "ok", self.clock() - started)
+        if span is not None:
+            RequestTrace.end_leg(span, "ok", _answer_attributes(answer))
         return answer
+
+    def _failed_leg(
+        self, endpoint: Endpoint, exc: UpstreamError, phase: str, span: Span | None
+    ) -> None:
+        outcome = outcome_of(exc)
+        self._failure(endpoint, exc, phase)
+        self.metrics.count_leg(endpoint.name, phase, outcome, None)
+        if span is not None:
+            RequestTrace.end_leg(span, outcome, {"pd.error": str(exc)})
+
+    def _cancelled_leg(self, endpoint: Endpoint, phase: str, span: Span | None) -> None:
+        """A leg abandoned before its answer came (the request was cancelled)."""
+        self.metrics.count_leg(endpoint.name, phase, "cancelled", None)
+        if span is not None:
+            RequestTrace.end_leg(span, "cancelled")
 
     async def open(
         self,
@@ -192,21 +306,36 @@ class Legs:
     ) -> Leg:
         """Send ``body``: a stream when it says ``stream``, else a whole answer."""
         threshold = float(body.get("cache_hit_threshold") or 0.0)
+        name: str = phase  # a StrEnum: its value as a label
+        span_name = name
+        if phase is Phase.DECODE:
+            if "kv_transfer_params" in body:
+                self.metrics.count_kv_transfer(endpoint.connector)
+            if not original_prompt:
+                span_name = "continuation"
         if not body.get("stream"):
-            answer = await self.post(endpoint, path, body, phase, headers=headers)
+            answer = await self._post(endpoint, path, body, phase, name, span_name, headers)
             return self.answer(endpoint, answer, kind, original_prompt, threshold)
+        trace = self.trace
+        span = None if trace is None else trace.leg(span_name, endpoint.name, name)
         started = self.clock()
         self.fleet.enter(endpoint.name)
         try:
             stream = await self.upstream.open_stream(
-                endpoint, path, body, phase=phase, headers=self._headers(headers)
+                endpoint, path, body, phase=phase, headers=self._headers(endpoint, span, headers)
             )
         except UpstreamError as exc:
             self.fleet.leave(endpoint.name)
-            self._failure(endpoint, exc)
+            self._failed_leg(endpoint, exc, name, span)
+            raise
+        except BaseException:
+            self.fleet.leave(endpoint.name)
+            self._cancelled_leg(endpoint, name, span)
             raise
         self.fleet.record_success(endpoint.name)
         leg = Leg(endpoint, kind, stream, False, original_prompt, started, threshold)
+        leg.phase = name
+        leg.span = span
         self._open.append((leg, stream))
         return leg
 
@@ -226,7 +355,7 @@ class Legs:
         try:
             return await self.upstream.get_json(endpoint, url)
         except UpstreamError as exc:
-            self._failure(endpoint, exc)
+            self._failure(endpoint, exc, "lookup")
             raise
 
     def broken(self, endpoint: str) -> None:
@@ -250,9 +379,43 @@ class Legs:
                             await stream.aclose()
                 finally:
                     self.fleet.leave(leg.endpoint.name)
+                    self._closed(leg, stream.done)
                 return
+
+    def _closed(self, leg: Leg, done: bool) -> None:
+        """Account for a stream that ended: read to its ``[DONE]`` (``done``), closed
+        before it, or broken."""
+        name = leg.endpoint.name
+        if leg.error is not None:
+            self._failed_leg(leg.endpoint, leg.error, leg.phase, leg.span)
+            return
+        ended = done or leg.ended
+        if leg.phase == "decode_attempt" and (ended or leg.decisive) and _rejects(leg.decisive):
+            outcome = "rejected"
+        else:
+            outcome = "ok" if ended else "cancelled"
+        self.metrics.count_leg(name, leg.phase, outcome, self.clock() - leg.started)
+        if leg.span is not None:
+            RequestTrace.end_leg(leg.span, outcome, {"pd.completion_tokens": leg.tokens})
 
     async def aclose(self) -> None:
         """Close every leg still open."""
         while self._open:
             await self.close(self._open[-1][0])
+
+
+def _rejects(view: ChunkView | None) -> bool:
+    """A decode attempt's first decisive part (None: a stream that ended with no
+    choice) says ``cache_threshold`` without a token (as ``attempts.admits`` reads it)."""
+    if view is None:
+        return True
+    return view.rejected and not view.token_ids and not view.completion_tokens
+
+
+def _answer_attributes(answer: Json) -> dict[str, Any]:
+    """Span attributes of a whole answer: its token counts, when it reports them."""
+    usage = answer.get("usage")
+    if not isinstance(usage, dict):
+        return {}
+    counts = (("pd.prompt_tokens", "prompt_tokens"), ("pd.completion_tokens", "completion_tokens"))
+    return {key: usage[name] for key, name in counts if isinstance(usage.get(name), int)}

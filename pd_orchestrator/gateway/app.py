@@ -1,9 +1,12 @@
 """The gateway's ASGI application.
 
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON or SSE),
-``GET /v1/models``, ``GET /health`` (the process is up), ``GET /ready`` (200 once
-a decoder passed a health check), ``GET /metrics``, ``GET /status`` and
-``POST /admin/reload``.
+``POST /tokenize`` and ``POST /detokenize`` (forwarded to a decoder),
+``GET /v1/models``, ``GET /version``, ``GET /health`` (the process is up),
+``GET /ready`` (200 once a decoder passed a health check), ``GET /metrics``,
+``GET /status`` and ``POST /admin/reload``. With ``auth.api_keys``, every route but
+``/health``, ``/ready``, ``/metrics`` (and ``/admin/reload``, which has its own
+token) needs a client key (:mod:`~pd_orchestrator.gateway.auth`).
 
 A completion request goes straight down, and its result comes back up:
 
@@ -12,7 +15,9 @@ A completion request goes straight down, and its result comes back up:
 3. the flow, through the request's legs, into the client's renderer
    (:func:`~pd_orchestrator.gateway.response.respond` watches for a disconnect);
 4. the gateway learns from the flow's outcome after it returned (metrics, the
-   planner's learning plugins and threshold feedback).
+   planner's learning plugins and threshold feedback);
+5. after the answer ended: the request's span and access-log line, when tracing or
+   the access log is on (:mod:`~pd_orchestrator.gateway.observe`).
 
 The completion routes are dispatched before Starlette's router (they are the hot
 path); everything else goes through Starlette. Every request's head is checked
@@ -55,8 +60,17 @@ from pd_orchestrator.flows.legs import Legs
 from pd_orchestrator.flows.render import renderer_for
 from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.flows.sink import ClientSink, GatewayError
-from pd_orchestrator.gateway.admission import Admitted, RequestIds, admit, header_map
+from pd_orchestrator.gateway.admission import (
+    Admitted,
+    RequestIds,
+    admit,
+    header_map,
+    request_id_of,
+)
+from pd_orchestrator.gateway.auth import OPEN_PATHS, ApiKeys, forwarded_headers, unauthorized
 from pd_orchestrator.gateway.limits import REFUSALS_THAT_CLOSE, check_head, read_body
+from pd_orchestrator.gateway.observe import Answered, log_access, span_attributes
+from pd_orchestrator.gateway.passthrough import json_object, tokenizer_decoder, versions
 from pd_orchestrator.gateway.protocol import limited_protocol
 from pd_orchestrator.gateway.response import error_of, error_response, respond
 from pd_orchestrator.gateway.state import (
@@ -71,8 +85,11 @@ from pd_orchestrator.openai.responses import Kind
 from pd_orchestrator.planner.plan import NoCandidateError, Plan, Served
 from pd_orchestrator.routing.registry import RoutingConfigError
 from pd_orchestrator.routing.types import Candidate
+from pd_orchestrator.telemetry.logs import REQUEST_ID
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
-from pd_orchestrator.upstream.client import Upstream
+from pd_orchestrator.telemetry.tracing import RequestTrace, Tracing
+from pd_orchestrator.upstream.client import Phase, Upstream
+from pd_orchestrator.upstream.errors import UpstreamError
 from pd_orchestrator.upstream.transport import Transport
 
 __all__ = ["Gateway"]
@@ -106,7 +123,8 @@ class Gateway:
     Raises :class:`~pd_orchestrator.routing.registry.RoutingConfigError` when the
     routing profiles name an unknown plugin or give it bad parameters. With a
     ``config_path``, SIGHUP and ``POST /admin/reload`` reload the configuration from
-    it; see :meth:`reload`.
+    it; see :meth:`reload`. ``tracing``: the tracer (default: the one ``config.tracing``
+    configures, None when it configures none).
     """
 
     def __init__(
@@ -116,13 +134,17 @@ class Gateway:
         config_path: Path | None = None,
         transport: Transport | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tracing: Tracing | None = None,
     ) -> None:
         self.clock = clock
         self.config_path = config_path
         self.metrics = GatewayMetrics()
         self.upstream = Upstream(config.upstream, config.timeouts, transport=transport)
         self.state = build_state(config, self.upstream, self.metrics, clock)
+        self.tracing = tracing if tracing is not None else Tracing.from_config(config.tracing)
+        self._api_keys = ApiKeys.configured(config.auth.api_keys)
         self._ordinals = itertools.count()
+        self._turns = itertools.count()
         self._ids = RequestIds()
         self._monitors: anyio.CancelScope | None = None
         self._tasks: TaskGroup | None = None
@@ -155,6 +177,11 @@ class Gateway:
             except GatewayError as exc:
                 await _refuse(send, exc)
                 return
+            keys = self._api_keys
+            if keys is not None and scope["path"] not in OPEN_PATHS:
+                if not keys.allows(scope["headers"]):
+                    await unauthorized(send)
+                    return
             kind = _ROUTES.get(scope["path"])
             if kind is not None:
                 if scope["method"] == "POST":
@@ -172,6 +199,9 @@ class Gateway:
             Route("/ready", self._ready, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
             Route("/status", self._status, methods=["GET"]),
+            Route("/version", self._version, methods=["GET"]),
+            Route("/tokenize", self._tokenizer, methods=["POST"]),
+            Route("/detokenize", self._tokenizer, methods=["POST"]),
             Route("/admin/reload", self._admin_reload, methods=["POST"]),
         ]
         handlers = {HTTPException: self._http_error, Exception: self._internal_error}
@@ -206,6 +236,11 @@ class Gateway:
                 tg.cancel_scope.cancel()
                 with anyio.move_on_after(2, shield=True):
                     await self.upstream.aclose()
+                if self.tracing is not None:
+                    with anyio.move_on_after(5, shield=True):
+                        await anyio.to_thread.run_sync(
+                            self.tracing.shutdown, abandon_on_cancel=True
+                        )
 
     async def _start_monitors(self, state: GatewayState) -> None:
         """(Re)start health checks and load polls for ``state``'s fleet."""
@@ -253,6 +288,7 @@ class Gateway:
                 return ReloadResult(False, f"refused, the old configuration stays: {exc}")
             notes = restart_notes(self.config, config)
             self.state = state
+            self._api_keys = ApiKeys.configured(config.auth.api_keys)
             if self._tasks is not None:
                 await self._start_monitors(state)
             self.metrics.reloads.labels("applied").inc()
@@ -263,15 +299,21 @@ class Gateway:
         """One completion request, top to bottom (see the module docstring)."""
         state = self.state
         path = scope["path"]
+        started = self.clock()
+        headers = header_map(scope["headers"])
+        tracing = self.tracing
+        trace = None if tracing is None else tracing.request("POST", path, headers)
         try:
-            admitted, plan = await self._plan(state, scope, receive, kind, path)
+            admitted, plan = await self._plan(state, headers, receive, kind, path)
         except Exception as exc:
             status, message, param = error_of(exc)
             self.metrics.count_request(path, "error", status)
             if status != 499:
                 await _refuse(send, GatewayError(status, message, param))
+            self._observe(state, trace, Answered("POST", path, status, None, message), started)
             return
-        flows = self._flows(state, admitted.request, plan)
+        forward = forwarded_headers(headers, own_keys=self._api_keys is not None, tracing=trace)
+        flows = self._flows(state, admitted.request, plan, forward, trace)
         flow = flows[0]
         serve = partial(self._run, flow) if len(flows) == 1 else partial(self._choices, flows)
         self.metrics.in_flight.inc()
@@ -282,14 +324,26 @@ class Gateway:
         finally:
             self.metrics.in_flight.dec()
         self._count(path, pending.result, status)
+        if trace is not None or state.config.logging.access_log:
+            error = None if pending.error is None else str(pending.error)
+            self._observe(state, trace, Answered("POST", path, status, flow, error), started)
+
+    def _observe(
+        self, state: GatewayState, trace: RequestTrace | None, answered: Answered, started: float
+    ) -> None:
+        """After the answer ended: end the request's span, write its access-log line."""
+        if trace is not None:
+            trace.finish(answered.status, span_attributes(answered), answered.error)
+        if state.config.logging.access_log:
+            log_access(answered, self.clock() - started)
 
     async def _plan(
-        self, state: GatewayState, scope: Scope, receive: Receive, kind: Kind, path: str
+        self, state: GatewayState, headers: dict[str, str], receive: Receive, kind: Kind, path: str
     ) -> tuple[Admitted, Plan]:
         raw = await read_body(receive, state.config.limits.max_body_bytes)
         now = self.clock()
-        headers = header_map(scope["headers"])
         admitted = admit(state, kind, path, raw, headers, now, self._ids)
+        REQUEST_ID.set(admitted.request.request_id)
         candidates = state.scraper.candidates(state.fleet.snapshot(), now)
         admitted = await self._tokenized(state, admitted, candidates)
         try:
@@ -320,16 +374,25 @@ class Gateway:
         )
         return Admitted(request, replace(facts, fields=fields))
 
-    def _flows(self, state: GatewayState, request: ClientRequest, plan: Plan) -> list[Flow]:
-        """The request's flow; one per choice when it asks for ``n`` > 1."""
+    def _flows(
+        self,
+        state: GatewayState,
+        request: ClientRequest,
+        plan: Plan,
+        forward: dict[str, str] | None,
+        trace: RequestTrace | None,
+    ) -> list[Flow]:
+        """The request's flow; one per choice when it asks for ``n`` > 1. Every leg of
+        every choice carries ``forward`` and, when tracing, hangs below ``trace``."""
         requests = [request]
         if request.view.n > 1:
             requests = [choice_request(request, i) for i in range(request.view.n)]
+        upstream, fleet, metrics, clock = self.upstream, state.fleet, self.metrics, self.clock
         return [
             Flow(
                 one,
                 plan,
-                Legs(self.upstream, state.fleet, self.metrics, one.request_id, self.clock),
+                Legs(upstream, fleet, metrics, one.request_id, clock, forward=forward, trace=trace),
                 state.attempt,
                 state.flow,
             )
@@ -361,8 +424,11 @@ class Gateway:
         """Count one answered request by route, decision and status."""
         decision = "error" if outcome is None or status >= 400 else outcome.decision
         self.metrics.count_request(path, decision, status)
-        if decision != "error" and outcome is not None and outcome.ttft is not None:
-            self.metrics.ttft.observe(outcome.ttft)
+        if decision != "error" and outcome is not None:
+            if outcome.ttft is not None:
+                self.metrics.ttft.observe(outcome.ttft)
+            if outcome.itl is not None:
+                self.metrics.itl.observe(outcome.itl)
 
     # -- other routes -----------------------------------------------------------------------
     async def _health(self, request: Request) -> Response:
@@ -381,6 +447,37 @@ class Gateway:
 
     async def _models(self, request: Request) -> Response:
         return JSONResponse(models_document(self.state))
+
+    async def _version(self, request: Request) -> Response:
+        return JSONResponse(await versions(self.state, self.upstream))
+
+    async def _tokenizer(self, request: Request) -> Response:
+        """``POST /tokenize`` and ``/detokenize``, forwarded to a decoder
+        (:mod:`~pd_orchestrator.gateway.passthrough`)."""
+        state = self.state
+        path = request.url.path
+        started = self.clock()
+        headers = header_map(request.scope["headers"])
+        request_id = request_id_of(headers.get("x-request-id"), self._ids)
+        REQUEST_ID.set(request_id)
+        tracing = self.tracing
+        trace = None if tracing is None else tracing.request("POST", path, headers)
+        try:
+            body = json_object(await request.body())
+            decoder = tokenizer_decoder(state, body.get("model"), next(self._turns))
+            forward = forwarded_headers(headers, own_keys=self._api_keys is not None, tracing=trace)
+            legs = Legs(
+                self.upstream, state.fleet, self.metrics, request_id, self.clock,
+                forward=forward, trace=trace,
+            )  # fmt: skip
+            answer: dict[str, object] = await legs.post(decoder, path, body, Phase.TOKENIZE)
+            status, error = 200, None
+        except (GatewayError, UpstreamError) as exc:
+            status, message, param = error_of(exc)
+            answer, error = error_body(message, status, param=param), message
+        self.metrics.count_request(path, "error" if status >= 400 else "none", status)
+        self._observe(state, trace, Answered("POST", path, status, None, error), started)
+        return JSONResponse(answer, status, headers={"x-request-id": request_id})
 
     async def _admin_reload(self, request: Request) -> Response:
         """``POST /admin/reload`` with ``Authorization: Bearer <admin.token>`` (the

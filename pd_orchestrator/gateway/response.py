@@ -44,13 +44,16 @@ def error_of(exc: Exception) -> tuple[int, str, str | None]:
 
     An upstream failure is logged in full (``pd_orchestrator.upstream``: endpoint,
     phase, status and the upstream's own message; WARNING, or INFO for an upstream
-    4xx passed on as the client's error); the client gets the gateway's words for
-    it (:func:`~pd_orchestrator.upstream.errors.client_error`).
+    4xx passed on as the client's error) unless the legs logged it already where
+    the leg failed (``exc.logged``); the client gets the gateway's words for it
+    (:func:`~pd_orchestrator.upstream.errors.client_error`).
     """
     if isinstance(exc, GatewayError):
         return exc.status, exc.message, exc.param
     if isinstance(exc, UpstreamError):
         mapped = client_error(exc)
+        if exc.logged:  # the legs logged it where the leg failed
+            return mapped.status, mapped.message, mapped.param
         upstream_logger.log(
             logging.INFO if mapped.status < 500 else logging.WARNING,
             "%s %s failed during %s (%s): %s; answered %d",

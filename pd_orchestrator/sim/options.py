@@ -27,7 +27,8 @@ class SimOptions:
     ``kv_connector`` is a connector spec (``none``, ``nixl``, ``nixl-push``,
     ``mooncake``, ``moriio``, ``offloading``, ``lmcache``, ``example``,
     ``multi:A,B``; see :mod:`pd_orchestrator.sim.handover`); ``lmcache_chunk_size``
-    is LMCache's ``chunk_size`` (a multiple of the block size).
+    is LMCache's ``chunk_size`` (a multiple of the block size). ``api_keys`` is vLLM's
+    ``--api-key``: requests to ``/v1/...`` need ``Authorization: Bearer <a key>``.
     """
 
     host: str = "127.0.0.1"
@@ -58,6 +59,7 @@ class SimOptions:
     kv_events_topic: str = ""
     kv_events_buffer_steps: int = 10_000
     kv_events_int_hashes: bool = True
+    api_keys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         get_profile(self.profile)

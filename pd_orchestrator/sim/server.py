@@ -22,7 +22,9 @@ Test hooks (as llm-d's inference simulator has them):
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
+import secrets
 import socket
 import sys
 import time
@@ -37,9 +39,12 @@ import uvicorn
 from anyio.streams.memory import MemoryObjectReceiveStream
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pd_orchestrator import __version__
 from pd_orchestrator.openai.errors import error_body
@@ -87,7 +92,10 @@ from pd_orchestrator.sim.tokenizer import SimTokenizer
 if TYPE_CHECKING:
     from pd_orchestrator.sim.kv_events import KvEventPublisher
 
+
 __all__ = ["SimServer", "bind_socket", "serve"]
+
+logger = logging.getLogger("pd_orchestrator.sim")
 
 _SIDE_CHANNEL_CONNECT = 10.0
 _NIXL = frozenset({"nixl", "nixl-push"})
@@ -134,6 +142,31 @@ def _publisher(options: SimOptions) -> KvEventPublisher | None:
         buffer_steps=options.kv_events_buffer_steps,
         int_hashes=options.kv_events_int_hashes,
     )
+
+
+class _ApiKeyGuard:
+    """vLLM's ``--api-key``: ``/v1`` routes answer 401 without ``Bearer <a key>``."""
+
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
+        self.app = app
+        self.keys = tuple(key.encode() for key in keys)
+
+    def _allows(self, value: str | None) -> bool:
+        scheme, _, token = (value or "").partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        matched = False
+        for key in self.keys:
+            matched |= secrets.compare_digest(token.encode(), key)
+        return matched
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            if not self._allows(Headers(scope=scope).get("authorization")):
+                response = JSONResponse({"error": "Unauthorized"}, status_code=401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class SimServer:
@@ -200,7 +233,9 @@ class SimServer:
             Route("/p2p/fetch", self._wrap(self.p2p_fetch), methods=["POST"]),
             Route("/p2p/lookup", self._wrap(self.p2p_lookup), methods=["POST"]),
         ]
-        return Starlette(routes=routes, lifespan=self._lifespan)
+        keys = self.options.api_keys
+        middleware = [Middleware(_ApiKeyGuard, keys=keys)] if keys else []
+        return Starlette(routes=routes, lifespan=self._lifespan, middleware=middleware)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -707,11 +742,19 @@ async def serve(options: SimOptions, *, announce: bool = True) -> None:
     sim = SimServer(options)
     sim.port = sock.getsockname()[1]
     config = uvicorn.Config(
-        sim.app(), log_level="warning", lifespan="on", timeout_graceful_shutdown=2
+        sim.app(),
+        log_level="warning",
+        log_config=None,  # uvicorn's records go through the process's logging setup
+        lifespan="on",
+        timeout_graceful_shutdown=2,
     )
     server = uvicorn.Server(config)
     async with anyio.create_task_group() as tg:
         tg.start_soon(server.serve, [sock])
         await sim.ready.wait()
+        logger.info(
+            "simulated instance on http://%s:%d (model %s, profile %s, connector %s)",
+            options.host, sim.port, sim.model, options.profile, options.kv_connector,
+        )  # fmt: skip
         if announce:
             print(f"READY http://{options.host}:{sim.port}", flush=True, file=sys.stdout)

@@ -1,42 +1,77 @@
 """Prometheus metrics of the gateway (one registry per gateway instance).
 
-* ``pd_orchestrator_requests_total{endpoint,decision,code}`` -- answered requests by
-  API route, decision (``decode``, ``pd`` or ``error``) and HTTP status;
+* ``pd_orchestrator_requests_total{route,decision,code}`` -- answered requests by
+  API route, decision (``decode``, ``pd``, ``error``; ``none`` on ``/tokenize`` and
+  ``/detokenize``) and HTTP status;
 * ``pd_orchestrator_decisions_total{decision}``;
 * ``pd_orchestrator_handbacks_total`` -- preempted requests resubmitted mid-generation;
 * ``pd_orchestrator_phase_seconds{phase}`` -- ``decode_attempt``, ``prefill``,
   ``decode`` and ``total``;
 * ``pd_orchestrator_ttft_seconds`` -- arrival to the first content sent to the client;
-* ``pd_orchestrator_upstream_errors_total{endpoint,kind}``;
+* ``pd_orchestrator_itl_seconds`` -- a request's mean gap between later content (ITL);
+* ``pd_orchestrator_upstream_requests_total{upstream,phase,outcome}`` -- every
+  upstream request (leg) by endpoint name, phase and outcome: ``ok`` (answered: a
+  whole answer, or a stream read to its end), ``rejected`` (a streamed decode
+  attempt answered ``cache_threshold`` without a token), ``cancelled`` (closed by
+  the gateway before its end: a losing ask-all leg, a client that left) or the
+  failure (``unavailable``, ``timeout``, ``http_4xx``, ``http_5xx``, ``protocol``);
+* ``pd_orchestrator_upstream_seconds{upstream,phase}`` -- from sending a leg to the
+  end of its answer (a stream: until it was read to its end or closed); failed legs
+  are not observed;
+* ``pd_orchestrator_upstream_errors_total{upstream,kind}`` -- failures by endpoint
+  and error class (``recovered``: a broken decode leg continued elsewhere);
+* ``pd_orchestrator_prefill_retries_total`` -- prefill legs sent again after a failed one;
+* ``pd_orchestrator_kv_transfers_total{connector}`` -- P/D hand-overs: decode legs
+  sent with a prefiller's KV transfer parameters, by the decoder's connector;
+* ``pd_orchestrator_ejections_total{upstream,reason}`` -- endpoints taken out of
+  rotation (:meth:`GatewayMetrics.count_ejection`);
 * ``pd_orchestrator_in_flight_requests``;
 * ``pd_orchestrator_threshold`` -- thresholds applied to decode attempts;
 * ``pd_orchestrator_threshold_decisions_total{policy,reason}`` -- threshold decisions
   by the policy (instance name, or ``client``) that set them and its reason;
 * ``pd_orchestrator_fanout_legs_total{outcome}``, ``pd_orchestrator_fanout_wasted_tokens_total``
   and ``pd_orchestrator_ask_all_total{outcome}`` -- the ask-all mode;
-* ``pd_orchestrator_config_reloads_total{result}``.
+* ``pd_orchestrator_config_reloads_total{result}``;
+* ``process_*`` -- CPU, memory, open files and start time of the gateway's process.
+
+Endpoint labels are named ``upstream`` and routes ``route``: ``endpoint`` is the
+label the Prometheus Operator gives every scraped target. Counters export no
+``_created`` series (disabled process-wide when this module is imported).
 
 :meth:`GatewayMetrics.record_threshold` records one threshold decision in both
 threshold series. The per-request recorders (:meth:`~GatewayMetrics.record_threshold`,
-:meth:`~GatewayMetrics.observe_phase`, :meth:`~GatewayMetrics.count_request`) keep
-each label set's child once resolved: a label lookup per request costs more than
-the increment.
+:meth:`~GatewayMetrics.observe_phase`, :meth:`~GatewayMetrics.count_request`,
+:meth:`~GatewayMetrics.count_leg`) keep each label set's child once resolved: a
+label lookup per request costs more than the increment.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+)
 
 if TYPE_CHECKING:
     from pd_orchestrator.policies.base import ThresholdDecision
 
 __all__ = ["GatewayMetrics"]
 
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
 _SECONDS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
     1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_ITL_SECONDS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5,
 )  # fmt: skip
 _RATIOS = tuple(i / 20 for i in range(21))
 
@@ -47,10 +82,11 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        ProcessCollector(registry=r)
         self.requests = Counter(
             "pd_orchestrator_requests",
             "Answered requests by API route, decision and HTTP status.",
-            ["endpoint", "decision", "code"],
+            ["route", "decision", "code"],
             registry=r,
         )
         self.decisions = Counter(
@@ -74,10 +110,47 @@ class GatewayMetrics:
             buckets=_SECONDS,
             registry=r,
         )
+        self.itl = Histogram(
+            "pd_orchestrator_itl_seconds",
+            "Mean gap between the pieces of content sent to the client after the first, "
+            "per request.",
+            buckets=_ITL_SECONDS,
+            registry=r,
+        )
+        self.upstream_requests = Counter(
+            "pd_orchestrator_upstream_requests",
+            "Upstream requests (legs) by endpoint, phase and outcome.",
+            ["upstream", "phase", "outcome"],
+            registry=r,
+        )
+        self.upstream_seconds = Histogram(
+            "pd_orchestrator_upstream_seconds",
+            "From sending an upstream request to the end of its answer (failed legs excluded).",
+            ["upstream", "phase"],
+            buckets=_SECONDS,
+            registry=r,
+        )
         self.upstream_errors = Counter(
             "pd_orchestrator_upstream_errors",
-            "Failures talking to endpoints.",
-            ["endpoint", "kind"],
+            "Failures talking to endpoints, by endpoint and error class.",
+            ["upstream", "kind"],
+            registry=r,
+        )
+        self.prefill_retries = Counter(
+            "pd_orchestrator_prefill_retries",
+            "Prefill legs sent again after a failed prefill leg.",
+            registry=r,
+        )
+        self.kv_transfers = Counter(
+            "pd_orchestrator_kv_transfers",
+            "P/D hand-overs: decode legs sent with KV transfer parameters, by connector.",
+            ["connector"],
+            registry=r,
+        )
+        self.ejections = Counter(
+            "pd_orchestrator_ejections",
+            "Endpoints taken out of rotation, by endpoint and reason.",
+            ["upstream", "reason"],
             registry=r,
         )
         self.in_flight = Gauge(
@@ -120,6 +193,7 @@ class GatewayMetrics:
         )
 
         self._children: dict[tuple[Any, ...], Any] = {}
+        self._legs: dict[tuple[str, str, str], tuple[Any, Any]] = {}
 
     def _child(self, metric: Any, *labels: str) -> Any:
         key = (id(metric), *labels)
@@ -138,7 +212,35 @@ class GatewayMetrics:
         self._child(self.phase_seconds, phase).observe(seconds)
 
     def count_request(self, route: str, decision: str, code: int) -> None:
-        """One answered request (and its decision unless it failed)."""
+        """One answered request (and its decision unless it failed, or its route decides
+        nothing: ``none``)."""
         self._child(self.requests, route, decision, str(code)).inc()
-        if decision != "error":
+        if decision != "error" and decision != "none":
             self._child(self.decisions, decision).inc()
+
+    def count_leg(self, upstream: str, phase: str, outcome: str, seconds: float | None) -> None:
+        """One upstream request that ended with ``outcome``; ``seconds`` (when given)
+        is its time from sending to the end of its answer."""
+        key = (upstream, phase, outcome)
+        children = self._legs.get(key)
+        if children is None:
+            children = self._legs[key] = (
+                self.upstream_requests.labels(upstream, phase, outcome),
+                self.upstream_seconds.labels(upstream, phase),
+            )
+        children[0].inc()
+        if seconds is not None:
+            children[1].observe(seconds)
+
+    def count_upstream_error(self, upstream: str, kind: str) -> None:
+        """One failure talking to ``upstream`` (``kind``: the error's class)."""
+        self._child(self.upstream_errors, upstream, kind).inc()
+
+    def count_kv_transfer(self, connector: str) -> None:
+        """One decode leg sent with KV transfer parameters through ``connector``."""
+        self._child(self.kv_transfers, connector).inc()
+
+    def count_ejection(self, upstream: str, reason: str) -> None:
+        """``upstream`` was taken out of rotation for ``reason`` (e.g. ``consecutive_errors``,
+        ``health_check``)."""
+        self._child(self.ejections, upstream, reason).inc()

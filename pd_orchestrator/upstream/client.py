@@ -55,6 +55,7 @@ class Phase(enum.StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
     PROBE = "probe"
+    TOKENIZE = "tokenize"
 
 
 def role_label(endpoint: Endpoint) -> str:
@@ -235,6 +236,7 @@ class Upstream:
             Phase.PREFILL: t.prefill,
             Phase.DECODE: t.decode,
             Phase.PROBE: t.connect,
+            Phase.TOKENIZE: t.decode_attempt,
         }[phase]
         return Timeouts(connect=t.connect, read=read, pool=t.pool)
 

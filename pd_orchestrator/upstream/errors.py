@@ -43,7 +43,8 @@ __all__ = [
 
 
 class UpstreamError(Exception):
-    """A failure talking to ``endpoint`` during ``phase``."""
+    """A failure talking to ``endpoint`` during ``phase``. ``logged``: it was logged
+    where it happened (the legs log every failed leg), so it is not logged again."""
 
     def __init__(self, endpoint: str, phase: str, message: str, *, role: str = "") -> None:
         super().__init__(f"{endpoint} ({phase}): {message}")
@@ -51,6 +52,7 @@ class UpstreamError(Exception):
         self.phase = phase
         self.message = message
         self.role = role
+        self.logged = False
 
     @property
     def connection_failed(self) -> bool:

@@ -194,6 +194,6 @@ async def test_models_ready_health_and_metrics(stack: Stack) -> None:
     await call(stack.url, "completion", _completion(_prompt()))
     text = await metrics_text(stack.url)
     assert metric(text, "pd_orchestrator_decisions_total", decision="pd") >= 1
-    assert metric(text, "pd_orchestrator_requests_total", endpoint="/v1/completions") >= 1
+    assert metric(text, "pd_orchestrator_requests_total", route="/v1/completions") >= 1
     assert metric(text, "pd_orchestrator_phase_seconds_count", phase="prefill") >= 1
     assert metric(text, "pd_orchestrator_ttft_seconds_count") >= 1
