@@ -36,7 +36,8 @@
 
 Endpoint labels are named ``upstream`` and routes ``route``: ``endpoint`` is the
 label the Prometheus Operator gives every scraped target. Counters export no
-``_created`` series (disabled process-wide when this module is imported).
+``_created`` series. The families are the event loop's own
+(:mod:`~pd_orchestrator.telemetry.fast`): no lock and a few Python calls per update.
 
 :meth:`GatewayMetrics.record_threshold` records one threshold decision in both
 threshold series. The per-request recorders (:meth:`~GatewayMetrics.record_threshold`,
@@ -49,14 +50,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    ProcessCollector,
-    disable_created_metrics,
-)
+from prometheus_client import CollectorRegistry, ProcessCollector, disable_created_metrics
+
+from pd_orchestrator.telemetry.fast import FastCounter as Counter
+from pd_orchestrator.telemetry.fast import FastGauge as Gauge
+from pd_orchestrator.telemetry.fast import FastHistogram as Histogram
 
 if TYPE_CHECKING:
     from pd_orchestrator.policies.base import ThresholdDecision
