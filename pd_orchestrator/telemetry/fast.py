@@ -71,6 +71,8 @@ class _Family:
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
         self._children: dict[tuple[str, ...], object] = {}
+        if not self.labelnames:
+            self._children[()] = self._new()  # reads 0 before its first update
         if registry is not None:
             registry.register(self)  # type: ignore[arg-type]
 
@@ -135,8 +137,6 @@ class FastGauge(_Family):
 
     def collect(self) -> Iterator[Metric]:
         family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        if not self.labelnames:
-            self.labels()  # an unlabelled gauge reads 0 before its first update
         for values, child in self._children.items():
             assert isinstance(child, _Value)
             family.add_metric(list(values), child.value)

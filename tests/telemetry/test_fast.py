@@ -50,3 +50,13 @@ def test_an_unlabelled_gauge_goes_up_and_down() -> None:
         gauge.inc(3)
         gauge.dec()
     assert _samples(ours) == _samples(theirs)
+
+
+def test_unlabelled_counters_and_histograms_read_zero_before_any_update() -> None:
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    FastCounter("c", "c", registry=ours)
+    Counter("c", "c", registry=theirs)
+    FastHistogram("h_seconds", "h", buckets=BUCKETS, registry=ours)
+    Histogram("h_seconds", "h", buckets=BUCKETS, registry=theirs)
+    assert _samples(ours) == _samples(theirs)
+    assert ("c_total", (), 0.0) in _samples(ours)
