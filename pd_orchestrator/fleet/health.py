@@ -2,7 +2,8 @@
 
 A check that fails (no answer within the timeout, or a non-200) counts as one
 failure; ``unhealthy_after`` failures in a row mark the endpoint unhealthy, one
-success marks it healthy again. Flows add passive failures (refused connections).
+success marks it healthy again (and brings back an endpoint whose ejection time is
+up). Flows add what real traffic shows (:meth:`FleetState.record_error`).
 """
 
 from __future__ import annotations
@@ -34,10 +35,7 @@ class HealthMonitor:
             healthy = response.status_code == 200
         except UpstreamError:
             healthy = False
-        if healthy:
-            self.fleet.record_success(endpoint.name)
-        else:
-            self.fleet.record_failure(endpoint.name)
+        self.fleet.record_check(endpoint.name, healthy)
         return healthy
 
     async def check_all(self) -> None:

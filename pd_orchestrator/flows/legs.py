@@ -5,9 +5,11 @@ request goes through it, so every one is treated alike:
 
 * counted in flight on its endpoint from the moment it is sent until it is read to
   the end or closed (a stream for as long as it streams);
-* its success or failure reported to the fleet (a connection that cannot be made
-  counts as a failed check; a leg that breaks mid-answer marks its endpoint
-  unhealthy: :meth:`Legs.broken`);
+* its success or failure reported to the fleet, when it is sent or, for a stream,
+  when it fails mid-answer (:meth:`FleetState.record_error`: a connection that
+  cannot be made counts as a failed check; outlier detection counts 5xx answers and
+  broken connections); a leg the flow gives up on mid-answer marks its endpoint
+  unhealthy (:meth:`Legs.broken`);
 * its failures counted in ``pd_orchestrator_upstream_errors_total``;
 * given an id (``X-Request-Id: <request id>-<n>``);
 * closed when the request ends, whatever ends it (:meth:`Legs.aclose`, shielded and
@@ -64,7 +66,8 @@ class Leg:
     ``kind``: the API its chunks speak. ``whole``: its one batch is a whole answer.
     ``original_prompt``: it serves the client's prompt (not a continuation).
     ``held``: chunks read ahead (to the first decisive one) and not yet relayed.
-    ``tokens`` and ``usage``: what it generated and reported.
+    ``tokens`` and ``usage``: what it generated and reported. ``error``: what broke
+    it mid-answer (reported to the fleet when it is closed).
     """
 
     endpoint: Endpoint
@@ -80,6 +83,7 @@ class Leg:
     tokens: int = 0
     usage: Json | None = None
     open: bool = True
+    error: UpstreamError | None = None
 
     def view(self, chunk: Json) -> ChunkView:
         """What ``chunk`` (an answer when ``whole``) says (read once per held chunk)."""
@@ -94,7 +98,7 @@ class Leg:
         """Hold chunks until one carries content or a finish; None if none does."""
         if self.decisive is not None:
             return self.decisive
-        async for batch in self.source:
+        while (batch := await self._next()) is not None:
             self.held.extend(batch)
             for chunk in batch:
                 view = self.view(chunk)
@@ -109,10 +113,16 @@ class Leg:
         if self.held:
             held, self.held = self.held, []
             return held
+        return await self._next()
+
+    async def _next(self) -> list[Json] | None:
         try:
             return await self.source.__anext__()
         except StopAsyncIteration:
             return None
+        except UpstreamError as exc:
+            self.error = exc
+            raise
 
 
 class Legs:
@@ -151,8 +161,7 @@ class Legs:
     def _failure(self, endpoint: Endpoint, exc: UpstreamError) -> None:
         self.metrics.upstream_errors.labels(endpoint.name, type(exc).__name__).inc()
         self.failed.add(endpoint.name)
-        if exc.connection_failed:
-            self.fleet.record_failure(endpoint.name)
+        self.fleet.record_error(endpoint.name, exc)
 
     async def post(
         self,
@@ -250,6 +259,8 @@ class Legs:
                             await stream.aclose()
                 finally:
                     self.fleet.leave(leg.endpoint.name)
+                    if leg.error is not None:
+                        self._failure(leg.endpoint, leg.error)
                 return
 
     async def aclose(self) -> None:

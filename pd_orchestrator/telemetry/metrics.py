@@ -7,7 +7,12 @@
 * ``pd_orchestrator_phase_seconds{phase}`` -- ``decode_attempt``, ``prefill``,
   ``decode`` and ``total``;
 * ``pd_orchestrator_ttft_seconds`` -- arrival to the first content sent to the client;
-* ``pd_orchestrator_upstream_errors_total{endpoint,kind}``;
+* ``pd_orchestrator_upstream_errors_total{endpoint,kind}`` -- failures by error class,
+  and what the flow did about them: ``retried`` (on another decoder before the client
+  got anything), ``recovered`` (continued on another decoder mid-answer),
+  ``fell_back`` (the decoder prefilled alone after the prefill side failed);
+* ``pd_orchestrator_ejections_total{upstream,reason}`` -- endpoints taken out of
+  rotation by outlier detection (:meth:`GatewayMetrics.count_ejection`);
 * ``pd_orchestrator_in_flight_requests``;
 * ``pd_orchestrator_threshold`` -- thresholds applied to decode attempts;
 * ``pd_orchestrator_threshold_decisions_total{policy,reason}`` -- threshold decisions
@@ -80,6 +85,12 @@ class GatewayMetrics:
             ["endpoint", "kind"],
             registry=r,
         )
+        self.ejections = Counter(
+            "pd_orchestrator_ejections",
+            "Endpoints taken out of rotation, by endpoint and reason.",
+            ["upstream", "reason"],
+            registry=r,
+        )
         self.in_flight = Gauge(
             "pd_orchestrator_in_flight_requests", "Client requests being served.", registry=r
         )
@@ -142,3 +153,8 @@ class GatewayMetrics:
         self._child(self.requests, route, decision, str(code)).inc()
         if decision != "error":
             self._child(self.decisions, decision).inc()
+
+    def count_ejection(self, upstream: str, reason: str) -> None:
+        """``upstream`` was taken out of rotation for ``reason`` (``consecutive_5xx``,
+        ``consecutive_failures``)."""
+        self._child(self.ejections, upstream, reason).inc()
