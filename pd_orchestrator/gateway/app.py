@@ -14,6 +14,9 @@ A completion request goes straight down, and its result comes back up:
 4. the gateway learns from the flow's outcome after it returned (metrics, the
    planner's learning plugins and threshold feedback).
 
+On SIGTERM the server drains the gateway (:mod:`~pd_orchestrator.gateway.lifecycle`):
+``/ready`` turns 503 and requests in flight get ``lifecycle.drain_seconds`` to end.
+
 The completion routes are dispatched before Starlette's router (they are the hot
 path); everything else goes through Starlette.
 """
@@ -48,6 +51,7 @@ from pd_orchestrator.flows.legs import Legs
 from pd_orchestrator.flows.render import renderer_for
 from pd_orchestrator.flows.sink import ClientSink, GatewayError
 from pd_orchestrator.gateway.admission import Admitted, RequestIds, admit, header_map
+from pd_orchestrator.gateway.lifecycle import SHUTTING_DOWN, Drain, closing_connections
 from pd_orchestrator.gateway.response import error_response, respond
 from pd_orchestrator.gateway.state import (
     GatewayState,
@@ -116,6 +120,7 @@ class Gateway:
         self._tasks: TaskGroup | None = None
         self._reload_lock = anyio.Lock()
         self._router = self._starlette()
+        self.drain = Drain()
 
     @property
     def config(self) -> GatewayConfig:
@@ -131,6 +136,8 @@ class Gateway:
         return self
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.drain.draining and scope["type"] == "http":
+            send = closing_connections(send)
         if scope["type"] == "http" and scope["method"] == "POST":
             kind = _ROUTES.get(scope["path"])
             if kind is not None:
@@ -215,10 +222,20 @@ class Gateway:
     # -- completions ------------------------------------------------------------------------
     async def _completion(self, scope: Scope, receive: Receive, send: Send, kind: Kind) -> None:
         """One completion request, top to bottom (see the module docstring)."""
+        drain = self.drain
+        drain.requests += 1
+        try:
+            await self._complete(scope, receive, send, kind)
+        finally:
+            drain.requests -= 1
+
+    async def _complete(self, scope: Scope, receive: Receive, send: Send, kind: Kind) -> None:
         state = self.state
         path = scope["path"]
         try:
             admitted, plan = await self._plan(state, scope, receive, kind, path)
+            if self.drain.closing:
+                raise GatewayError(503, SHUTTING_DOWN)
         except GatewayError as exc:
             self.metrics.count_request(path, "error", exc.status)
             if exc.status != 499:
@@ -229,7 +246,8 @@ class Gateway:
         flow = Flow(admitted.request, plan, legs, state.attempt, state.flow)
         self.metrics.in_flight.inc()
         try:
-            pending = await respond(receive, send, partial(self._run, flow), flow.headers)
+            serve = partial(self._run, flow)
+            pending = await respond(receive, send, serve, flow.headers, self.drain.scopes)
             self._learn(state, admitted, plan, pending.result)
             status = await pending.finish()
         finally:
@@ -300,7 +318,7 @@ class Gateway:
         return JSONResponse({"status": "ok"})
 
     async def _ready(self, request: Request) -> Response:
-        document, status = ready_document(self.state)
+        document, status = ready_document(self.state, draining=self.drain.draining)
         return JSONResponse(document, status)
 
     async def _metrics(self, request: Request) -> Response:
