@@ -67,6 +67,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     add("--kv-load-failure-policy", choices=["fail", "recompute"], default="fail")
     add("--side-channel-host", default=None, help="host advertised in kv_transfer_params")
     add("--failure-rate", type=float, default=0.0, help="fraction of requests answered 500")
+    add("--fault-seed", type=int, default=None, help="seed of the failures (default: --seed)")
     add("--drop-after-tokens", type=int, default=None, help="drop streams after N tokens")
     add(
         "--response-delay",
@@ -111,6 +112,7 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
         kv_load_failure_policy=args.kv_load_failure_policy,
         side_channel_host=args.side_channel_host,
         failure_rate=args.failure_rate,
+        fault_seed=args.fault_seed,
         drop_after_tokens=args.drop_after_tokens,
         response_delay=args.response_delay,
         health_delay=args.health_delay,

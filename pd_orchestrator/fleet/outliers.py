@@ -8,7 +8,13 @@ Every leg's outcome is reported for its endpoint, at O(1) cost (two counters):
   ``consecutive_failures``.
 
 A counter that reaches its threshold (``outlier.consecutive_5xx``,
-``outlier.consecutive_failures``; 0 turns one off) asks for an ejection. The fleet
+``outlier.consecutive_failures``; 0 turns one off) asks for an ejection -- once the
+run also covers every request that was in flight on the endpoint when it began.
+Under concurrency answers come back out of order: a failure answered at once
+overtakes the slower successes of requests sent before it, so five failures in a
+row as they arrive may be five of a hundred requests in flight. A run counts only
+when nothing sent before it can still break it: an endpoint that fails everything
+gets there (after the requests it held), one that fails some of them does not. The fleet
 (:class:`~pd_orchestrator.fleet.state.FleetState`) decides whether the role can spare
 the endpoint (:func:`may_eject`) and ejects it: out of routing for
 ``base_ejection_time`` times the number of times it was ejected, at most
@@ -56,6 +62,8 @@ class Outlier:
 
     consecutive_5xx: int = 0
     consecutive_failures: int = 0
+    pending_5xx: int = 0
+    pending_failures: int = 0
     ejections: int = 0
     ejected_until: float | None = None
     reason: str = ""
@@ -70,15 +78,22 @@ class Outlier:
         self.consecutive_5xx = 0
         self.consecutive_failures = 0
 
-    def failed(self, kind: str, config: OutlierConfig) -> bool:
-        """Count one failure of ``kind``; True when its threshold is reached."""
+    def failed(self, kind: str, config: OutlierConfig, pending: int = 0) -> bool:
+        """Count one failure of ``kind``, with ``pending`` other requests in flight on
+        the endpoint; True when its run reached the threshold and covers the
+        requests that were in flight when it began."""
         if kind == CONSECUTIVE_5XX:
+            if not self.consecutive_5xx:
+                self.pending_5xx = pending
             self.consecutive_5xx += 1
-            limit, count = config.consecutive_5xx, self.consecutive_5xx
+            limit, count, covers = config.consecutive_5xx, self.consecutive_5xx, self.pending_5xx
         else:
+            if not self.consecutive_failures:
+                self.pending_failures = pending
             self.consecutive_failures += 1
-            limit, count = config.consecutive_failures, self.consecutive_failures
-        return limit > 0 and count >= limit and not self.ejected
+            limit = config.consecutive_failures
+            count, covers = self.consecutive_failures, self.pending_failures
+        return limit > 0 and count >= max(limit, covers + 1) and not self.ejected
 
     def eject(self, reason: str, now: float, config: OutlierConfig) -> float:
         """Take the endpoint out of routing; returns the seconds it stays out."""

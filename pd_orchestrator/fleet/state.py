@@ -2,9 +2,12 @@
 
 Health has two sources. Active: health checks, and connections that cannot be made
 (``unhealthy_after`` failures in a row mark an endpoint unhealthy, one success marks
-it healthy). Passive: the outcome of every leg of real traffic, counted by outlier
-detection (:mod:`~pd_orchestrator.fleet.outliers`), which ejects an endpoint that
-keeps failing for a while. An endpoint is in routing (``healthy`` in a snapshot)
+it healthy); a health check that got no answer in time does not count against an
+endpoint that answered real traffic since the previous check (a busy server answers
+its health checks late, and what it does for requests decides). Passive: the
+outcome of every leg of real traffic, counted by outlier detection
+(:mod:`~pd_orchestrator.fleet.outliers`), which ejects an endpoint that keeps
+failing for a while. An endpoint is in routing (``healthy`` in a snapshot)
 when it is healthy and not ejected; when none of a role is, the routing's
 ``healthy`` filter routes to all of them anyway (panic routing).
 
@@ -65,6 +68,7 @@ class FleetState:
         self._in_flight = dict.fromkeys(self._endpoints, 0)
         self._outliers = {name: Outlier() for name in self._endpoints}
         self._ejected: dict[str, Outlier] = {}
+        self._answered: set[str] = set()
         self.unhealthy_after = unhealthy_after
         self.outlier = outlier or OutlierConfig()
         self.clock = clock
@@ -123,15 +127,18 @@ class FleetState:
             self._outliers[name] = Outlier()
 
     # -- active health -------------------------------------------------------------------
-    def record_check(self, name: str, healthy: bool) -> None:
-        """One active health check of ``name``: passed or failed."""
+    def record_check(self, name: str, healthy: bool, *, late: bool = False) -> None:
+        """One active health check of ``name``: passed, or failed (``late``: no answer
+        in time, which does not count if real traffic was answered since the last one)."""
+        answered = name in self._answered
+        self._answered.discard(name)
         if healthy:
             self._track(name)
             self._failures[name] = 0
             self._healthy[name] = True
             if self._ejected:
                 self._maybe_return(name)
-        else:
+        elif not (late and answered):
             self.record_failure(name)
 
     def record_failure(self, name: str) -> None:
@@ -152,6 +159,7 @@ class FleetState:
         self._track(name)
         self._failures[name] = 0
         self._healthy[name] = True
+        self._answered.add(name)
         self._outliers[name].answered()
         if self._ejected:
             self._maybe_return(name)
@@ -167,7 +175,7 @@ class FleetState:
         outlier = self._outliers[name]
         if kind is None:
             outlier.answered()
-        elif outlier.failed(kind, self.outlier):
+        elif outlier.failed(kind, self.outlier, pending=self._in_flight[name]):
             self._eject(name, outlier, kind)
 
     def _eject(self, name: str, outlier: Outlier, reason: str) -> None:

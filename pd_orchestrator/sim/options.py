@@ -59,6 +59,7 @@ class SimOptions:
     drop_after_tokens: int | None = None
     response_delay: float = 0.0
     health_delay: float = 0.0
+    fault_seed: int | None = None
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""

@@ -159,7 +159,8 @@ class SimServer:
             on_events=self.kv_events.publish if self.kv_events is not None else None,
         )
         self.metrics = SimMetrics(self.engine, self.model, self.engine_id)
-        self._rng = random.Random(options.seed)
+        fault_seed = options.seed if options.fault_seed is None else options.fault_seed
+        self._rng = random.Random(fault_seed)
         self._client: httpx.AsyncClient | None = None
         self.ready = anyio.Event()
 

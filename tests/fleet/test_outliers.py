@@ -176,3 +176,32 @@ def test_a_reload_keeps_the_ejections_of_unchanged_endpoints() -> None:
     fresh = FleetState(_decoders(4), outlier=fleet.outlier, clock=clock)
     fresh.inherit(fleet)
     assert not fresh.is_healthy("d0") and fresh.is_healthy("d1")
+
+
+def test_a_run_must_cover_the_requests_in_flight_when_it_began() -> None:
+    fleet, _, ejected = _fleet()
+    for _ in range(20):
+        fleet.enter("d0")  # twenty requests in flight
+    for _ in range(5):  # five fail at once, ahead of the others
+        fleet.leave("d0")
+        _fail(fleet, "d0", 1)
+    assert not ejected  # fifteen sent before them may still succeed
+    fleet.leave("d0")
+    fleet.record_success("d0")  # one does: the run is over
+    for _ in range(13):  # a new run: fourteen were in flight when it began
+        fleet.leave("d0")
+        _fail(fleet, "d0", 1)
+    assert not ejected and fleet.is_healthy("d0")
+    fleet.leave("d0")
+    _fail(fleet, "d0", 1)  # the last of them failed too: every one did
+    assert ejected == [("d0", "consecutive_5xx")]
+
+
+def test_an_endpoint_failing_everything_in_flight_is_ejected_after_them() -> None:
+    fleet, _, ejected = _fleet()
+    for _ in range(8):
+        fleet.enter("d0")
+    for count in range(8):
+        fleet.leave("d0")
+        _fail(fleet, "d0", 1)
+        assert bool(ejected) == (count == 7)  # the run covers all eight only at the end
