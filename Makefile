@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PORT ?= 8000
 
 .PHONY: run test lint format unit e2e lock clean vllm-env tiny-model e2e-vllm bench \
-	vllm033-env plugin-vllm033 e2e-live overhead
+	vllm033-env plugin-vllm033 e2e-live overhead chaos
 
 $(STAMP): requirements/lock.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ bench: $(STAMP)
 OVERHEAD_ARGS ?=
 overhead: $(STAMP)
 	$(BIN)/python benchmarks/overhead_bench.py $(OVERHEAD_ARGS)
+
+## chaos: the chaos suite with the full-size load test (2,000 requests at concurrency 200, 5% injected 500s; a few minutes); prints each fault's figures
+CHAOS_ARGS ?=
+chaos: $(STAMP)
+	PDO_CHAOS_LOAD_REQUESTS=2000 PDO_CHAOS_LOAD_CONCURRENCY=200 $(BIN)/pytest tests/chaos -q $(CHAOS_ARGS)
 
 ## lint: ruff check + format check, mypy --strict on both packages
 lint: $(STAMP)

@@ -22,6 +22,7 @@ import anyio
 import httpx
 import pytest
 import yaml
+from targets import HEALTH, wait_ready
 
 from pd_orchestrator.children import Child, python_command, start_child, stop_child
 
@@ -107,7 +108,7 @@ def stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Stack]:
                      "kv": _kv(prefiller, "prefill", named)}]},
             ],
             "threshold": {"policy": {"type": "static", "value": 0.6}},
-            "health": {"interval": 1.0},
+            "health": HEALTH,
         }  # fmt: skip
         path = tmp_path / "gateway.yaml"
         path.write_text(yaml.safe_dump(config))
@@ -115,6 +116,7 @@ def stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Stack]:
             "gateway", python_command("serve", "--config", str(path), "--port", "0"), timeout=60
         )
         stack.callback(stop_child, gateway)
+        wait_ready(gateway.url)
         yield Stack(spec, gateway, decoder, prefiller, reference)
 
 

@@ -14,6 +14,7 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING
 
 import anyio
@@ -32,6 +33,7 @@ from pd_orchestrator.sim.server import bind_socket
 
 if TYPE_CHECKING:
     from pd_orchestrator.gateway import Gateway
+    from pd_orchestrator.gateway.lifecycle import Drain
 
 __all__ = [
     "add_parsers",
@@ -44,6 +46,8 @@ __all__ = [
 
 OnReady = Callable[[str], Awaitable[None] | None]
 logger = logging.getLogger("pd_orchestrator.gateway")
+_CLOSE_SECONDS = 5
+"""After the drain, how long uvicorn waits for connections to close before cancelling."""
 
 
 def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -92,6 +96,33 @@ def with_logging(config: GatewayConfig, args: argparse.Namespace) -> GatewayConf
     return config.model_copy(update={"logging": logging_from_args(args, config.logging)})
 
 
+class _DrainingServer(uvicorn.Server):
+    """uvicorn that drains the gateway when it shuts down
+    (:mod:`pd_orchestrator.gateway.lifecycle`) instead of cutting requests after a
+    fixed wait."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain, grace: float) -> None:
+        super().__init__(config)
+        self.drain = drain
+        self.grace = grace
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.drain.begin()  # /ready answers 503 from now on
+        super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.drain.begin()
+        for server in self.servers:
+            server.close()  # no new connection
+        for sock in sockets or []:
+            sock.close()
+        ended = await self.drain.run(self.grace, lambda: self.force_exit)
+        if ended:
+            logger.warning("drain: %d request(s) still in flight after %g s were ended",
+                           ended, self.grace)  # fmt: skip
+        await super().shutdown(sockets)
+
+
 def serve_gateway(
     config: GatewayConfig,
     on_ready: OnReady | None = None,
@@ -102,7 +133,7 @@ def serve_gateway(
     extra_sockets: list[socket.socket] | None = None,
     tls: tuple[Path, Path] | None = None,
 ) -> None:
-    """Run the gateway until SIGINT/SIGTERM.
+    """Run the gateway until SIGINT/SIGTERM, then drain it (``lifecycle.drain_seconds``).
 
     ``on_ready(url)`` runs (and is awaited when it returns an awaitable) once the
     socket is bound and the app has started; by default it prints ``READY <url>``
@@ -124,21 +155,20 @@ def serve_gateway(
     url = f"{scheme}://{config.listen.host}:{sock.getsockname()[1]}"
     if gateway is None:
         gateway = Gateway(config, config_path=config_path)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            gateway.app(),
-            log_level="warning",
-            log_config=None,
-            timeout_graceful_shutdown=5,
-            http=gateway.http_protocol(),
-            interface="asgi3",
-            proxy_headers=False,
-            server_header=False,
-            access_log=False,
-            ssl_certfile=None if tls is None else str(tls[0]),
-            ssl_keyfile=None if tls is None else str(tls[1]),
-        )
+    uvicorn_config = uvicorn.Config(
+        gateway.app(),
+        log_level="warning",
+        log_config=None,
+        timeout_graceful_shutdown=_CLOSE_SECONDS,  # after the gateway's own drain
+        http=gateway.http_protocol(),
+        interface="asgi3",
+        proxy_headers=False,
+        server_header=False,
+        access_log=False,
+        ssl_certfile=None if tls is None else str(tls[0]),
+        ssl_keyfile=None if tls is None else str(tls[1]),
     )
+    server = _DrainingServer(uvicorn_config, gateway.drain, config.lifecycle.drain_seconds)
     tracing = "on" if gateway.tracing is not None else "off"
 
     async def main() -> None:

@@ -52,7 +52,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "else vLLM's fixed seed)",
     )
     add("--prefix-caching-hash-algo", choices=list(HASH_ALGOS), default="sha256")
-    add("--lease-seconds", type=float, default=30.0, help="how long produced KV is held")
+    add(
+        "--lease-seconds",
+        type=float,
+        default=30.0,
+        help="how long produced KV is held (0: gone before any pull)",
+    )
     add(
         "--kv-shared-dir",
         type=Path,
@@ -63,7 +68,15 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     add("--kv-load-failure-policy", choices=["fail", "recompute"], default="fail")
     add("--side-channel-host", default=None, help="host advertised in kv_transfer_params")
     add("--failure-rate", type=float, default=0.0, help="fraction of requests answered 500")
+    add("--fault-seed", type=int, default=None, help="seed of the failures (default: --seed)")
     add("--drop-after-tokens", type=int, default=None, help="drop streams after N tokens")
+    add(
+        "--response-delay",
+        type=float,
+        default=0.0,
+        help="seconds each completion request waits before it is taken (a slow server)",
+    )
+    add("--health-delay", type=float, default=0.0, help="seconds /health takes to answer")
     add("--kv-events-endpoint", default=None, help="ZMQ endpoint to publish KV events on (PUB)")
     add("--kv-events-replay-endpoint", default=None, help="ZMQ endpoint answering replays")
     add("--kv-events-topic", default="", help="topic of the published KV events")
@@ -107,7 +120,10 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
         kv_load_failure_policy=args.kv_load_failure_policy,
         side_channel_host=args.side_channel_host,
         failure_rate=args.failure_rate,
+        fault_seed=args.fault_seed,
         drop_after_tokens=args.drop_after_tokens,
+        response_delay=args.response_delay,
+        health_delay=args.health_delay,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         kv_events_topic=args.kv_events_topic,

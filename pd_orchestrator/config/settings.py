@@ -57,9 +57,11 @@ __all__ = [
     "HealthConfig",
     "HostStagedPair",
     "KvSettings",
+    "LifecycleConfig",
     "LimitsConfig",
     "ListenConfig",
     "LoggingConfig",
+    "OutlierConfig",
     "PoolConfig",
     "SecurityConfig",
     "SidecarConfig",
@@ -417,6 +419,17 @@ class UpstreamConfig(_Strict):
         description="bearer key sent to every endpoint instead of the client's "
         "Authorization (PDO_UPSTREAM__API_KEY); a pool's api_key wins",
     )
+    prefill_fallback: Literal["local", "error"] = Field(
+        default="local",
+        description="when every prefill attempt of a hand-over failed on the prefill side: "
+        "`local` sends the request to the decoder with threshold 0 (it prefills itself), "
+        "`error` answers the failure",
+    )
+    decode_attempts: Annotated[int, Field(ge=1, le=10)] = Field(
+        default=3,
+        description="decoders tried, one after another, for a request whose decoder fails "
+        "(refused, broken, timed out or 5xx) before anything reached the client",
+    )
 
 
 class HealthConfig(_Strict):
@@ -425,6 +438,39 @@ class HealthConfig(_Strict):
     interval: Seconds = 2.0
     timeout: Seconds = 1.0
     unhealthy_after: Annotated[int, Field(ge=1)] = 2
+
+
+class OutlierConfig(_Strict):
+    """Passive ejection of endpoints that keep failing real requests (Envoy's outlier
+    detection; see ``pd_orchestrator.fleet.outliers``). 0 turns a counter off."""
+
+    consecutive_5xx: Annotated[int, Field(ge=0)] = Field(
+        default=5, description="HTTP 5xx answers in a row that eject an endpoint"
+    )
+    consecutive_failures: Annotated[int, Field(ge=0)] = Field(
+        default=5,
+        description="connection failures in a row (refused, broken, timed out) that eject it",
+    )
+    base_ejection_time: Seconds = Field(
+        default=30.0, description="seconds out, times the number of times ejected"
+    )
+    max_ejection_time: Seconds = Field(default=300.0, description="the longest ejection")
+    max_ejection_percent: Annotated[float, Field(ge=0.0, le=100.0)] = Field(
+        default=10.0,
+        description="of a role's endpoints at most this share is ejected at once (at least "
+        "one may be, never the last one in routing)",
+    )
+
+
+class LifecycleConfig(_Strict):
+    """Start and stop. On SIGTERM (or SIGINT) the gateway drains: ``/ready`` answers
+    503, the listening socket closes, requests in flight may finish for
+    ``drain_seconds``; then each stream still open ends with an error event and
+    ``[DONE]``, and each whole answer still pending is a 503."""
+
+    drain_seconds: Annotated[float, Field(ge=0.0)] = Field(
+        default=120.0, description="how long requests in flight may finish after SIGTERM"
+    )
 
 
 class AdminConfig(_Strict):
@@ -541,6 +587,8 @@ class GatewayConfig(BaseSettings):
     sidecar: SidecarConfig = Field(default_factory=SidecarConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
+    outlier: OutlierConfig = Field(default_factory=OutlierConfig)
+    lifecycle: LifecycleConfig = Field(default_factory=LifecycleConfig)
     load: LoadConfig = Field(default_factory=LoadConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     prefix: PrefixConfig = Field(default_factory=PrefixConfig)

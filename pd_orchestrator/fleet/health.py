@@ -1,8 +1,11 @@
 """Active health checks: ``GET /health`` on every endpoint at a fixed interval.
 
 A check that fails (no answer within the timeout, or a non-200) counts as one
-failure; ``unhealthy_after`` failures in a row mark the endpoint unhealthy, one
-success marks it healthy again. Flows add passive failures (refused connections).
+failure -- one without an answer in time does not when the endpoint answered real
+traffic since its previous check (a busy server answers health checks late);
+``unhealthy_after`` failures in a row mark the endpoint unhealthy, one success
+marks it healthy again (and brings back an endpoint whose ejection time is up).
+Flows add what real traffic shows (:meth:`FleetState.record_error`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from pd_orchestrator.config.settings import HealthConfig
 from pd_orchestrator.fleet.endpoints import Endpoint
 from pd_orchestrator.fleet.state import FleetState
 from pd_orchestrator.upstream.client import Upstream
-from pd_orchestrator.upstream.errors import UpstreamError
+from pd_orchestrator.upstream.errors import UpstreamError, UpstreamTimeout
 
 __all__ = ["HealthMonitor"]
 
@@ -29,15 +32,15 @@ class HealthMonitor:
 
     async def check(self, endpoint: Endpoint) -> bool:
         """One check of one endpoint; records and returns the result."""
+        late = False
         try:
             response = await self.upstream.get(endpoint, "/health", limit=self.config.timeout)
             healthy = response.status_code == 200
+        except UpstreamTimeout:
+            healthy, late = False, True
         except UpstreamError:
             healthy = False
-        if healthy:
-            self.fleet.record_success(endpoint.name)
-        else:
-            self.fleet.record_failure(endpoint.name)
+        self.fleet.record_check(endpoint.name, healthy, late=late)
         return healthy
 
     async def check_all(self) -> None:

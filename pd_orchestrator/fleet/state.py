@@ -1,19 +1,40 @@
 """Mutable fleet state: health and in-flight requests per endpoint.
 
+Health has two sources. Active: health checks, and connections that cannot be made
+(``unhealthy_after`` failures in a row mark an endpoint unhealthy, one success marks
+it healthy); a health check that got no answer in time does not count against an
+endpoint that answered real traffic since the previous check (a busy server answers
+its health checks late, and what it does for requests decides). Passive: the
+outcome of every leg of real traffic, counted by outlier detection
+(:mod:`~pd_orchestrator.fleet.outliers`), which ejects an endpoint that keeps
+failing for a while. An endpoint is in routing (``healthy`` in a snapshot)
+when it is healthy and not ejected; when none of a role is, the routing's
+``healthy`` filter routes to all of them anyway (panic routing).
+
 The planner never sees this object, only immutable snapshots
 (:meth:`FleetState.snapshot`), so its decisions are pure functions of a moment.
+Everything a leg reports costs O(1).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from connectors import PeerUpdate
+from pd_orchestrator.config.settings import OutlierConfig
 from pd_orchestrator.fleet.endpoints import Endpoint, Role
+from pd_orchestrator.fleet.outliers import Outlier, failure_kind, may_eject
+from pd_orchestrator.upstream.errors import UpstreamError
 
 __all__ = ["EndpointStatus", "FleetState"]
+
+logger = logging.getLogger("pd_orchestrator.fleet")
+OnEject = Callable[[str, str], None]
+"""Told of each ejection: endpoint name and reason."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,14 +47,32 @@ class EndpointStatus:
 
 
 class FleetState:
-    """Health (active checks plus passive failures) and in-flight counts."""
+    """Health (active checks plus passive outlier detection) and in-flight counts.
 
-    def __init__(self, endpoints: Iterable[Endpoint], unhealthy_after: int = 2) -> None:
+    ``outlier``: the ejection settings (default: :class:`OutlierConfig`'s);
+    ``clock``: for ejection times; ``on_eject``: told of each ejection (metrics).
+    """
+
+    def __init__(
+        self,
+        endpoints: Iterable[Endpoint],
+        unhealthy_after: int = 2,
+        *,
+        outlier: OutlierConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_eject: OnEject | None = None,
+    ) -> None:
         self._endpoints = {e.name: e for e in endpoints}
         self._healthy = dict.fromkeys(self._endpoints, True)
         self._failures = dict.fromkeys(self._endpoints, 0)
         self._in_flight = dict.fromkeys(self._endpoints, 0)
+        self._outliers = {name: Outlier() for name in self._endpoints}
+        self._ejected: dict[str, Outlier] = {}
+        self._answered: set[str] = set()
         self.unhealthy_after = unhealthy_after
+        self.outlier = outlier or OutlierConfig()
+        self.clock = clock
+        self.on_eject = on_eject
         self.checked_once = False
         self._learned: dict[str, PeerUpdate] = {}
 
@@ -45,28 +84,39 @@ class FleetState:
         return self._endpoints[name]
 
     def snapshot(self, role: Role | None = None) -> tuple[EndpointStatus, ...]:
-        """Immutable statuses of the endpoints with ``role`` (all when None)."""
+        """Immutable statuses of the endpoints with ``role`` (all when None); ``healthy``
+        means in routing: healthy and not ejected."""
+        healthy, ejected, in_flight = self._healthy, self._ejected, self._in_flight
         return tuple(
-            EndpointStatus(e, self._healthy[e.name], self._in_flight[e.name])
+            EndpointStatus(e, healthy[e.name] and e.name not in ejected, in_flight[e.name])
             for e in self.endpoints(role)
         )
 
     def inherit(self, previous: FleetState) -> None:
-        """Keep the health of endpoints that ``previous`` had under the same name and URL."""
+        """Keep the health and ejection state of endpoints that ``previous`` had under
+        the same name and URL."""
         for name, endpoint in self._endpoints.items():
             old = previous._endpoints.get(name)
             if old is not None and old.url == endpoint.url:
                 self._healthy[name] = previous._healthy[name]
                 self._failures[name] = previous._failures[name]
+                self._outliers[name] = outlier = previous._outliers[name]
+                if outlier.ejected:
+                    self._ejected[name] = outlier
         self.checked_once = previous.checked_once
 
     def status(self, name: str) -> EndpointStatus:
         """A snapshot of one configured endpoint."""
         endpoint = self._endpoints[name]
-        return EndpointStatus(endpoint, self._healthy[name], self._in_flight[name])
+        return EndpointStatus(endpoint, self.is_healthy(name), self._in_flight[name])
 
     def is_healthy(self, name: str) -> bool:
-        return self._healthy.get(name, True)
+        """In routing: healthy (active checks) and not ejected (passive)."""
+        return self._healthy.get(name, True) and name not in self._ejected
+
+    def outlier_of(self, name: str) -> Outlier | None:
+        """The passive record of ``name`` (None: never seen)."""
+        return self._outliers.get(name)
 
     def _track(self, name: str) -> None:
         """Start tracking an endpoint that is not configured (a sidecar header's)."""
@@ -74,11 +124,22 @@ class FleetState:
             self._healthy[name] = True
             self._failures[name] = 0
             self._in_flight[name] = 0
+            self._outliers[name] = Outlier()
 
-    def record_success(self, name: str) -> None:
-        self._track(name)
-        self._failures[name] = 0
-        self._healthy[name] = True
+    # -- active health -------------------------------------------------------------------
+    def record_check(self, name: str, healthy: bool, *, late: bool = False) -> None:
+        """One active health check of ``name``: passed, or failed (``late``: no answer
+        in time, which does not count if real traffic was answered since the last one)."""
+        answered = name in self._answered
+        self._answered.discard(name)
+        if healthy:
+            self._track(name)
+            self._failures[name] = 0
+            self._healthy[name] = True
+            if self._ejected:
+                self._maybe_return(name)
+        elif not (late and answered):
+            self.record_failure(name)
 
     def record_failure(self, name: str) -> None:
         """One failed check or connection; enough in a row mark the endpoint unhealthy."""
@@ -91,6 +152,63 @@ class FleetState:
         self._track(name)
         self._failures[name] = max(self._failures[name], self.unhealthy_after)
         self._healthy[name] = False
+
+    # -- real traffic (passive) ------------------------------------------------------------
+    def record_success(self, name: str) -> None:
+        """A leg of real traffic was answered: healthy, and its runs of failures end."""
+        self._track(name)
+        self._failures[name] = 0
+        self._healthy[name] = True
+        self._answered.add(name)
+        self._outliers[name].answered()
+        if self._ejected:
+            self._maybe_return(name)
+
+    def record_error(self, name: str, exc: UpstreamError) -> None:
+        """A leg of real traffic failed with ``exc``: a connection that could not be
+        made counts against active health too; outlier detection counts the rest and
+        may eject the endpoint."""
+        self._track(name)
+        if exc.connection_failed:
+            self.record_failure(name)
+        kind = failure_kind(exc)
+        outlier = self._outliers[name]
+        if kind is None:
+            outlier.answered()
+        elif outlier.failed(kind, self.outlier, pending=self._in_flight[name]):
+            self._eject(name, outlier, kind)
+
+    def _eject(self, name: str, outlier: Outlier, reason: str) -> None:
+        endpoint = self._endpoints.get(name)
+        if endpoint is None or not self._can_spare(endpoint):
+            return
+        seconds = outlier.eject(reason, self.clock(), self.outlier)
+        self._ejected[name] = outlier
+        logger.warning("%s ejected for %.0f s (%s)", name, seconds, reason)
+        if self.on_eject is not None:
+            self.on_eject(name, reason)
+
+    def _can_spare(self, endpoint: Endpoint) -> bool:
+        """Whether every role ``endpoint`` plays can do without it (O(fleet), run only
+        when a counter reaches its threshold)."""
+        roles = [r for r in (Role.DECODE, Role.PREFILL) if _plays(endpoint, r)]
+        for role in roles:
+            members = self.endpoints(role)
+            ejected = sum(1 for e in members if e.name in self._ejected)
+            in_routing = sum(
+                1 for e in members if e.name != endpoint.name and self.is_healthy(e.name)
+            )
+            if not may_eject(self.outlier, len(members), ejected, in_routing):
+                return False
+        return True
+
+    def _maybe_return(self, name: str) -> None:
+        outlier = self._ejected.get(name)
+        now = self.clock()
+        if outlier is not None and outlier.may_return(now):
+            outlier.restore(now)
+            del self._ejected[name]
+            logger.warning("%s back in routing after its ejection", name)
 
     def enter(self, name: str) -> None:
         """One more request in flight on ``name`` (pair with :meth:`leave`)."""
@@ -122,7 +240,7 @@ class FleetState:
         self._learned.pop(name, None)
 
     def any_decoder_healthy(self) -> bool:
-        return any(self._healthy[e.name] for e in self.endpoints(Role.DECODE))
+        return any(self.is_healthy(e.name) for e in self.endpoints(Role.DECODE))
 
 
 def _plays(endpoint: Endpoint, role: Role | None) -> bool:

@@ -6,8 +6,8 @@ admitted it and its leg, read up to its first decisive chunk; or, when every dec
 rejected, the decoder that takes the request now (through P/D, or ``local``: on its
 own with threshold 0).
 
-* :class:`Single` (decode-first): the decoders in plan order, one at a time; the next
-  only when one cannot be reached. The first answer decides.
+* :class:`Single` (decode-first): the plan's first decoder; its answer decides. (When
+  it fails, the flow starts over with the plan's next decoder.)
 * :class:`Race` (ask-all): every asked decoder at once, always streamed, so admission
   is known at the first decisive chunk. The first to admit serves; every other leg is
   closed at once (closing the connection is how vLLM aborts) and nothing of it reaches
@@ -35,12 +35,11 @@ from pd_orchestrator.fleet.endpoints import Endpoint
 from pd_orchestrator.flows.chunks import ChunkView, view_answer
 from pd_orchestrator.flows.legs import Leg, Legs
 from pd_orchestrator.flows.request import ClientRequest
-from pd_orchestrator.flows.sink import GatewayError
 from pd_orchestrator.planner.plan import Plan
 from pd_orchestrator.routing.types import Candidate
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
 from pd_orchestrator.upstream.client import Phase
-from pd_orchestrator.upstream.errors import UpstreamError, UpstreamUnavailable
+from pd_orchestrator.upstream.errors import UpstreamError
 
 __all__ = [
     "Attempt",
@@ -86,26 +85,17 @@ def admits(view: ChunkView | None) -> bool:
 
 
 class Single:
-    """Decode-first: the plan's decoders one at a time."""
+    """Decode-first: the plan's first decoder."""
 
     streams = False
 
     async def run(self, request: ClientRequest, plan: Plan, legs: Legs, body: Json) -> Attempted:
-        asked = plan.asked
-        for decoder in asked:
-            try:
-                leg = await legs.open(
-                    decoder, request.path, body, Phase.DECODE_ATTEMPT, kind=request.kind
-                )
-            except UpstreamUnavailable:
-                if decoder is asked[-1]:
-                    raise
-                continue
-            if admits(await leg.read_until_decisive()):
-                return Attempted(decoder, leg)
-            await legs.close(leg)
-            return Attempted(decoder, None)
-        raise GatewayError(503, "no decoder is available")
+        decoder = plan.asked[0]
+        leg = await legs.open(decoder, request.path, body, Phase.DECODE_ATTEMPT, kind=request.kind)
+        if admits(await leg.read_until_decisive()):
+            return Attempted(decoder, leg)
+        await legs.close(leg)
+        return Attempted(decoder, None)
 
 
 # -- ask-all -----------------------------------------------------------------------------------

@@ -23,10 +23,28 @@ One client request, from its plan to the last byte the client gets:
    request): prompt ids plus every generated id go back through the same P/D leg as
    a token prompt on ``/v1/completions`` with ``max_tokens`` reduced and
    ``handback.leg_threshold``; after ``handback.max_handbacks`` hand-backs, straight
-   to a decoder with threshold 0. **Recovery**: a leg that breaks mid-answer is
-   continued the same way on another decoder (``handback.max_recoveries``).
+   to a decoder with threshold 0.
 6. **Outcome**: :meth:`Flow.run` returns what happened (:class:`Outcome`); the
    gateway learns from it. Nothing here calls back into the gateway or the planner.
+
+Faults (a failure is *retryable* when the connection was refused or broke, a
+timeout elapsed, or the endpoint answered 5xx; a 4xx is the request's own and is
+answered as such):
+
+* **Before the first byte reached the client**, steps 1-3 start over on the plan's
+  next decoder not seen failing in this request, for a retryable failure of a
+  decoder leg (the attempt, or the decode leg of a hand-over), up to
+  ``upstream.decode_attempts`` decoders. Held chunks were never relayed, so nothing
+  is lost or repeated; a whole answer is not sent before it is complete, so this
+  covers a decoder that dies in the middle of one.
+* **Prefill side**: the hand-over retries across prefillers itself; when it still
+  fails, ``upstream.prefill_fallback: local`` (the default) sends the request to the
+  decoder with threshold 0, which prefills it on its own.
+* **Mid-answer** (a leg that fails after content reached the client, or a
+  continuation that cannot start): the request continues as in step 5, prompt plus
+  every token the client got, on the best decoder not seen failing, at most
+  ``handback.max_recoveries`` times.
+* Otherwise the failure is the answer: one error (:mod:`~pd_orchestrator.upstream.errors`).
 
 The client sees one id, one role chunk and one usage figure: prompt and cached tokens
 of the leg that served the original prompt, completion tokens of every leg.
@@ -35,15 +53,15 @@ of the leg that served the original prompt, completion tokens of every leg.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from connectors import Connector
 from pd_orchestrator.config.settings import HandbackConfig, UpstreamConfig
 from pd_orchestrator.fleet.endpoints import Endpoint
 from pd_orchestrator.flows.attempts import Attempt
-from pd_orchestrator.flows.bodies import continuation_body, leg_body
-from pd_orchestrator.flows.handover import Handover
+from pd_orchestrator.flows.bodies import continuation_body, leg_body, with_threshold
+from pd_orchestrator.flows.handover import Handover, retryable
 from pd_orchestrator.flows.legs import Leg, Legs
 from pd_orchestrator.flows.render import Renderer
 from pd_orchestrator.flows.request import ClientRequest
@@ -53,18 +71,13 @@ from pd_orchestrator.openai.responses import Kind
 from pd_orchestrator.planner.plan import Plan
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
 from pd_orchestrator.upstream.client import Phase
-from pd_orchestrator.upstream.errors import (
-    UpstreamError,
-    UpstreamProtocolError,
-    UpstreamTimeout,
-    UpstreamUnavailable,
-)
+from pd_orchestrator.upstream.errors import UpstreamError, UpstreamProtocolError
 
 __all__ = ["COMPLETIONS", "Flow", "FlowSettings", "Outcome"]
 
 Json = dict[str, Any]
 COMPLETIONS = "/v1/completions"
-_BROKEN = (UpstreamProtocolError, UpstreamUnavailable, UpstreamTimeout)
+_DECODER_PHASES = frozenset({Phase.DECODE_ATTEMPT, Phase.DECODE})
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,8 +166,23 @@ class Flow:
 
     # -- the leg that serves the original prompt ------------------------------------------------
     async def _first_leg(self) -> Leg:
-        request, plan = self.request, self.plan
+        """The leg that serves the original prompt, read to its first decisive chunk; on
+        the plan's next decoder when one fails before the client got anything."""
+        plan = self.plan
+        tried = 1
+        while True:
+            try:
+                return await self._serve_original(plan)
+            except UpstreamError as exc:
+                await self.legs.aclose()  # nothing of it reached the client
+                plan = self._retry_plan(plan, exc, tried)
+                tried += 1
+
+    async def _serve_original(self, plan: Plan) -> Leg:
+        """Steps 1-3 on ``plan``: the attempt, then P/D (or the decoder alone)."""
+        request = self.request
         started = self.settings.clock()
+        self.decision, self.prefiller = "decode", None
         body = leg_body(request, plan.threshold.value, stream=self.stream_legs)
         attempted = await self.attempt.run(request, plan, self.legs, body)
         self._phase("decode_attempt", started)
@@ -163,14 +191,27 @@ class Flow:
             return attempted.leg
         base = leg_body(request, 0.0, stream=self.stream_legs)
         if attempted.local:
-            leg = await self.legs.open(
-                self.decoder, request.path, base, Phase.DECODE, kind=request.kind
-            )
+            leg = await self._local(base, request.path, request.kind, original_prompt=True)
         else:
             self.decision = "pd"
             leg = await self._pd(base, request.path, request.kind, original_prompt=True)
         await leg.read_until_decisive()
         return leg
+
+    def _retry_plan(self, plan: Plan, exc: UpstreamError, tried: int) -> Plan:
+        """``plan`` without the decoders seen failing, to start over on; raises ``exc``
+        unless a decoder failed retryably and another may be tried."""
+        if not retryable(exc) or exc.phase not in _DECODER_PHASES:
+            raise exc
+        failed = self.legs.failed
+        if self.prefiller is not None:
+            failed.add(self.prefiller.name)  # its KV may be what the decode leg lacked
+        decoders = tuple(d for d in plan.decoders if d.name not in failed)
+        if tried >= self.settings.upstream.decode_attempts or not decoders:
+            raise exc
+        self.settings.metrics.count_upstream_error(exc.endpoint, "retried")
+        asked = tuple(d for d in plan.asked if d.name not in failed) or decoders[:1]
+        return replace(plan, decoders=decoders, asked=asked)
 
     async def _pd(self, body: Json, path: str, kind: Kind, *, original_prompt: bool) -> Leg:
         """The P/D leg to :attr:`decoder` (one leg, however reached; see
@@ -189,20 +230,43 @@ class Flow:
             settings.clock,
             self.request.kv_source,
         )
-        result = await handover.run(body, path, kind, original_prompt=original_prompt)
+        try:
+            result = await handover.run(body, path, kind, original_prompt=original_prompt)
+        except UpstreamError as exc:
+            self.prefiller = handover.prefiller  # the last one tried
+            if not self._falls_back(exc, decoder):
+                raise
+            self.prefiller = None
+            self.settings.metrics.count_upstream_error(exc.endpoint, "fell_back")
+            if original_prompt:
+                self.decision = "decode"
+            return await self._local(body, path, kind, original_prompt=original_prompt)
         self.prefiller = result.prefiller
         return result.leg
 
+    def _falls_back(self, exc: UpstreamError, decoder: Endpoint) -> bool:
+        """Whether a hand-over that failed on the prefill side goes to the decoder alone."""
+        fallback = self.settings.upstream.prefill_fallback == "local"
+        return fallback and retryable(exc) and exc.endpoint != decoder.name
+
+    async def _local(self, body: Json, path: str, kind: Kind, *, original_prompt: bool) -> Leg:
+        """The decoder alone, with threshold 0: it prefills the prompt itself."""
+        return await self.legs.open(
+            self.decoder, path, with_threshold(body, 0.0), Phase.DECODE, kind=kind,
+            original_prompt=original_prompt,
+        )  # fmt: skip
+
     # -- relaying --------------------------------------------------------------------------------
-    async def _relay_all(self, leg: Leg | None, renderer: Renderer) -> None:
+    async def _relay_all(self, leg: Leg, renderer: Renderer) -> None:
         """Relay ``leg`` and every continuation (hand-backs, recoveries) until finished."""
-        while leg is not None:
+        while True:
             try:
-                finished = await self._relay(leg, renderer)
-            except _BROKEN as exc:
+                if await self._relay(leg, renderer):
+                    return
+                decoder = self._next_decoder() or self.decoder  # a hand-back is no failure
+                leg = await self._continue(decoder, recovering=False)
+            except UpstreamError as exc:
                 leg = await self._recover(exc)
-                continue
-            leg = None if finished else await self._continue(recovering=False)
 
     async def _relay(self, leg: Leg, renderer: Renderer) -> bool:
         """Relay ``leg`` to the client; True when it finished, False when handed back."""
@@ -244,18 +308,31 @@ class Flow:
 
     # -- continuations (hand-back and recovery) ---------------------------------------------------
     async def _recover(self, exc: UpstreamError) -> Leg:
-        """Continue elsewhere after a decode leg broke mid-answer, or give up."""
-        if self.recoveries >= self.settings.handback.max_recoveries:
-            raise exc
-        if self.transcript.prompt_ids is None or not self.request.continuable:
-            raise exc
-        self.recoveries += 1
-        self.legs.broken(exc.endpoint)
-        self.settings.metrics.upstream_errors.labels(exc.endpoint, "recovered").inc()
-        return await self._continue(recovering=True)
+        """Continue elsewhere after a leg failed mid-answer (or a continuation could not
+        start), within ``handback.max_recoveries``; else raise ``exc``."""
+        while True:
+            if (
+                not retryable(exc)
+                or self.recoveries >= self.settings.handback.max_recoveries
+                or self.transcript.prompt_ids is None
+                or not self.request.continuable
+            ):
+                raise exc
+            if exc.phase in _DECODER_PHASES:
+                self.legs.broken(exc.endpoint)
+            decoder = self._next_decoder()
+            if decoder is None:
+                raise exc
+            self.recoveries += 1
+            self.settings.metrics.count_upstream_error(exc.endpoint, "recovered")
+            try:
+                return await self._continue(decoder, recovering=True)
+            except UpstreamError as again:
+                exc = again
 
-    async def _continue(self, *, recovering: bool) -> Leg:
-        """The leg that continues the request after ``len(generated)`` tokens."""
+    async def _continue(self, decoder: Endpoint, *, recovering: bool) -> Leg:
+        """The leg that continues the request on ``decoder`` after ``len(generated)``
+        tokens (a hand-back, or a recovery when ``recovering``)."""
         transcript = self.transcript
         handback = self.settings.handback
         if not self.request.continuable:
@@ -270,7 +347,7 @@ class Flow:
         remaining = transcript.remaining
         if remaining is not None and remaining <= 0:
             return self.legs.answer(self.decoder, self._length_answer(), "completion", False)
-        self.decoder = self._next_decoder()
+        self.decoder = decoder
         local = not recovering and transcript.handbacks > handback.max_handbacks
         threshold = 0.0 if local else handback.leg_threshold
         body = continuation_body(
@@ -281,22 +358,18 @@ class Flow:
             stream=self.stream_legs,
         )
         if local:
-            return await self.legs.open(
-                self.decoder, COMPLETIONS, body, Phase.DECODE, kind="completion",
-                original_prompt=False,
-            )  # fmt: skip
+            return await self._local(body, COMPLETIONS, "completion", original_prompt=False)
         return await self._pd(body, COMPLETIONS, "completion", original_prompt=False)
 
-    def _next_decoder(self) -> Endpoint:
-        """The plan's best decoder that has not failed this request and looks healthy."""
+    def _next_decoder(self) -> Endpoint | None:
+        """The plan's best decoder not seen failing in this request and in routing, else
+        the best not seen failing (None: every one failed)."""
         failed = self.legs.failed
         usable = [d for d in self.plan.decoders if d.name not in failed]
         for decoder in usable:
             if self.legs.fleet.is_healthy(decoder.name):
                 return decoder
-        if usable:
-            return usable[0]
-        raise GatewayError(503, "no decoder can continue this request")
+        return usable[0] if usable else None
 
     def _length_answer(self) -> Json:
         """An empty answer that ends the request at its token limit."""

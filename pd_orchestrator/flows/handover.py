@@ -20,10 +20,14 @@ and for every continuation alike:
 
    A prefill answer without transfer params that finished is itself the answer.
 4. **Retries**: an attempt that fails on the prefill side (a broken or refused
-   connection, a timeout, or a 5xx) is retried on the next prefiller not yet seen
-   failing in this request and not unhealthy, after a jittered exponential backoff,
-   up to ``upstream.prefill_attempts`` attempts and within ``upstream.prefill_budget``
-   seconds in all. A 4xx (the request itself is refused) is not retried.
+   connection, a timeout, or a 5xx) is retried on the next prefiller, chosen when the
+   retry starts: the best of the plan's not seen failing in this request and in
+   routing (healthy, not ejected), else the best not seen failing, else one not yet
+   tried, else the next in turn. Each retry waits a full-jitter exponential backoff
+   first; at most ``upstream.prefill_attempts`` attempts, all within
+   ``upstream.prefill_budget`` seconds (which also bounds each prefill leg). A 4xx
+   (the request itself is refused) is not retried, nor is a failure of the decode
+   leg (the flow handles that).
 """
 
 from __future__ import annotations
@@ -98,7 +102,8 @@ class HandoverResult:
 
 @dataclass(slots=True)
 class Handover:
-    """One P/D leg of one request (see the module docstring)."""
+    """One P/D leg of one request (see the module docstring). ``prefiller``: the last
+    prefiller tried (set while it runs, so a caller can name it after a failure)."""
 
     legs: Legs
     connector: Connector
@@ -107,6 +112,7 @@ class Handover:
     config: UpstreamConfig
     clock: Callable[[], float]
     kv_source: PeerInfo | None = None
+    prefiller: Endpoint | None = field(default=None, init=False)
     _deadline: float = field(default=0.0, init=False)
 
     async def run(
@@ -116,28 +122,29 @@ class Handover:
         shape = _Shape(body, path, kind, original_prompt)
         deadline = self.clock() + self.config.prefill_budget
         tried: list[str] = []
-        attempt = 0
         while True:
-            prefiller = self._next(tried)
+            prefiller = self.prefiller = self._next(tried)
             tried.append(prefiller.name)
             try:
-                leg = await self._once(prefiller, shape, deadline)
+                return HandoverResult(await self._once(prefiller, shape, deadline), prefiller)
             except UpstreamError as exc:
-                attempt += 1
-                if not retryable(exc) or exc.endpoint != prefiller.name:
-                    raise
-                if attempt >= self.config.prefill_attempts:
-                    raise
-                pause = _backoff(self.config.retry_backoff, attempt)
-                if self.clock() + pause >= deadline:
-                    raise
-                await anyio.sleep(pause)
-                continue
-            return HandoverResult(leg, prefiller)
+                pause = self._retry_pause(exc, prefiller, len(tried), deadline)
+            await anyio.sleep(pause)
+
+    def _retry_pause(
+        self, exc: UpstreamError, prefiller: Endpoint, attempts: int, deadline: float
+    ) -> float:
+        """The backoff before the next attempt; raises ``exc`` when there is none."""
+        if not retryable(exc) or exc.endpoint != prefiller.name:
+            raise exc  # the request's own fault, or the decode leg's
+        pause = _backoff(self.config.retry_backoff, attempts)
+        if attempts >= self.config.prefill_attempts or self.clock() + pause >= deadline:
+            raise exc
+        return pause
 
     def _next(self, tried: list[str]) -> Endpoint:
-        """The best prefiller not seen failing in this request and healthy, else the
-        best not yet tried, else the first."""
+        """The best prefiller not seen failing in this request and in routing, else the
+        best not seen failing, else the best not yet tried, else the next in turn."""
         fleet, failed = self.legs.fleet, self.legs.failed
         fresh = [p for p in self.prefillers if p.name not in failed]
         for prefiller in fresh:

@@ -5,9 +5,11 @@ request goes through it, so every one is treated alike:
 
 * counted in flight on its endpoint from the moment it is sent until it is read to
   the end or closed (a stream for as long as it streams);
-* its success or failure reported to the fleet (a connection that cannot be made
-  counts as a failed check; a leg that breaks mid-answer marks its endpoint
-  unhealthy: :meth:`Legs.broken`);
+* its success or failure reported to the fleet, when it is sent or, for a stream,
+  when it fails mid-answer (:meth:`FleetState.record_error`: a connection that
+  cannot be made counts as a failed check; outlier detection counts 5xx answers and
+  broken connections); a leg the flow gives up on mid-answer marks its endpoint
+  unhealthy (:meth:`Legs.broken`);
 * counted by endpoint, phase and outcome, with its duration
   (``pd_orchestrator_upstream_requests_total``, ``pd_orchestrator_upstream_seconds``);
   a prefill sent again after a failed one is a retry
@@ -96,8 +98,8 @@ class Leg:
     ``original_prompt``: it serves the client's prompt (not a continuation).
     ``held``: chunks read ahead (to the first decisive one) and not yet relayed.
     ``tokens`` and ``usage``: what it generated and reported. ``ended``: read to its
-    end; ``error``: what broke it mid-answer; ``phase`` and ``span``: how
-    :class:`Legs` accounts for it when it closes.
+    end; ``error``: what broke it mid-answer (reported to the fleet when it is
+    closed); ``phase`` and ``span``: how :class:`Legs` accounts for it when it closes.
     """
 
     endpoint: Endpoint
@@ -131,19 +133,14 @@ class Leg:
         """Hold chunks until one carries content or a finish; None if none does."""
         if self.decisive is not None:
             return self.decisive
-        try:
-            async for batch in self.source:
-                self.held.extend(batch)
-                for chunk in batch:
-                    view = self.view(chunk)
-                    self.views[id(chunk)] = view  # the relay reads it from here
-                    if view.decisive:
-                        self.decisive = view
-                        return view
-        except UpstreamError as exc:
-            self.error = exc
-            raise
-        self.ended = True
+        while (batch := await self._next()) is not None:
+            self.held.extend(batch)
+            for chunk in batch:
+                view = self.view(chunk)
+                self.views[id(chunk)] = view  # the relay reads it from here
+                if view.decisive:
+                    self.decisive = view
+                    return view
         return None
 
     async def next_batch(self) -> list[Json] | None:
@@ -151,6 +148,9 @@ class Leg:
         if self.held:
             held, self.held = self.held, []
             return held
+        return await self._next()
+
+    async def _next(self) -> list[Json] | None:
         try:
             return await self.source.__anext__()
         except StopAsyncIteration:
@@ -211,8 +211,7 @@ class Legs:
         """Count and log a failed leg (the one place upstream failures are logged)."""
         self.metrics.count_upstream_error(endpoint.name, type(exc).__name__)
         self.failed.add(endpoint.name)
-        if exc.connection_failed:
-            self.fleet.record_failure(endpoint.name)
+        self.fleet.record_error(endpoint.name, exc)
         if phase == "prefill":
             self._prefill_failed = True
         client_side = isinstance(exc, UpstreamStatusError) and 400 <= exc.status < 500

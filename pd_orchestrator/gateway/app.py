@@ -19,6 +19,9 @@ A completion request goes straight down, and its result comes back up:
 5. after the answer ended: the request's span and access-log line, when tracing or
    the access log is on (:mod:`~pd_orchestrator.gateway.observe`).
 
+On SIGTERM the server drains the gateway (:mod:`~pd_orchestrator.gateway.lifecycle`):
+``/ready`` turns 503 and requests in flight get ``lifecycle.drain_seconds`` to end.
+
 The completion routes are dispatched before Starlette's router (they are the hot
 path); everything else goes through Starlette. Every request's head is checked
 against ``limits`` first (:mod:`~pd_orchestrator.gateway.limits`), and every
@@ -68,6 +71,7 @@ from pd_orchestrator.gateway.admission import (
     request_id_of,
 )
 from pd_orchestrator.gateway.auth import OPEN_PATHS, ApiKeys, forwarded_headers, unauthorized
+from pd_orchestrator.gateway.lifecycle import SHUTTING_DOWN, Drain, closing_connections
 from pd_orchestrator.gateway.limits import REFUSALS_THAT_CLOSE, check_head, read_body
 from pd_orchestrator.gateway.observe import Answered, log_access, span_attributes
 from pd_orchestrator.gateway.passthrough import json_object, tokenizer_decoder, versions
@@ -150,6 +154,7 @@ class Gateway:
         self._tasks: TaskGroup | None = None
         self._reload_lock = anyio.Lock()
         self._router = self._starlette()
+        self.drain = Drain()
 
     @property
     def config(self) -> GatewayConfig:
@@ -172,6 +177,8 @@ class Gateway:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
+            if self.drain.draining:
+                send = closing_connections(send)
             try:
                 check_head(scope, self.state.config.limits)
             except GatewayError as exc:
@@ -297,6 +304,14 @@ class Gateway:
     # -- completions ------------------------------------------------------------------------
     async def _completion(self, scope: Scope, receive: Receive, send: Send, kind: Kind) -> None:
         """One completion request, top to bottom (see the module docstring)."""
+        drain = self.drain
+        drain.requests += 1
+        try:
+            await self._complete(scope, receive, send, kind)
+        finally:
+            drain.requests -= 1
+
+    async def _complete(self, scope: Scope, receive: Receive, send: Send, kind: Kind) -> None:
         state = self.state
         path = scope["path"]
         started = self.clock()
@@ -305,6 +320,8 @@ class Gateway:
         trace = None if tracing is None else tracing.request("POST", path, headers)
         try:
             admitted, plan = await self._plan(state, headers, receive, kind, path)
+            if self.drain.closing:
+                raise GatewayError(503, SHUTTING_DOWN)
         except Exception as exc:
             status, message, param = error_of(exc)
             self.metrics.count_request(path, "error", status)
@@ -318,7 +335,7 @@ class Gateway:
         serve = partial(self._run, flow) if len(flows) == 1 else partial(self._choices, flows)
         self.metrics.in_flight.inc()
         try:
-            pending = await respond(receive, send, serve, flow.headers)
+            pending = await respond(receive, send, serve, flow.headers, self.drain.scopes)
             self._learn(state, admitted, plan, pending.result)
             status = await pending.finish()
         finally:
@@ -435,7 +452,7 @@ class Gateway:
         return JSONResponse({"status": "ok"})
 
     async def _ready(self, request: Request) -> Response:
-        document, status = ready_document(self.state)
+        document, status = ready_document(self.state, draining=self.drain.draining)
         return JSONResponse(document, status)
 
     async def _metrics(self, request: Request) -> Response:

@@ -9,7 +9,8 @@ client never sends its next request before the gateway learned from this one.
 
 Errors raised before the flow started the response become a JSON error answer
 with their status; after it, an SSE error event in vLLM's shape followed by
-``[DONE]``. :func:`error_response` answers an error on its own (admission refusals),
+``[DONE]``. A request the gateway cancels itself (its drain ran out of time) ends
+the same way, with a 503. :func:`error_response` answers an error on its own (admission refusals),
 in the same shape.
 """
 
@@ -25,6 +26,7 @@ import orjson
 from starlette.types import Message, Receive, Send
 
 from pd_orchestrator.flows.sink import ClientSink, GatewayError
+from pd_orchestrator.gateway.lifecycle import SHUTTING_DOWN
 from pd_orchestrator.openai.errors import error_body
 from pd_orchestrator.openai.sse import DONE, encode_event
 from pd_orchestrator.upstream.errors import UpstreamError, client_error
@@ -217,17 +219,26 @@ async def respond(
     send: Send,
     serve: Callable[[ClientSink], Awaitable[T]],
     error_headers: Callable[[], Mapping[str, str]] = dict,
+    tracked: set[anyio.CancelScope] | None = None,
 ) -> Pending[T]:
-    """Run ``serve`` against the client (see the module docstring)."""
+    """Run ``serve`` against the client (see the module docstring). ``tracked`` holds
+    the request's cancel scope while ``serve`` runs: cancelling it from there ends
+    the request with a 503 (``SHUTTING_DOWN``)."""
     sink = _AsgiSink(send)
     error: Exception | None = None
     result: T | None = None
     with anyio.CancelScope() as scope:
         watch = _Watch(receive, scope)
+        if tracked is not None:
+            tracked.add(scope)
         try:
             result = await serve(sink)
         except Exception as exc:
             error = exc
         finally:
             watch.stop()
+            if tracked is not None:
+                tracked.discard(scope)
+    if scope.cancel_called and result is None and not watch.disconnected:
+        error = GatewayError(503, SHUTTING_DOWN)
     return Pending(sink, result, error, error_headers, watch.disconnected)

@@ -41,7 +41,8 @@ class ReloadResult:
 
 def restart_notes(old: GatewayConfig, new: GatewayConfig) -> str:
     """Which changed settings only a restart applies (empty when none)."""
-    changed = [k for k in ("upstream", "timeouts") if getattr(old, k) != getattr(new, k)]
+    keys = ("upstream", "timeouts", "lifecycle")
+    changed = [k for k in keys if getattr(old, k) != getattr(new, k)]
     return f"{', '.join(changed)} changes take effect at restart" if changed else ""
 
 
@@ -87,7 +88,13 @@ def build_state(
     Endpoints that keep their name and URL across a reload keep their health.
     """
     endpoints = endpoints_from_config(config)
-    fleet = FleetState(endpoints, config.health.unhealthy_after)
+    fleet = FleetState(
+        endpoints,
+        config.health.unhealthy_after,
+        outlier=config.outlier,
+        clock=clock,
+        on_eject=metrics.count_ejection,
+    )
     if previous is not None:
         fleet.inherit(previous.fleet)
     pairs = frozenset((p.prefill_group, p.decode_group) for p in config.compatibility.host_staged)

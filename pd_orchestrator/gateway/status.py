@@ -16,8 +16,21 @@ from pd_orchestrator.gateway.state import GatewayState
 __all__ = ["models_document", "ready_document", "status_document"]
 
 
+def _ejection(state: GatewayState, name: str, now: float) -> dict[str, Any] | None:
+    """An ejected endpoint's reason, seconds left and times ejected (None: in routing)."""
+    outlier = state.fleet.outlier_of(name)
+    if outlier is None or outlier.ejected_until is None:
+        return None
+    return {
+        "reason": outlier.reason,
+        "seconds_left": round(max(0.0, outlier.ejected_until - now), 3),
+        "times": outlier.ejections,
+    }
+
+
 def status_document(state: GatewayState, now: float) -> dict[str, Any]:
-    """``GET /status``: the fleet by endpoint name with health, in-flight and load."""
+    """``GET /status``: the fleet by endpoint name with health (``healthy``: in routing;
+    ``ejected``: taken out by outlier detection), in-flight and load."""
     endpoints = []
     for status in state.fleet.snapshot():
         endpoint = status.endpoint
@@ -30,6 +43,7 @@ def status_document(state: GatewayState, now: float) -> dict[str, Any]:
                 "hardware": endpoint.hardware,
                 "group": endpoint.group,
                 "healthy": status.healthy and state.scraper.is_responsive(endpoint.name),
+                "ejected": _ejection(state, endpoint.name, now),
                 "in_flight": status.in_flight,
                 "load": None
                 if load is None
@@ -59,12 +73,14 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def ready_document(state: GatewayState) -> tuple[dict[str, Any], int]:
-    """``GET /ready``: ready once a health check passed and a decoder is healthy."""
+def ready_document(state: GatewayState, *, draining: bool = False) -> tuple[dict[str, Any], int]:
+    """``GET /ready``: ready once a health check passed and a decoder is healthy; never
+    while the gateway drains (it is shutting down)."""
     fleet = state.fleet
-    ready = fleet.checked_once and fleet.any_decoder_healthy()
+    ready = fleet.checked_once and fleet.any_decoder_healthy() and not draining
     healthy = [s.endpoint.name for s in fleet.snapshot(Role.DECODE) if s.healthy]
-    return {"ready": ready, "healthy_decoders": healthy}, 200 if ready else 503
+    document = {"ready": ready, "draining": draining, "healthy_decoders": healthy}
+    return document, 200 if ready else 503
 
 
 def models_document(state: GatewayState) -> dict[str, Any]:

@@ -28,7 +28,11 @@ class SimOptions:
     ``mooncake``, ``moriio``, ``offloading``, ``lmcache``, ``example``,
     ``multi:A,B``; see :mod:`pd_orchestrator.sim.handover`); ``lmcache_chunk_size``
     is LMCache's ``chunk_size`` (a multiple of the block size). ``api_keys`` is vLLM's
-    ``--api-key``: requests to ``/v1/...`` need ``Authorization: Bearer <a key>``.
+    ``--api-key``: requests to ``/v1/...`` need ``Authorization: Bearer <a key>``. Fault hooks:
+    ``failure_rate``, ``drop_after_tokens``, ``response_delay`` (seconds each
+    completion request waits before the instance takes it: a slow server),
+    ``health_delay`` (seconds ``/health`` takes: a busy one) and ``lease_seconds``
+    (0: produced KV is gone before any consumer can pull it).
     """
 
     host: str = "127.0.0.1"
@@ -54,6 +58,9 @@ class SimOptions:
     side_channel_host: str | None = None
     failure_rate: float = 0.0
     drop_after_tokens: int | None = None
+    response_delay: float = 0.0
+    health_delay: float = 0.0
+    fault_seed: int | None = None
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
@@ -69,6 +76,8 @@ class SimOptions:
             raise ValueError("failure rate must be within [0, 1]")
         if self.time_scale < 0:
             raise ValueError("time scale must be >= 0")
+        if self.response_delay < 0 or self.health_delay < 0 or self.lease_seconds < 0:
+            raise ValueError("delays and the lease must be >= 0")
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block size, max-num-seqs and max-num-batched-tokens must be >= 1")
         hash_function(self.hash_algo)

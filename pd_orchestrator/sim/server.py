@@ -16,7 +16,10 @@ Test hooks (as llm-d's inference simulator has them):
 * ``X-Cache-Threshold-Finish-Reason: true`` forces a ``cache_threshold`` rejection;
 * ``X-Drop-After-Tokens: <n>`` (or ``--drop-after-tokens``) drops a stream's
   connection after ``n`` tokens;
-* ``--failure-rate`` answers a seeded random fraction of requests with 500.
+* ``--failure-rate`` answers a seeded random fraction of requests with 500;
+* ``--response-delay`` holds each completion request that long before taking it,
+  ``--health-delay`` each ``/health`` answer (a slow or busy server);
+* ``--lease-seconds 0``: produced KV expires before a consumer can pull it.
 """
 
 from __future__ import annotations
@@ -189,7 +192,8 @@ class SimServer:
             on_events=self.kv_events.publish if self.kv_events is not None else None,
         )
         self.metrics = SimMetrics(self.engine, self.model, self.engine_id)
-        self._rng = random.Random(options.seed)
+        fault_seed = options.seed if options.fault_seed is None else options.fault_seed
+        self._rng = random.Random(fault_seed)
         self._client: httpx.AsyncClient | None = None
         self.ready = anyio.Event()
 
@@ -266,6 +270,8 @@ class SimServer:
 
     # -- simple routes ----------------------------------------------------------------
     async def health(self, request: Request) -> Response:
+        if self.options.health_delay:
+            await anyio.sleep(self.options.health_delay)
         return Response(status_code=200)
 
     async def version(self, request: Request) -> Response:
@@ -419,6 +425,8 @@ class SimServer:
 
     async def _generate(self, http_request: Request, kind: Kind) -> Response:
         self._inject_faults(http_request)
+        if self.options.response_delay:
+            await anyio.sleep(self.options.response_delay)
         job = await self._accept(http_request, kind)
         external = await self._fetch_external(job)
         receive = self._submit(job, external, http_request)

@@ -19,12 +19,14 @@
   end of its answer (a stream: until it was read to its end or closed); failed legs
   are not observed;
 * ``pd_orchestrator_upstream_errors_total{upstream,kind}`` -- failures by endpoint
-  and error class (``recovered``: a broken decode leg continued elsewhere);
+  and error class, and what the flow did about them: ``retried`` (on another decoder
+  before the client got anything), ``recovered`` (continued on another decoder
+  mid-answer), ``fell_back`` (the decoder prefilled alone after the prefill side failed);
 * ``pd_orchestrator_prefill_retries_total`` -- prefill legs sent again after a failed one;
 * ``pd_orchestrator_kv_transfers_total{connector}`` -- P/D hand-overs: decode legs
   sent with a prefiller's KV transfer parameters, by the decoder's connector;
 * ``pd_orchestrator_ejections_total{upstream,reason}`` -- endpoints taken out of
-  rotation (:meth:`GatewayMetrics.count_ejection`);
+  rotation by outlier detection (:meth:`GatewayMetrics.count_ejection`);
 * ``pd_orchestrator_in_flight_requests``;
 * ``pd_orchestrator_threshold`` -- thresholds applied to decode attempts;
 * ``pd_orchestrator_threshold_decisions_total{policy,reason}`` -- threshold decisions
@@ -239,6 +241,6 @@ class GatewayMetrics:
         self._child(self.kv_transfers, connector).inc()
 
     def count_ejection(self, upstream: str, reason: str) -> None:
-        """``upstream`` was taken out of rotation for ``reason`` (e.g. ``consecutive_errors``,
-        ``health_check``)."""
+        """``upstream`` was taken out of rotation for ``reason`` (``consecutive_5xx``,
+        ``consecutive_failures``)."""
         self._child(self.ejections, upstream, reason).inc()

@@ -27,6 +27,7 @@ from referencing import Registry, Resource
 from pd_orchestrator.children import python_command
 from pd_orchestrator.cli.main import build_parser
 from pd_orchestrator.cli.sidecar import sidecar_config
+from pd_orchestrator.config.settings import LifecycleConfig
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -316,8 +317,9 @@ def test_the_grace_period_covers_the_drain() -> None:
     sleep = int(command[1])
     readiness = container["readinessProbe"]
     assert sleep >= readiness["periodSeconds"] * readiness["failureThreshold"]
-    decode = _gateway_config()["timeouts"]["decode"]
-    assert pod["terminationGracePeriodSeconds"] >= sleep + decode
+    lifecycle = _gateway_config().get("lifecycle", {})
+    drain = lifecycle.get("drain_seconds", LifecycleConfig().drain_seconds)
+    assert pod["terminationGracePeriodSeconds"] >= sleep + drain
 
 
 @pytest.mark.parametrize("item", WORKLOADS, ids=_id)

@@ -155,12 +155,23 @@ def _request(kind: str, body: dict[str, Any]) -> ClientRequest:
     return ClientRequest(kind, path, body, view, "rid", 0.0)  # type: ignore[arg-type]
 
 
-def _plan(decoders: tuple[Endpoint, ...] = (D0, D1)) -> Plan:
+def _plan(
+    decoders: tuple[Endpoint, ...] = (D0, D1), prefillers: tuple[Endpoint, ...] = (P0,)
+) -> Plan:
     routing = RoutingConfig.model_validate(
-        {"decode": {"scorers": [], "picker": {"type": "max-score", "params": {"ties": "rotate"}}}}
+        {
+            "decode": {
+                "scorers": [],
+                "picker": {"type": "max-score", "params": {"ties": "rotate"}},
+            },
+            "prefill": {
+                "scorers": [],
+                "picker": {"type": "max-score", "params": {"ties": "rotate"}},
+            },
+        }
     )
     planner = Planner(build_profiles(routing, builtin_registry()), ThresholdResolver(_Half()))  # type: ignore[arg-type]
-    candidates = [Candidate(e) for e in (*decoders, P0)]
+    candidates = [Candidate(e) for e in (*decoders, *prefillers)]
     return planner.plan(RequestFacts(model="m", prompt_chars=10), candidates, 0.0, 0)
 
 
@@ -170,20 +181,23 @@ async def _serve(
     *,
     kind: str = "completion",
     handback: HandbackConfig | None = None,
+    upstream: UpstreamConfig | None = None,
     plan: Plan | None = None,
+    fleet: FleetState | None = None,
+    metrics: GatewayMetrics | None = None,
 ) -> Run:
-    fleet = FleetState(FLEET)
-    metrics = GatewayMetrics()
-    upstream = Upstream(UpstreamConfig(), TimeoutConfig(), MockTransport(script))
+    fleet = fleet or FleetState(FLEET)
+    metrics = metrics or GatewayMetrics()
+    client = Upstream(UpstreamConfig(), TimeoutConfig(), MockTransport(script))
     request = _request(kind, body)
     settings = FlowSettings(
         handback or HandbackConfig(),
-        UpstreamConfig(prefill_attempts=2, retry_backoff=0.0),
+        upstream or UpstreamConfig(prefill_attempts=2, retry_backoff=0.0),
         {"nixl": get_connector("nixl")},
         metrics,
         anyio.current_time,
     )
-    legs = Legs(upstream, fleet, metrics, "rid", anyio.current_time)
+    legs = Legs(client, fleet, metrics, "rid", anyio.current_time)
     flow = Flow(request, plan or _plan(), legs, Single(), settings)
     sink = Sink()
     with anyio.fail_after(5):

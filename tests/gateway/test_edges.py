@@ -65,13 +65,13 @@ async def test_shared_storage_connector(
     assert answer.text == (await call(reference.url, "completion", body)).text
 
 
-async def test_prefiller_down_is_a_clear_5xx(
+async def test_prefiller_down_is_a_clear_5xx_without_the_local_fallback(
     sim_factory: SimFactory, gateway_factory: GatewayFactory
 ) -> None:
     decoder = sim_factory(*NIXL)
     config = gateway_config([decoder], [])
     config["prefillers"] = [{"name": "gone", "url": f"http://127.0.0.1:{_free_port()}"}]
-    config["upstream"] = {"prefill_attempts": 2, "retry_backoff": 0.01}
+    config["upstream"] = {"prefill_attempts": 2, "retry_backoff": 0.01, "prefill_fallback": "error"}
     gateway = gateway_factory(config)
     for stream in (False, True):
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": stream}
@@ -80,6 +80,25 @@ async def test_prefiller_down_is_a_clear_5xx(
         assert answer.body is not None
         assert "prefiller gone is unavailable during prefill" in answer.body["error"]["message"]
         assert "127.0.0.1" not in answer.body["error"]["message"]
+
+
+async def test_prefiller_down_falls_back_to_the_decoder_alone(
+    sim_factory: SimFactory, gateway_factory: GatewayFactory
+) -> None:
+    decoder, reference = sim_factory(*NIXL), sim_factory("--profile", "instant")
+    config = gateway_config([decoder], [])
+    config["prefillers"] = [{"name": "gone", "url": f"http://127.0.0.1:{_free_port()}"}]
+    config["upstream"] = {"prefill_attempts": 2, "retry_backoff": 0.01}
+    gateway = gateway_factory(config)
+    for stream in (False, True):  # a cold prompt each time: the decoder rejects it first
+        body = {"model": MODEL, "prompt": f"{stream} {PROMPT}", "max_tokens": 6, "ignore_eos": True}
+        expected = await call(reference.url, "completion", body)
+        answer = await call(gateway.url, "completion", body | {"stream": stream})
+        assert answer.status == 200 and answer.decision == "decode"
+        assert "x-pd-prefiller" not in answer.headers
+        assert answer.text == expected.text
+    text = await metrics_text(gateway.url)
+    assert metric(text, "pd_orchestrator_upstream_errors_total", kind="fell_back") == 2
 
 
 async def test_decoder_down_is_a_503(

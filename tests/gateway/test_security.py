@@ -171,11 +171,13 @@ async def test_trusted_callers_set_transfer_params_and_no_port_is_told_apart(
 async def test_upstream_5xx_text_is_logged_not_echoed(
     sim_factory: SimFactory, gateway_factory: GatewayFactory, failing: str, stream: bool
 ) -> None:
-    """Old: '... HTTP 500: injected failure (--failure-rate)' reached the client."""
+    """Old: '... HTTP 500: injected failure (--failure-rate)' reached the client. (A
+    failed prefill side answers as such only without the decoder-alone fallback.)"""
     broken = (*NIXL, "--failure-rate", "1.0")
     decoder = sim_factory(*(broken if failing == "decoder" else NIXL))
     prefiller = sim_factory(*(broken if failing == "prefiller" else NIXL))
-    config = gateway_config([decoder], [prefiller], upstream={"retry_backoff": 0.01})
+    upstream = {"retry_backoff": 0.01, "prefill_fallback": "error"}
+    config = gateway_config([decoder], [prefiller], upstream=upstream)
     gateway = gateway_factory(config)
     cold = f"{time.monotonic_ns()} {PROMPT}"
     answer = await call(

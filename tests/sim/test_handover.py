@@ -127,3 +127,34 @@ async def test_failure_rate_answers_500(sim_factory: SimFactory) -> None:
     failed = await _post(always.url, "/v1/completions", body)
     assert failed.status_code == 500 and "failure-rate" in failed.json()["error"]["message"]
     assert (await _post(never.url, "/v1/completions", body)).status_code == 200
+
+
+async def test_failures_are_drawn_from_the_fault_seed_and_leave_tokens_alone(
+    sim_factory: SimFactory,
+) -> None:
+    failing = ("--profile", "instant", "--failure-rate", "0.5")
+    first, second = sim_factory(*failing), sim_factory(*failing, "--fault-seed", "9")
+    body = DECODE | {"max_tokens": 3, "return_token_ids": True}
+    outcomes: list[list[int]] = [[], []]
+    answers = []
+    for _ in range(24):
+        for index, sim in enumerate((first, second)):
+            answer = await _post(sim.url, "/v1/completions", body)
+            outcomes[index].append(answer.status_code)
+            if answer.status_code == 200:
+                answers.append(answer.json()["choices"][0]["token_ids"])
+    assert outcomes[0] != outcomes[1] and {500, 200} <= set(outcomes[0]) | set(outcomes[1])
+    assert all(ids == answers[0] for ids in answers)  # the generation seed is the same
+
+
+async def test_response_and_health_delays(sim_factory: SimFactory) -> None:
+    slow = sim_factory("--profile", "instant", "--response-delay", "0.6", "--health-delay", "0.6")
+    async with httpx.AsyncClient(timeout=0.3) as client:
+        with pytest.raises(httpx.ReadTimeout):
+            await client.get(f"{slow.url}/health")
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post(f"{slow.url}/v1/completions", json=DECODE | {"max_tokens": 1})
+    async with httpx.AsyncClient(timeout=5) as client:
+        assert (await client.get(f"{slow.url}/health")).status_code == 200
+        answer = await client.post(f"{slow.url}/v1/completions", json=DECODE | {"max_tokens": 1})
+        assert answer.status_code == 200

@@ -1,0 +1,573 @@
+"""The chaos suite's harness: a simulated fleet with a reference instance, the gateway
+in front of it, a client that judges every answer against the reference, and the
+checks that end each test.
+
+Every test module injects one fault into real processes on loopback and asserts on
+tokens. With a fixed seed and temperature 0 every request must end either
+
+* **identical**: token for token what the reference instance answers to the same
+  request, or
+* with **one clean error**: an HTTP error in the OpenAI shape, or a stream whose
+  tokens so far are the reference's first ones, then one error event in that shape,
+  then ``[DONE]``.
+
+Anything else is a failure of the gateway: **lost** (tokens missing or different, a
+stream cut without ``[DONE]``, an error in another shape), **duplicated** (more
+tokens than the reference) or **hung** (no end within the request's bound). After
+the fault, every simulator still alive must report ``vllm:num_requests_running``
+back to 0: no upstream request is left running.
+
+Each test's figures go into :data:`REPORT`, printed at the end of the run (and
+appended as JSON lines to ``$PDO_CHAOS_REPORT`` when it is set).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import anyio
+import httpx
+
+from pd_orchestrator.children import Child
+
+from ..conftest import GatewayFactory, SimFactory, gateway_config
+from ..gateway.helpers import metric
+
+__all__ = [
+    "DECODER",
+    "MODEL",
+    "PREFILLER",
+    "REPORT",
+    "Fleet",
+    "Job",
+    "Progress",
+    "Tally",
+    "chaos_gateway",
+    "jobs",
+    "judge",
+    "running",
+    "send",
+    "settle",
+    "start_fleet",
+    "until",
+]
+
+MODEL = "sim-model"
+NIXL = ("--kv-connector", "nixl", "--model", MODEL)
+DECODER = ("--profile", "h200-llama3-8b", "--time-scale", "4", *NIXL)
+"""A decoder at about 26 ms per token: long enough to be caught mid-answer."""
+PREFILLER = ("--profile", "instant", *NIXL)
+BOUND = 45.0
+"""Seconds a request may take before it counts as hung."""
+REPORT: list[Tally] = []
+
+IDENTICAL, CLEAN_ERROR, LOST, DUPLICATED, HUNG = (
+    "identical",
+    "clean_error",
+    "lost",
+    "duplicated",
+    "hung",
+)
+
+
+# -- the fleet ----------------------------------------------------------------------------------
+@dataclass
+class Fleet:
+    """Decoders, prefillers, a reference instance and the gateway in front of the first two."""
+
+    decoders: list[Child]
+    prefillers: list[Child]
+    reference: Child
+    gateway: Child
+    config: dict[str, Any]
+
+    @property
+    def url(self) -> str:
+        return self.gateway.url
+
+    @property
+    def upstreams(self) -> list[Child]:
+        return [*self.decoders, *self.prefillers]
+
+
+def _merged(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merged(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def chaos_gateway(
+    decoders: list[Child], prefillers: list[Child], **overrides: Any
+) -> dict[str, Any]:
+    """A gateway config over running simulators: every prompt cold (threshold 0.5, unique
+    prompts), timeouts short enough for a test to see them, quick health checks."""
+    base = gateway_config(decoders, prefillers)
+    base |= {
+        "threshold": {"policy": {"type": "static", "value": 0.5}},
+        "timeouts": {"connect": 1.0, "decode_attempt": 4.0, "prefill": 4.0, "decode": 4.0},
+        "health": {"interval": 0.5, "timeout": 1.0},
+        "upstream": {"retry_backoff": 0.02, "prefill_budget": 12.0},
+        "lifecycle": {"drain_seconds": 30.0},
+    }
+    return _merged(base, overrides)
+
+
+def start_fleet(
+    sims: SimFactory,
+    gateways: GatewayFactory,
+    reference: Child,
+    *,
+    decoders: Sequence[Sequence[str]] = (DECODER, DECODER),
+    prefillers: Sequence[Sequence[str]] = (PREFILLER,),
+    **overrides: Any,
+) -> Fleet:
+    """Start the simulators (one argument list each) and a gateway over them;
+    ``reference`` answers the reference requests."""
+    started_decoders = [sims(*args, name=f"decode-{i}") for i, args in enumerate(decoders)]
+    started_prefillers = [sims(*args, name=f"prefill-{i}") for i, args in enumerate(prefillers)]
+    config = chaos_gateway(started_decoders, started_prefillers, **overrides)
+    gateway = gateways(config)
+    return Fleet(started_decoders, started_prefillers, reference, gateway, config)
+
+
+# -- requests -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Job:
+    """One request: its API (``completion`` or ``chat``) and body."""
+
+    kind: str
+    body: dict[str, Any]
+
+    @property
+    def path(self) -> str:
+        return "/v1/completions" if self.kind == "completion" else "/v1/chat/completions"
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+
+def jobs(
+    count: int,
+    *,
+    max_tokens: int = 48,
+    stream: bool | None = None,
+    chat_every: int = 3,
+    tag: str = "",
+) -> list[Job]:
+    """``count`` requests with prompts no instance has seen (cold: each goes P/D), every
+    ``chat_every``-th on the chat API; streamed or not as ``stream`` says (None: every
+    other one)."""
+    run = uuid.uuid4().hex[:8]
+    made = []
+    for i in range(count):
+        prompt = f"{tag}{run}-{i}: " + "a request that travels through a faulty fleet. " * 6
+        body: dict[str, Any] = {
+            "model": MODEL,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+            "return_token_ids": True,
+            "stream": (i % 2 == 0) if stream is None else stream,
+        }
+        chat = chat_every > 0 and i % chat_every == chat_every - 1
+        if chat:
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        made.append(Job("chat" if chat else "completion", body))
+    return made
+
+
+@dataclass
+class Answer:
+    """What a client got: status, the token ids before any error, the error (OpenAI
+    shape or not), whether a stream ended with ``[DONE]`` and whether anything
+    followed its error event."""
+
+    status: int
+    tokens: list[int] = field(default_factory=list)
+    error: Any = None
+    done: bool = True
+    after_error: bool = False
+
+
+class Progress:
+    """Tokens streamed to clients so far (a fault may wait for some)."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.streams_started = 0
+
+    async def wait(self, *, tokens: int = 0, streams: int = 0, bound: float = 30.0) -> None:
+        await until(lambda: self.tokens >= tokens and self.streams_started >= streams, bound)
+
+
+def _choice_ids(chunk: dict[str, Any]) -> list[int]:
+    ids: list[int] = []
+    for choice in chunk.get("choices") or []:
+        ids += choice.get("token_ids") or []
+    return ids
+
+
+async def send(
+    client: httpx.AsyncClient, url: str, job: Job, progress: Progress | None = None
+) -> Answer:
+    """Send ``job`` and read its whole answer."""
+    if not job.stream:
+        response = await client.post(url + job.path, json=job.body)
+        data = response.json()
+        if response.status_code != 200:
+            return Answer(response.status_code, error=data)
+        return Answer(200, tokens=list(data["choices"][0].get("token_ids") or []))
+    async with client.stream("POST", url + job.path, json=job.body) as response:
+        if response.status_code != 200:
+            return Answer(response.status_code, error=json.loads(await response.aread()))
+        answer = Answer(200, done=False)
+        first = True
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            payload = line[6:]
+            if payload == "[DONE]":
+                answer.done = True
+                break
+            if answer.error is not None:
+                answer.after_error = True
+            chunk = json.loads(payload)
+            if "error" in chunk:
+                answer.error = chunk
+                continue
+            ids = _choice_ids(chunk)
+            answer.tokens += ids
+            if progress is not None and ids:
+                progress.tokens += len(ids)
+                if first:
+                    progress.streams_started += 1
+                    first = False
+    return answer
+
+
+def _openai_error(body: Any) -> bool:
+    inner = body.get("error") if isinstance(body, dict) else None
+    return (
+        isinstance(inner, dict)
+        and isinstance(inner.get("message"), str)
+        and isinstance(inner.get("type"), str)
+        and isinstance(inner.get("code"), int)
+    )
+
+
+def judge(answer: Answer, expected: list[int]) -> str:
+    """The verdict on ``answer`` against the reference's tokens (see the module doc)."""
+    tokens = answer.tokens
+    if answer.error is None and answer.status == 200 and answer.done:
+        if tokens == expected:
+            return IDENTICAL
+        return DUPLICATED if len(tokens) > len(expected) else LOST
+    clean = _openai_error(answer.error) and answer.done and not answer.after_error
+    if not clean:
+        return LOST
+    if tokens != expected[: len(tokens)]:
+        return DUPLICATED if len(tokens) > len(expected) else LOST
+    return CLEAN_ERROR
+
+
+# -- the tally ----------------------------------------------------------------------------------
+@dataclass
+class Tally:
+    """One fault's figures."""
+
+    fault: str
+    requests: int = 0
+    identical: int = 0
+    clean_errors: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    hung: int = 0
+    notes: dict[str, Any] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+    def add(self, verdict: str) -> None:
+        self.requests += 1
+        if verdict == IDENTICAL:
+            self.identical += 1
+        elif verdict == CLEAN_ERROR:
+            self.clean_errors += 1
+        elif verdict == DUPLICATED:
+            self.duplicated += 1
+        elif verdict == HUNG:
+            self.hung += 1
+        else:
+            self.lost += 1
+
+    def why(self, error: dict[str, Any]) -> None:
+        """Note a clean error's status and message."""
+        inner = error["error"]
+        reasons = self.notes.setdefault("errors", {})
+        key = f"{inner['code']} {inner['message']}"
+        reasons[key] = reasons.get(key, 0) + 1
+
+    def line(self) -> str:
+        notes = "".join(f" {k}={v}" for k, v in self.notes.items())
+        return (
+            f"{self.fault}: requests={self.requests} identical={self.identical} "
+            f"clean_errors={self.clean_errors} lost={self.lost} duplicated={self.duplicated} "
+            f"hung={self.hung}{notes}"
+        )
+
+    def record(self) -> None:
+        """Add this tally to the run's report."""
+        REPORT.append(self)
+        path = os.environ.get("PDO_CHAOS_REPORT")
+        if path:
+            with open(path, "a") as out:
+                out.write(json.dumps(asdict(self)) + "\n")
+
+    def check(self, *, max_clean_errors: int | None = None) -> None:
+        """Record, then assert: nothing lost, duplicated or hung; at most
+        ``max_clean_errors`` clean errors (None: any number)."""
+        self.record()
+        failures = "\n".join(self.failures[:5])
+        assert (self.lost, self.duplicated, self.hung) == (0, 0, 0), f"{self.line()}\n{failures}"
+        if max_clean_errors is not None:
+            assert self.clean_errors <= max_clean_errors, self.line()
+
+
+# -- running and checking -----------------------------------------------------------------------
+class References:
+    """The reference instance's tokens for each job (asked once)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._known: dict[str, list[int]] = {}
+
+    async def of(self, client: httpx.AsyncClient, job: Job) -> list[int]:
+        key = json.dumps(job.body, sort_keys=True)
+        if key not in self._known:
+            body = {k: v for k, v in job.body.items() if k not in ("stream", "stream_options")}
+            response = await client.post(self.url + job.path, json=body)
+            assert response.status_code == 200, response.text
+            self._known[key] = list(response.json()["choices"][0]["token_ids"])
+        return self._known[key]
+
+
+def client(concurrency: int = 64, timeout: float = BOUND + 5) -> httpx.AsyncClient:
+    """The test's client. Idle connections expire after 2 s, before the gateway's
+    server closes them (uvicorn: 5 s): a request sent on a connection the server is
+    closing at that moment would be lost by the client, not by the gateway."""
+    limits = httpx.Limits(
+        max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=2.0
+    )
+    return httpx.AsyncClient(timeout=timeout, limits=limits)
+
+
+async def run_jobs(
+    fleet: Fleet,
+    work: Iterable[Job],
+    tally: Tally,
+    *,
+    concurrency: int = 16,
+    progress: Progress | None = None,
+    bound: float = BOUND,
+) -> float:
+    """Send every job (at most ``concurrency`` at once) and judge each answer into
+    ``tally``; references are asked after the run (not while the fault is on).
+    Returns the seconds the requests took."""
+    work = list(work)
+    answers: list[Answer | None] = [None] * len(work)
+    limiter = anyio.Semaphore(concurrency)
+    async with client(concurrency) as http:
+
+        async def one(index: int, job: Job) -> None:
+            async with limiter:
+                with anyio.move_on_after(bound):
+                    answers[index] = await _safely(send(http, fleet.url, job, progress))
+
+        started = anyio.current_time()
+        async with anyio.create_task_group() as tg:
+            for index, job in enumerate(work):
+                tg.start_soon(one, index, job)
+        seconds = anyio.current_time() - started
+        references = References(fleet.reference.url)
+        for job, answer in zip(work, answers, strict=True):
+            if answer is None:
+                tally.add(HUNG)
+                continue
+            expected = await references.of(http, job)
+            verdict = judge(answer, expected)
+            tally.add(verdict)
+            if verdict == CLEAN_ERROR:
+                tally.why(answer.error)
+            elif verdict != IDENTICAL:
+                tally.failures.append(_describe(job, answer, expected))
+    return seconds
+
+
+def _describe(job: Job, answer: Answer, expected: list[int]) -> str:
+    """What went wrong with one answer (for the failure message)."""
+    pairs = enumerate(zip(answer.tokens, expected, strict=False))
+    agree = next((i for i, (a, b) in pairs if a != b), None)
+    return (
+        f"{job.kind} stream={job.stream}: status {answer.status}, done={answer.done}, "
+        f"{len(answer.tokens)}/{len(expected)} tokens, first difference at {agree}, "
+        f"error={str(answer.error)[:300]}"
+    )
+
+
+async def _safely(sending: Any) -> Answer:
+    """An answer even when the connection to the gateway failed (that is a lost one)."""
+    started = anyio.current_time()
+    try:
+        answer: Answer = await sending
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        seconds = anyio.current_time() - started
+        return Answer(0, error=f"{exc!r} after {seconds:.2f} s", done=False)
+    return answer
+
+
+async def until(condition: Callable[[], bool], bound: float, step: float = 0.05) -> None:
+    """Wait until ``condition()`` holds (fails after ``bound`` seconds)."""
+
+    async def holds() -> bool:
+        return condition()
+
+    await poll(holds, bound, step)
+
+
+async def poll(probe: Callable[[], Awaitable[bool]], bound: float, step: float = 0.05) -> None:
+    """Wait until ``await probe()`` is true (fails after ``bound`` seconds)."""
+    with anyio.fail_after(bound):
+        while not await probe():  # noqa: ASYNC110 - the state of other processes
+            await anyio.sleep(step)
+
+
+async def running(child: Child) -> float:
+    """``vllm:num_requests_running`` of a simulator."""
+    async with httpx.AsyncClient(timeout=5) as http:
+        text = (await http.get(f"{child.url}/metrics")).text
+    return metric(text, "vllm:num_requests_running")
+
+
+async def settle(children: Iterable[Child], bound: float = 15.0) -> None:
+    """Every child back to 0 requests running (nothing left running upstream)."""
+    children = list(children)
+
+    async def idle() -> bool:
+        return all([await running(child) == 0 for child in children])
+
+    await poll(idle, bound, 0.1)
+
+
+async def sim_metric(child: Child, name: str) -> float:
+    """A simulator's series ``name`` summed over its labels (0 before any sample)."""
+    async with httpx.AsyncClient(timeout=5) as http:
+        text = (await http.get(f"{child.url}/metrics")).text
+    try:
+        return metric(text, name)
+    except AssertionError:
+        return 0.0
+
+
+async def wait_running(child: Child, at_least: int = 1, bound: float = 20.0) -> None:
+    """Until ``child`` runs at least ``at_least`` requests."""
+
+    async def busy() -> bool:
+        return await running(child) >= at_least
+
+    await poll(busy, bound, 0.02)
+
+
+async def mid_answer(child: Child, requests: int = 2, tokens: int = 20) -> None:
+    """Until ``child`` runs ``requests`` requests and generated ``tokens`` more tokens:
+    answers are in the middle of being generated (and, streamed, relayed)."""
+    start = await sim_metric(child, "vllm:generation_tokens_total")
+    await wait_running(child, requests)
+
+    async def generated() -> bool:
+        return await sim_metric(child, "vllm:generation_tokens_total") >= start + tokens
+
+    await poll(generated, 20.0, 0.02)
+
+
+async def recoveries(fleet: Fleet) -> dict[str, float]:
+    """How often the gateway retried (before the first byte) and recovered (after it)."""
+    name = "pd_orchestrator_upstream_errors_total"
+    return {
+        kind: await gateway_metric(fleet, name, kind=kind)
+        for kind in ("retried", "recovered", "fell_back")
+    }
+
+
+async def gateway_metric(fleet: Fleet, name: str, **labels: str) -> float:
+    async with httpx.AsyncClient(timeout=10) as http:
+        text = (await http.get(f"{fleet.url}/metrics")).text
+    try:
+        return metric(text, name, **labels)
+    except AssertionError:
+        return 0.0
+
+
+def kill(child: Child, sig: signal.Signals = signal.SIGKILL) -> None:
+    """Send ``sig`` to ``child`` (the process itself, not its group)."""
+    os.kill(child.process.pid, sig)
+    if sig == signal.SIGKILL:
+        child.process.wait(10)
+
+
+# -- the prefill side ---------------------------------------------------------------------------
+PEERS = ("with a healthy peer", "alone", "alone, no fallback")
+"""How a faulty prefiller is deployed: beside a healthy prefiller; alone (the decoder
+prefills when the prefill side fails, ``upstream.prefill_fallback: local``); alone with
+the fallback off (the failure is the answer)."""
+
+
+async def prefill_fault(
+    sims: SimFactory,
+    gateways: GatewayFactory,
+    reference: Child,
+    fault: str,
+    peer: str,
+    victim: Sequence[str],
+    inject: Callable[[Fleet], Any] | None = None,
+    count: int = 12,
+    **overrides: Any,
+) -> Tally:
+    """Run ``count`` cold requests (each needs a prefill) while the first prefiller
+    (started with ``victim``'s arguments) has ``fault``; ``inject(fleet)`` (awaited,
+    run beside the requests) injects it, if it is not in the arguments already.
+    Returns the checked tally; every live upstream is settled."""
+    prefillers = [victim, PREFILLER] if peer == PEERS[0] else [victim]
+    fallback = "error" if peer == PEERS[2] else "local"
+    upstream = {"prefill_fallback": fallback, **overrides.pop("upstream", {})}
+    fleet = start_fleet(
+        sims, gateways, reference, prefillers=prefillers, upstream=upstream, **overrides
+    )
+    tally = Tally(f"prefiller {fault}, {peer}")
+    async with anyio.create_task_group() as tg:
+        if inject is not None:
+            tg.start_soon(inject, fleet)
+        await run_jobs(fleet, jobs(count, max_tokens=16), tally)
+    tally.notes |= await recoveries(fleet)
+    tally.notes["ejections"] = await gateway_metric(fleet, "pd_orchestrator_ejections_total")
+    tally.check(max_clean_errors=None if peer == PEERS[2] else 0)
+    return tally
+
+
+async def wait_prefilled(child: Child, prompts: int = 1, bound: float = 20.0) -> None:
+    """Until ``child`` prefilled ``prompts`` prompts (its prompt-token counter moved)."""
+
+    async def prefilled() -> bool:
+        return await sim_metric(child, "vllm:request_success_total") >= prompts
+
+    await poll(prefilled, bound, 0.02)
