@@ -12,9 +12,10 @@ import importlib.util
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -104,6 +105,19 @@ def vllm_pair(
             f"decoder {pair.decoder.url}, vLLM {pair.decoder.version}\n"
         )
         yield pair
+
+
+@pytest.fixture(scope="session")
+def vllm_pair_factory(vllm_python: Path, vllm_model: Path) -> Callable[..., Any]:
+    """Builds a (not yet started) pair of the cached venv and tiny model:
+    ``with vllm_pair_factory(connector="example", small_decoder=True) as pair: ...``
+    (keyword arguments are :class:`PairConfig` fields)."""
+
+    def build(**fields: Any) -> Any:
+        config = pair_module.PairConfig(python=vllm_python, model=vllm_model, **fields)
+        return pair_module.VLLMPair(config)
+
+    return build
 
 
 # --- the gateway suite's targets ------------------------------------------------------

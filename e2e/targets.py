@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,17 +54,21 @@ class Target:
     connector: str = "nixl"
     preemption: bool = True
     block_size: int = 16
+    #: the ``kv`` block of each endpoint, by URL (where its KV side channels listen)
+    kv: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def _endpoint(self, name: str, url: str) -> dict[str, Any]:
+        endpoint: dict[str, Any] = {"name": name, "url": url, "model": self.model}
+        if url in self.kv:
+            endpoint["kv"] = dict(self.kv[url])
+        return endpoint
 
     def gateway_config(self, **overrides: Any) -> dict[str, Any]:
         config: dict[str, Any] = {
             "connector": self.connector,
-            "decoders": [
-                {"name": f"decode-{i}", "url": url, "model": self.model}
-                for i, url in enumerate(self.decoders)
-            ],
+            "decoders": [self._endpoint(f"decode-{i}", url) for i, url in enumerate(self.decoders)],
             "prefillers": [
-                {"name": f"prefill-{i}", "url": url, "model": self.model}
-                for i, url in enumerate(self.prefillers)
+                self._endpoint(f"prefill-{i}", url) for i, url in enumerate(self.prefillers)
             ],
             "threshold": {"policy": {"type": "static", "value": 0.5}},
             "timeouts": {"decode_attempt": 120, "prefill": 120, "decode": 120},
@@ -96,14 +100,20 @@ def sim_target() -> Iterator[Target]:
 
 
 def vllm_target(pair: Any) -> Target:
-    """The real vLLM CPU pair (its prefiller is the greedy single-instance reference)."""
+    """The real vLLM CPU pair (its prefiller is the greedy single-instance reference),
+    with the connector it was started with and each server's NIXL side channel."""
     return Target(
         "vllm",
         pair.config.served_model_name,
         (pair.decoder.url,),
         (pair.prefiller.url,),
         pair.prefiller.url,
+        connector=pair.config.connector,
         block_size=pair.config.block_size,
+        kv={
+            server.url: {"host": "127.0.0.1", "nixl_port": server.side_channel_port}
+            for server in pair.servers
+        },
     )
 
 

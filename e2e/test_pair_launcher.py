@@ -38,7 +38,13 @@ def test_servers_get_their_own_ports_cores_and_nixl_settings(tmp_path: Path) -> 
 
     argv = decoder.argv()
     kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
-    assert kv == {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    assert kv == {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_buffer_device": "cpu",
+        "engine_id": decoder.engine_id,
+    }
+    assert decoder.engine_id != prefiller.engine_id
     assert argv[argv.index("--global-cache-hit-threshold") + 1] == "0.3"
     assert argv[argv.index("--num-gpu-blocks-override") + 1] == "24"
     assert "--num-gpu-blocks-override" not in prefiller.argv()
@@ -52,3 +58,65 @@ def test_servers_get_their_own_ports_cores_and_nixl_settings(tmp_path: Path) -> 
     assert env["VLLM_CACHE_ROOT"].startswith(str(tmp_path))
     pair.stop()
     assert tmp_path.exists()
+
+
+def _kv_configs(tmp_path: Path, connector: str) -> list[dict[str, object]]:
+    config = pair_module.PairConfig(python=Path("py"), model=Path("model"), connector=connector)
+    pair = pair_module.VLLMPair(config, workdir=tmp_path)
+    configs = []
+    for server in pair.servers:
+        argv = server.argv()
+        configs.append(json.loads(argv[argv.index("--kv-transfer-config") + 1]))
+    return configs
+
+
+def test_nixl_push_is_the_push_connector_on_cpu_buffers(tmp_path: Path) -> None:
+    for kv in _kv_configs(tmp_path, "nixl-push"):
+        assert kv["kv_connector"] == "NixlPushConnector"
+        assert (kv["kv_role"], kv["kv_buffer_device"]) == ("kv_both", "cpu")
+
+
+def test_example_servers_share_one_storage_folder(tmp_path: Path) -> None:
+    prefiller, decoder = _kv_configs(tmp_path, "example")
+    assert prefiller["kv_connector"] == decoder["kv_connector"] == "ExampleConnector"
+    path = prefiller["kv_connector_extra_config"]
+    assert path == decoder["kv_connector_extra_config"]
+    assert path == {"shared_storage_path": str(tmp_path / "shared-kv")}
+
+
+def test_multi_composes_its_children_in_order(tmp_path: Path) -> None:
+    for kv in _kv_configs(tmp_path, "multi:nixl,example"):
+        assert kv["kv_connector"] == "MultiConnector"
+        assert (kv["kv_role"], kv["kv_buffer_device"]) == ("kv_both", "cpu")
+        extra = kv["kv_connector_extra_config"]
+        assert isinstance(extra, dict)
+        children = extra["connectors"]
+        assert [c["kv_connector"] for c in children] == ["NixlConnector", "ExampleConnector"]
+        assert all(c["kv_role"] == "kv_both" for c in children)
+        assert children[1]["kv_connector_extra_config"] == {
+            "shared_storage_path": str(tmp_path / "shared-kv")
+        }
+
+
+def test_an_unknown_connector_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="mooncake"):
+        _kv_configs(tmp_path, "mooncake")
+    with pytest.raises(SystemExit):
+        pair_module.main(["--python", "py", "--model", "m", "--connector", "lmcache"])
+
+
+def test_a_failed_start_reports_the_root_cause_above_the_tail(tmp_path: Path) -> None:
+    config = pair_module.PairConfig(python=Path("py"), model=Path("model"))
+    decoder = pair_module.VLLMPair(config, workdir=tmp_path).decoder
+    decoder.workdir.mkdir(parents=True)
+    cause = "(Worker pid=7) ERROR [executor.py:1] RuntimeError: Cannot access accelerator device"
+    lines = [cause, cause, *(f"INFO line {i}" for i in range(100))]
+    lines.append("RuntimeError: Engine core initialization failed. See root cause above.")
+    decoder.log_path.write_text("\n".join(lines))
+    assert decoder.errors() == [
+        "RuntimeError: Cannot access accelerator device",
+        "RuntimeError: Engine core initialization failed. See root cause above.",
+    ]
+    report = decoder.report()
+    assert report.index("Cannot access accelerator") < report.index("INFO line 99")
+    assert "INFO line 10\n" not in report  # only the tail of the rest

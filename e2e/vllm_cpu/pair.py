@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -61,8 +62,52 @@ SMALL_DECODER_ARGS: tuple[str, ...] = (
     "8",
 )
 
-_NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+#: The connectors a pair can run, by the gateway's names (``connectors/``), and the
+#: vLLM connector classes behind each (a ``multi:`` spec composes its children, in
+#: order, under vLLM's ``MultiConnector``).
+CONNECTORS: dict[str, tuple[str, ...]] = {
+    "nixl": ("NixlConnector",),
+    "nixl-push": ("NixlPushConnector",),
+    "example": ("ExampleConnector",),
+    "multi:nixl,example": ("NixlConnector", "ExampleConnector"),
+}
+
+
+def kv_transfer_config(connector: str, engine_id: str, shared_dir: Path) -> dict[str, object]:
+    """One server's ``--kv-transfer-config`` for ``connector`` (a key of :data:`CONNECTORS`).
+
+    Every connector is ``kv_both`` with ``kv_buffer_device: cpu`` and the given
+    ``engine_id`` (so the gateway can be told it); ``ExampleConnector`` keeps its files
+    in ``shared_dir``, which both servers of a pair share.
+    """
+    try:
+        classes = CONNECTORS[connector]
+    except KeyError:
+        known = ", ".join(CONNECTORS)
+        raise ValueError(f"unknown connector {connector!r} (known: {known})") from None
+    children = [_child_config(name, shared_dir) for name in classes]
+    base: dict[str, object] = {
+        "kv_role": "kv_both",
+        "kv_buffer_device": "cpu",
+        "engine_id": engine_id,
+    }
+    if len(children) == 1:
+        return base | children[0]
+    composed = [{"kv_role": "kv_both", "kv_buffer_device": "cpu"} | c for c in children]
+    extra = {"connectors": composed}
+    return base | {"kv_connector": "MultiConnector", "kv_connector_extra_config": extra}
+
+
+def _child_config(name: str, shared_dir: Path) -> dict[str, object]:
+    config: dict[str, object] = {"kv_connector": name}
+    if name == "ExampleConnector":
+        config["kv_connector_extra_config"] = {"shared_storage_path": str(shared_dir)}
+    return config
+
+
 _STOP_SECONDS = 20.0
+#: ``SomeError: message`` (the last part of a traceback), wherever it sits in a log line
+_EXCEPTION_LINE = re.compile(r"\b[A-Za-z_][\w.]*(?:Error|Exception): .*$")
 
 
 class ServerError(RuntimeError):
@@ -103,6 +148,7 @@ class PairConfig:
     prefiller_args: tuple[str, ...] = ()
     decoder_args: tuple[str, ...] = ()
     hash_seed: str = "0"
+    connector: str = "nixl"
 
     def specs(self) -> tuple[ServerSpec, ServerSpec]:
         """Prefiller on core 0, decoder on core 1 (with the small KV cache if asked)."""
@@ -122,6 +168,8 @@ class VLLMServer:
         self.port = free_port()
         self.side_channel_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.engine_id = f"{spec.name}-{self.port}"
+        self.shared_dir = workdir / "shared-kv"
         self.workdir = workdir / spec.name
         self.log_path = self.workdir / "server.log"
         self.version: str | None = None
@@ -152,7 +200,7 @@ class VLLMServer:
             "--max-model-len",
             str(config.max_model_len),
             "--kv-transfer-config",
-            json.dumps(_NIXL),
+            json.dumps(kv_transfer_config(config.connector, self.engine_id, self.shared_dir)),
         ]
         if config.global_threshold is not None:
             argv += ["--global-cache-hit-threshold", str(config.global_threshold)]
@@ -184,6 +232,7 @@ class VLLMServer:
     def start(self) -> None:
         """Launch the process (returns at once; see :meth:`wait_ready`)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.shared_dir.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log:
             self._process = subprocess.Popen(
                 self.argv(),
@@ -200,13 +249,13 @@ class VLLMServer:
         with httpx.Client(timeout=5.0) as client:
             while time.monotonic() < deadline:
                 if self._process is None or self._process.poll() is not None:
-                    raise ServerError(f"{self.spec.name} exited early\n{self.tail()}")
+                    raise ServerError(f"{self.spec.name} exited early\n{self.report()}")
                 with contextlib.suppress(httpx.HTTPError):
                     if client.get(f"{self.url}/health").status_code == 200:
                         self.version = client.get(f"{self.url}/version").json()["version"]
                         return
                 time.sleep(0.5)
-        raise ServerError(f"{self.spec.name} not healthy in time\n{self.tail()}")
+        raise ServerError(f"{self.spec.name} not healthy in time\n{self.report()}")
 
     def tail(self, lines: int = 60) -> str:
         """The last lines of the server log."""
@@ -215,6 +264,25 @@ class VLLMServer:
         except OSError:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])
+
+    def errors(self, limit: int = 12) -> list[str]:
+        """The distinct exception lines of the log, first seen first (an engine that
+        fails in a worker logs the root cause far above the tail)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return []
+        seen: dict[str, None] = {}
+        for line in text.splitlines():
+            match = _EXCEPTION_LINE.search(line)
+            if match is not None:
+                seen.setdefault(match.group(0).strip(), None)
+        return list(seen)[:limit]
+
+    def report(self) -> str:
+        """The exception lines, then the tail of the log."""
+        errors = "\n".join(f"  {line}" for line in self.errors()) or "  (none)"
+        return f"exceptions in the log:\n{errors}\nlog tail:\n{self.tail()}"
 
     def alive(self) -> bool:
         return self._process is not None and self._process.poll() is None
@@ -320,6 +388,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--python", type=Path, default=os.environ.get("PDO_E2E_VLLM_PYTHON"))
     parser.add_argument("--model", type=Path, default=os.environ.get("PDO_E2E_VLLM_MODEL"))
     parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument(
+        "--connector", choices=sorted(CONNECTORS), default="nixl", help="the KV connector"
+    )
     parser.add_argument("--global-threshold", type=float, default=None)
     parser.add_argument(
         "--small-decoder",
@@ -346,6 +417,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         small_decoder=args.small_decoder,
         prefiller_args=tuple(args.prefiller_arg),
         decoder_args=tuple(args.decoder_arg),
+        connector=args.connector,
     )
     with _sigterm_as_exit(), VLLMPair(config) as pair:
         for server in pair.servers:
