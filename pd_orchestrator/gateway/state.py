@@ -39,10 +39,24 @@ class ReloadResult:
     message: str
 
 
+_AT_START: tuple[tuple[str, Callable[[GatewayConfig], object]], ...] = (
+    ("listen", lambda c: c.listen),
+    ("upstream connection pool", lambda c: (
+        c.upstream.max_connections, c.upstream.max_keepalive_connections,
+        c.upstream.keepalive_expiry,
+    )),
+    ("timeouts", lambda c: c.timeouts),
+    ("tracing", lambda c: c.tracing),
+    ("logging level and format", lambda c: (c.logging.level, c.logging.format)),
+    ("lifecycle", lambda c: c.lifecycle),
+)  # fmt: skip
+"""The settings read once when the gateway starts (the HTTP server, the upstream
+client, the tracer, the log handlers); everything else applies at a reload."""
+
+
 def restart_notes(old: GatewayConfig, new: GatewayConfig) -> str:
     """Which changed settings only a restart applies (empty when none)."""
-    keys = ("upstream", "timeouts", "lifecycle")
-    changed = [k for k in keys if getattr(old, k) != getattr(new, k)]
+    changed = [name for name, read in _AT_START if read(old) != read(new)]
     return f"{', '.join(changed)} changes take effect at restart" if changed else ""
 
 

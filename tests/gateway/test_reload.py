@@ -13,6 +13,8 @@ import pytest
 import yaml
 
 from pd_orchestrator.children import Child, python_command, start_child, stop_child
+from pd_orchestrator.config import GatewayConfig
+from pd_orchestrator.gateway.state import restart_notes
 
 from ..conftest import SimFactory, gateway_config
 from .helpers import MODEL, call, metric, metrics_text
@@ -127,3 +129,27 @@ async def _take(lines: Any, count: int) -> Any:
             taken += 1
             if taken == count:
                 return
+
+
+def test_a_reload_names_the_changes_only_a_restart_applies() -> None:
+    base = GatewayConfig.model_validate(
+        {
+            "decoders": [{"name": "d", "url": "http://127.0.0.1:1"}],
+            "prefillers": [{"name": "p", "url": "http://127.0.0.1:2"}],
+        }
+    )
+
+    def changed(**update: dict[str, Any]) -> GatewayConfig:
+        data = base.model_dump(mode="json")
+        for key, values in update.items():
+            data[key] = data[key] | values
+        return GatewayConfig.model_validate(data)
+
+    assert restart_notes(base, base) == ""
+    applied = changed(upstream={"api_key": "k", "decode_attempts": 2}, limits={"max_json_depth": 8})
+    assert restart_notes(base, applied) == ""
+    notes = restart_notes(
+        base, changed(upstream={"max_connections": 8}, tracing={"sample_ratio": 0.5})
+    )
+    assert notes == "upstream connection pool, tracing changes take effect at restart"
+    assert "timeouts" in restart_notes(base, changed(timeouts={"decode": 5.0}))
