@@ -78,13 +78,11 @@ class Renderer(Protocol):
     async def end(self, headers: Mapping[str, str]) -> None: ...
 
 
-class StreamRenderer:
-    """Server-sent events for a streaming client.
-
-    ``index``: the choice this renderer writes (``n`` > 1: one renderer per choice).
-    ``final``: it ends the answer (usage, ``[DONE]``); with several choices the
-    choices' renderers are not final and :mod:`~pd_orchestrator.flows.choices` ends it.
-    """
+class _Rendering:
+    """What both renderers hold: the request, its transcript, the client's sink, the
+    timing; ``index``: the choice written (``n`` > 1: one renderer per choice);
+    ``final``: this renderer ends the answer (with several choices none does, and
+    :mod:`~pd_orchestrator.flows.choices` ends it)."""
 
     def __init__(
         self,
@@ -102,13 +100,24 @@ class StreamRenderer:
         self.timing = _Timing(request.arrival, clock)
         self.index = index
         self.final = final
+        self._setup()
+
+    def _setup(self) -> None:
+        """The renderer's own state (called once, at the end of construction)."""
+
+
+class StreamRenderer(_Rendering):
+    """Server-sent events for a streaming client (a final one ends the answer with
+    the usage and ``[DONE]``)."""
+
+    def _setup(self) -> None:
         self._out: list[bytes] = []
         self._role_sent = False
         self._first_sent = False
-        self._keep_ids = request.want_token_ids
-        self._chat = request.kind == "chat"
+        self._keep_ids = self.request.want_token_ids
+        self._chat = self.request.kind == "chat"
         self._contents = 0
-        transcript.keep_text = False
+        self.transcript.keep_text = False
 
     async def begin(self, headers: Mapping[str, str]) -> None:
         if self.index == 0:
@@ -179,31 +188,13 @@ class StreamRenderer:
         self.sink.end(b"".join(out))
 
 
-class WholeRenderer:
-    """One JSON answer for a client that did not ask to stream.
+class WholeRenderer(_Rendering):
+    """One JSON answer for a client that did not ask to stream (one that is not final
+    keeps its answer, :attr:`answer`, for the one that merges the choices)."""
 
-    ``final`` as for :class:`StreamRenderer`: a choice's renderer that is not final
-    keeps its answer (:attr:`answer`) for the one that merges the choices.
-    """
-
-    def __init__(
-        self,
-        request: ClientRequest,
-        transcript: Transcript,
-        sink: ClientSink,
-        clock: Callable[[], float],
-        *,
-        index: int = 0,
-        final: bool = True,
-    ) -> None:
-        self.request = request
-        self.transcript = transcript
-        self.sink = sink
-        self.timing = _Timing(request.arrival, clock)
-        self.index = index
-        self.final = final
+    def _setup(self) -> None:
         self.answer: Json | None = None
-        transcript.keep_text = True
+        self.transcript.keep_text = True
 
     async def begin(self, headers: Mapping[str, str]) -> None:
         return None
