@@ -380,16 +380,21 @@ async def run_jobs(
     concurrency: int = 16,
     progress: Progress | None = None,
     bound: float = BOUND,
+    gate: tuple[int, anyio.Event] | None = None,
 ) -> float:
     """Send every job (at most ``concurrency`` at once) and judge each answer into
     ``tally``; references are asked after the run (not while the fault is on).
-    Returns the seconds the requests took."""
+    ``gate`` = ``(first, event)``: the jobs after the ``first`` ones wait for
+    ``event`` (a fault in place) before they are sent. Returns the seconds the
+    requests took."""
     work = list(work)
     answers: list[Answer | None] = [None] * len(work)
     limiter = anyio.Semaphore(concurrency)
     async with client(concurrency) as http:
 
         async def one(index: int, job: Job) -> None:
+            if gate is not None and index >= gate[0]:
+                await gate[1].wait()
             async with limiter:
                 with anyio.move_on_after(bound):
                     answers[index] = await _safely(send(http, fleet.url, job, progress))
@@ -545,7 +550,8 @@ async def prefill_fault(
 ) -> Tally:
     """Run ``count`` cold requests (each needs a prefill) while the first prefiller
     (started with ``victim``'s arguments) has ``fault``; ``inject(fleet)`` (awaited,
-    run beside the requests) injects it, if it is not in the arguments already.
+    run beside the first two requests; the others are sent once it returned) injects
+    it, if it is not in the arguments already.
     Returns the checked tally; every live upstream is settled."""
     prefillers = [victim, PREFILLER] if peer == PEERS[0] else [victim]
     fallback = "error" if peer == PEERS[2] else "local"
@@ -554,10 +560,20 @@ async def prefill_fault(
         sims, gateways, reference, prefillers=prefillers, upstream=upstream, **overrides
     )
     tally = Tally(f"prefiller {fault}, {peer}")
-    async with anyio.create_task_group() as tg:
-        if inject is not None:
-            tg.start_soon(inject, fleet)
+    if inject is None:
         await run_jobs(fleet, jobs(count, max_tokens=16), tally)
+    else:
+        injected = anyio.Event()
+
+        async def injecting() -> None:
+            await inject(fleet)
+            injected.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(injecting)
+            # two requests reach the prefiller first; the rest wait for the fault, so
+            # they meet it however late a busy machine lets it land
+            await run_jobs(fleet, jobs(count, max_tokens=16), tally, gate=(2, injected))
     tally.notes |= await recoveries(fleet)
     tally.notes["ejections"] = await gateway_metric(fleet, "pd_orchestrator_ejections_total")
     tally.check(max_clean_errors=None if peer == PEERS[2] else 0)
