@@ -15,6 +15,7 @@ error event.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -78,6 +79,23 @@ async def run_choices(
         renderer_for(flow.request, flow.transcript, sink, clock, index=i, final=False)
         for i, flow in enumerate(flows)
     ]
+    done = await _run_all(flows, renderers)
+    handbacks = sum(o.handbacks for o in done)
+    usage = _usage(flows)
+    if request.stream:
+        sink.end(_stream_end(flows, request, usage))
+    else:
+        answers = [r.answer for r in renderers if isinstance(r, WholeRenderer)]
+        headers = {**flows[0].headers(), "x-pd-handbacks": str(handbacks)}
+        sink.answer(200, headers, orjson.dumps(_merged(answers, usage)))
+    return replace(done[0], handbacks=handbacks)
+
+
+async def _run_all(
+    flows: Sequence[Flow], renderers: Sequence[StreamRenderer | WholeRenderer]
+) -> list[Outcome]:
+    """Run every choice, choice 0 first (the others start once it began, with its id);
+    the first failure cancels the others and is raised."""
     first = _First(renderers[0])
     outcomes: list[Outcome | None] = [None] * len(flows)
     failures: list[BaseException] = []
@@ -100,19 +118,7 @@ async def run_choices(
             tg.start_soon(choice, index)
     if failures:
         raise failures[0]
-    done = [outcome for outcome in outcomes if outcome is not None]
-    usage = _usage(flows)
-    if request.stream:
-        sink.end(_stream_end(flows, request, usage))
-    else:
-        answers = [r.answer for r in renderers if isinstance(r, WholeRenderer)]
-        headers = {**flows[0].headers(), "x-pd-handbacks": str(sum(o.handbacks for o in done))}
-        sink.answer(200, headers, orjson.dumps(_merged(answers, usage)))
-    head = done[0]
-    return Outcome(
-        head.decision, head.decoder, head.prefiller, head.ttft, head.itl,
-        head.prompt_tokens, sum(o.handbacks for o in done),
-    )  # fmt: skip
+    return [outcome for outcome in outcomes if outcome is not None]
 
 
 def _usage(flows: Sequence[Flow]) -> Usage:
