@@ -96,8 +96,9 @@ def serve_workers(
             status = 0
             try:
                 _worker(index, config, port, config_path, ready_w, serve)
-            except BaseException:
+            except BaseException as exc:
                 status = 1
+                print(f"worker {index} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
             finally:
                 os._exit(status)
         children.append(pid)
@@ -123,14 +124,16 @@ def _supervise(
 
     for signum in _FORWARDED:
         signal.signal(signum, forward)
-    if _wait_ready(ready, len(children)):
+    alive = set(children)
+    status = 0
+    if _wait_ready(ready, alive):
         reserved.close()
         on_ready(url)
     else:
-        print("not every worker started in time", file=sys.stderr)
+        print("not every worker started (see above), stopping the others", file=sys.stderr)
+        status = 1
+        stopping = True
         forward(signal.SIGTERM, None)
-    status = 0
-    alive = set(children)
     while alive:
         try:
             pid, code = os.waitpid(-1, 0)
@@ -144,17 +147,24 @@ def _supervise(
     return status
 
 
-def _wait_ready(ready: int, count: int) -> bool:
+def _wait_ready(ready: int, alive: set[int]) -> bool:
+    """Until every worker in ``alive`` announced itself on the ``ready`` pipe; False
+    when one exits first (it is taken out of ``alive``) or after ``READY_SECONDS``."""
     deadline = time.monotonic() + READY_SECONDS
     seen = 0
-    while seen < count:
+    while seen < len(alive):
         left = deadline - time.monotonic()
         if left <= 0:
             return False
-        readable, _, _ = select.select([ready], [], [], left)
+        readable, _, _ = select.select([ready], [], [], min(left, 0.2))
         if readable:
-            data = os.read(ready, count)
+            data = os.read(ready, len(alive))
             if not data:
                 return False
             seen += len(data)
+            continue
+        pid, _ = os.waitpid(-1, os.WNOHANG)
+        if pid:
+            alive.discard(pid)
+            return False
     return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -22,10 +23,26 @@ MODEL = "sim-model"
 INSTANT = ("--profile", "instant", "--kv-connector", "nixl")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def _free_ports(count: int) -> int:
+    """P such that P .. P + count - 1 are free now (a busy machine holds many ports)."""
+    while True:
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = int(first.getsockname()[1])
+            if port + count > 65536:
+                continue
+            held = []
+            try:
+                for offset in range(1, count):
+                    sock = socket.socket()
+                    held.append(sock)
+                    sock.bind(("127.0.0.1", port + offset))
+            except OSError:
+                continue
+            finally:
+                for sock in held:
+                    sock.close()
+            return port
 
 
 def _reloads(url: str) -> float:
@@ -53,7 +70,7 @@ def test_two_workers_share_the_port_reload_together_and_stop_together(
     sim_factory: SimFactory, tmp_path: Path
 ) -> None:
     decoder, prefiller = sim_factory(*INSTANT), sim_factory(*INSTANT)
-    metrics_port = _free_port()
+    metrics_port = _free_ports(2)
     config = gateway_config([decoder], [prefiller])
     config["listen"] = {"workers": 2, "worker_metrics_port": metrics_port}
     path = tmp_path / "gateway.yaml"
@@ -88,3 +105,36 @@ def test_two_workers_share_the_port_reload_together_and_stop_together(
 def test_the_number_of_workers_is_bounded(workers: int) -> None:
     with pytest.raises(ValidationError, match="workers"):
         ListenConfig.model_validate({"workers": workers})
+
+
+def test_a_worker_that_cannot_start_stops_the_others_at_once(
+    sim_factory: SimFactory, tmp_path: Path
+) -> None:
+    """Worker 1's own metrics port is taken: serve exits non-zero, saying why, without
+    waiting for the start-up bound and without leaving worker 0 behind."""
+    decoder, prefiller = sim_factory(*INSTANT), sim_factory(*INSTANT)
+    metrics_port = _free_ports(2)
+    config = gateway_config([decoder], [prefiller])
+    config["listen"] = {"workers": 2, "worker_metrics_port": metrics_port}
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", metrics_port + 1))
+        taken.listen()
+        log = tmp_path / "serve.log"
+        with log.open("wb") as out:
+            process = subprocess.Popen(
+                python_command("serve", "--config", str(path), "--port", "0"),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+            try:
+                status = process.wait(timeout=60)  # the start-up bound is 120 s
+            finally:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+    assert status == 1
+    text = log.read_text()
+    assert "worker 1 failed" in text and "not every worker started" in text
+    assert "READY" not in text
