@@ -39,6 +39,7 @@ from __future__ import annotations
 import copy
 import enum
 import zlib
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -367,7 +368,7 @@ def require_ctx(ctx: TransferContext | None, name: str) -> TransferContext:
     return ctx
 
 
-class Adapter:
+class Adapter(ABC):
     """Shared shape of the adapters: bodies from params, and neutral defaults.
 
     Subclasses set ``name``, ``leg_order`` and implement :meth:`prefill_params`,
@@ -377,8 +378,8 @@ class Adapter:
     name: str
     leg_order: LegOrder
 
-    def describe(self) -> ConnectorInfo:
-        raise NotImplementedError
+    @abstractmethod
+    def describe(self) -> ConnectorInfo: ...
 
     def order(self, ctx: TransferContext | None = None) -> LegOrder:
         return self.leg_order
@@ -389,9 +390,9 @@ class Adapter:
     def headers(self, leg: Leg, ctx: TransferContext) -> dict[str, str]:
         return {}
 
+    @abstractmethod
     def prefill_params(self, ctx: TransferContext | None) -> Params | None:
         """The prefill leg's ``kv_transfer_params`` (None: the field is removed)."""
-        raise NotImplementedError
 
     def prefill_body(self, body: Body, ctx: TransferContext | None = None) -> Body:
         out = one_token_body(body)
@@ -402,8 +403,9 @@ class Adapter:
             out["kv_transfer_params"] = params
         return out
 
+    @abstractmethod
     def read_prefill(self, answer: Body, ctx: TransferContext | None = None) -> PrefillOutcome:
-        raise NotImplementedError
+        """What the prefill's answer says: the decode leg's params, or a finished answer."""
 
     def ahead_params(self, ctx: TransferContext) -> Params:
         raise ConnectorError(f"connector {self.name!r} does not run its legs together")

@@ -15,7 +15,9 @@ Not for metrics written from other threads.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
+from typing import Generic, TypeVar
 
 from prometheus_client.core import (
     CollectorRegistry,
@@ -57,8 +59,46 @@ class _Buckets:
         self.sum += amount
 
 
-class _Family:
-    """Children by label values; an unlabelled family is its own only child."""
+C = TypeVar("C", _Value, _Buckets)
+
+
+class _Family(Generic[C]):
+    """Children by label values, each made by ``new``; an unlabelled family is its own
+    only child (so it reads 0 before its first update)."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        registry: CollectorRegistry | None,
+        new: Callable[[], C],
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self._new: Callable[[], C] = new
+        self._children: dict[tuple[str, ...], C] = {}
+        if not self.labelnames:
+            self._children[()] = new()
+        if registry is not None:
+            registry.register(self)  # type: ignore[arg-type]
+
+    def labels(self, *values: str) -> C:
+        key = tuple(map(str, values))
+        child = self._children.get(key)
+        if child is None:
+            if len(key) != len(self.labelnames):
+                raise ValueError(f"{self.name}: {len(self.labelnames)} label values expected")
+            child = self._children[key] = self._new()
+        return child
+
+    def describe(self) -> list[Metric]:
+        return []
+
+
+class _ValueFamily(_Family[_Value]):
+    """A family of plain numbers; :meth:`_exposed` is its exposition type."""
 
     def __init__(
         self,
@@ -67,67 +107,32 @@ class _Family:
         labelnames: Sequence[str] = (),
         registry: CollectorRegistry | None = None,
     ) -> None:
-        self.name = name
-        self.documentation = documentation
-        self.labelnames = tuple(labelnames)
-        self._children: dict[tuple[str, ...], object] = {}
-        if not self.labelnames:
-            self._children[()] = self._new()  # reads 0 before its first update
-        if registry is not None:
-            registry.register(self)  # type: ignore[arg-type]
-
-    def _new(self) -> object:
-        raise NotImplementedError
-
-    def _child(self, values: tuple[str, ...]) -> object:
-        child = self._children.get(values)
-        if child is None:
-            if len(values) != len(self.labelnames):
-                raise ValueError(f"{self.name}: {len(self.labelnames)} label values expected")
-            child = self._children[values] = self._new()
-        return child
-
-    def describe(self) -> list[Metric]:
-        return []
-
-
-class FastCounter(_Family):
-    """A counter family (exposed as ``<name>_total``)."""
-
-    def _new(self) -> _Value:
-        return _Value()
-
-    def labels(self, *values: str) -> _Value:
-        child = self._child(tuple(str(v) for v in values))
-        assert isinstance(child, _Value)
-        return child
+        super().__init__(name, documentation, labelnames, registry, _Value)
 
     def inc(self, amount: float = 1.0) -> None:
         self.labels().inc(amount)
 
+    def _exposed(self) -> CounterMetricFamily | GaugeMetricFamily:
+        return GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
     def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(
-            self.name, self.documentation, labels=self.labelnames, created=None
-        )
+        family = self._exposed()
         for values, child in self._children.items():
-            assert isinstance(child, _Value)
             family.add_metric(list(values), child.value)
         yield family
 
 
-class FastGauge(_Family):
+class FastCounter(_ValueFamily):
+    """A counter family (exposed as ``<name>_total``)."""
+
+    def _exposed(self) -> CounterMetricFamily:
+        return CounterMetricFamily(
+            self.name, self.documentation, labels=self.labelnames, created=None
+        )
+
+
+class FastGauge(_ValueFamily):
     """A gauge family."""
-
-    def _new(self) -> _Value:
-        return _Value()
-
-    def labels(self, *values: str) -> _Value:
-        child = self._child(tuple(str(v) for v in values))
-        assert isinstance(child, _Value)
-        return child
-
-    def inc(self, amount: float = 1.0) -> None:
-        self.labels().inc(amount)
 
     def dec(self, amount: float = 1.0) -> None:
         self.labels().dec(amount)
@@ -135,15 +140,8 @@ class FastGauge(_Family):
     def set(self, value: float) -> None:
         self.labels().set(value)
 
-    def collect(self) -> Iterator[Metric]:
-        family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for values, child in self._children.items():
-            assert isinstance(child, _Value)
-            family.add_metric(list(values), child.value)
-        yield family
 
-
-class FastHistogram(_Family):
+class FastHistogram(_Family[_Buckets]):
     """A histogram family with the given upper bounds (``+Inf`` is added)."""
 
     def __init__(
@@ -156,15 +154,7 @@ class FastHistogram(_Family):
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.bounds = tuple(sorted(float(b) for b in buckets if b != float("inf")))
-        super().__init__(name, documentation, labelnames, registry)
-
-    def _new(self) -> _Buckets:
-        return _Buckets(self.bounds)
-
-    def labels(self, *values: str) -> _Buckets:
-        child = self._child(tuple(str(v) for v in values))
-        assert isinstance(child, _Buckets)
-        return child
+        super().__init__(name, documentation, labelnames, registry, partial(_Buckets, self.bounds))
 
     def observe(self, amount: float) -> None:
         self.labels().observe(amount)
@@ -173,7 +163,6 @@ class FastHistogram(_Family):
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
         edges = [*(_edge(b) for b in self.bounds), "+Inf"]
         for values, child in self._children.items():
-            assert isinstance(child, _Buckets)
             running = 0
             cumulative = []
             for edge, count in zip(edges, child.counts, strict=True):

@@ -192,31 +192,23 @@ class GatewayMetrics:
             registry=r,
         )
 
-        self._children: dict[tuple[Any, ...], Any] = {}
         self._legs: dict[tuple[str, str, str], tuple[Any, Any]] = {}
-
-    def _child(self, metric: Any, *labels: str) -> Any:
-        key = (id(metric), *labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
 
     def record_threshold(self, decision: ThresholdDecision) -> None:
         """Count one applied threshold: its value and who chose it why."""
         self.threshold.observe(decision.value)
-        self._child(self.threshold_decisions, decision.policy, decision.reason).inc()
+        self.threshold_decisions.labels(decision.policy, decision.reason).inc()
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         """One request's time in ``phase``."""
-        self._child(self.phase_seconds, phase).observe(seconds)
+        self.phase_seconds.labels(phase).observe(seconds)
 
     def count_request(self, route: str, decision: str, code: int) -> None:
         """One answered request (and its decision unless it failed, or its route decides
         nothing: ``none``)."""
-        self._child(self.requests, route, decision, str(code)).inc()
+        self.requests.labels(route, decision, str(code)).inc()
         if decision != "error" and decision != "none":
-            self._child(self.decisions, decision).inc()
+            self.decisions.labels(decision).inc()
 
     def count_leg(self, upstream: str, phase: str, outcome: str, seconds: float | None) -> None:
         """One upstream request that ended with ``outcome``; ``seconds`` (when given)
@@ -234,13 +226,13 @@ class GatewayMetrics:
 
     def count_upstream_error(self, upstream: str, kind: str) -> None:
         """One failure talking to ``upstream`` (``kind``: the error's class)."""
-        self._child(self.upstream_errors, upstream, kind).inc()
+        self.upstream_errors.labels(upstream, kind).inc()
 
     def count_kv_transfer(self, connector: str) -> None:
         """One decode leg sent with KV transfer parameters through ``connector``."""
-        self._child(self.kv_transfers, connector).inc()
+        self.kv_transfers.labels(connector).inc()
 
     def count_ejection(self, upstream: str, reason: str) -> None:
         """``upstream`` was taken out of rotation for ``reason`` (``consecutive_5xx``,
         ``consecutive_failures``)."""
-        self._child(self.ejections, upstream, reason).inc()
+        self.ejections.labels(upstream, reason).inc()
