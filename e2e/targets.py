@@ -180,3 +180,20 @@ def warm_up(gateway: str, target: Target, timeout: float = 600.0) -> None:
         raise RuntimeError(
             f"warm-up through the gateway failed: {answer.status_code} {answer.text}"
         )
+
+
+def metric_in(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` in Prometheus ``text`` whose labels include
+    ``labels`` (0 when there is none)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#") or line.split("{", 1)[0].split(" ", 1)[0] != name:
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """:func:`metric_in` over the ``/metrics`` of the server at ``url``."""
+    return metric_in(httpx.get(f"{url}/metrics", timeout=10).text, name, **labels)

@@ -32,7 +32,7 @@ import anyio
 import httpx
 import pytest
 import yaml
-from targets import HEALTH, Target, gateway_for, vllm_target, wait_ready, warm_up
+from targets import HEALTH, Target, gateway_for, metric_in, vllm_target, wait_ready, warm_up
 
 from pd_orchestrator.children import Child, python_command, start_child, stop_child
 
@@ -154,14 +154,6 @@ async def _streamed_ids(url: str, body: dict[str, Any]) -> tuple[httpx.Headers, 
         return response.headers, ids
 
 
-def _metric(text: str, name: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 @sim_only
 async def test_cold_pd_warm_decode_and_hand_back_through_the_connector(stack: Stack) -> None:
     gateway = stack.gateway.url
@@ -177,7 +169,7 @@ async def test_cold_pd_warm_decode_and_hand_back_through_the_connector(stack: St
 
     async with httpx.AsyncClient(timeout=10) as client:
         decoder_metrics = (await client.get(stack.decoder.url + "/metrics")).text
-    assert _metric(decoder_metrics, "vllm:external_prefix_cache_hits_total") > 0
+    assert metric_in(decoder_metrics, "vllm:external_prefix_cache_hits_total") > 0
 
     # hand-backs: the decoder holds the prompts, then preempts under four at once
     bodies = [
@@ -201,9 +193,9 @@ async def test_cold_pd_warm_decode_and_hand_back_through_the_connector(stack: St
     async with httpx.AsyncClient(timeout=10) as client:
         gateway_metrics = (await client.get(gateway + "/metrics")).text
         decoder_metrics = (await client.get(stack.decoder.url + "/metrics")).text
-    assert _metric(decoder_metrics, "vllm:num_preemptions_total") >= 1
+    assert metric_in(decoder_metrics, "vllm:num_preemptions_total") >= 1
     if stack.spec not in SHARED_STORE:
-        assert _metric(gateway_metrics, "pd_orchestrator_handbacks_total") >= 1
+        assert metric_in(gateway_metrics, "pd_orchestrator_handbacks_total") >= 1
 
 
 # --- the real vLLM CPU pair ---------------------------------------------------------------
@@ -243,14 +235,7 @@ def real(
 
 async def _metric_of(url: str, name: str, **labels: str) -> float:
     async with httpx.AsyncClient(timeout=10) as client:
-        text = (await client.get(url + "/metrics")).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("#") or line.split("{", 1)[0].split(" ", 1)[0] != name:
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+        return metric_in((await client.get(url + "/metrics")).text, name, **labels)
 
 
 def _stored_prompts(shared_dir: Path) -> int:

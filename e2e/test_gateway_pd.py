@@ -10,21 +10,10 @@ from typing import Any
 
 import httpx
 import pytest
-from targets import Target
+from targets import Target, metric
 
 pytestmark = pytest.mark.timeout(300)
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split()
-
-
-def _metric(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("#") or line.split("{", 1)[0].split(" ", 1)[0] != name:
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def _text_of(url: str, model: str, tokens: int, seed: str) -> str:
@@ -67,14 +56,14 @@ def test_cold_prompt_goes_pd_and_the_decoder_pulls_the_kv(target: Target, gatewa
         "ignore_eos": True,
         "return_token_ids": True,
     }
-    hits = _metric(decoder, "vllm:external_prefix_cache_hits_total")
-    pulls = _metric(decoder, "vllm:nixl_xfer_time_seconds_count")
+    hits = metric(decoder, "vllm:external_prefix_cache_hits_total")
+    pulls = metric(decoder, "vllm:nixl_xfer_time_seconds_count")
     answer = _post(gateway, "/v1/completions", body)
     assert answer.status_code == 200, answer.text
     assert answer.headers["x-pd-decision"] == "pd"
     assert answer.headers["x-pd-prefiller"].startswith("prefill-")
-    assert _metric(decoder, "vllm:external_prefix_cache_hits_total") > hits
-    assert _metric(decoder, "vllm:nixl_xfer_time_seconds_count") > pulls
+    assert metric(decoder, "vllm:external_prefix_cache_hits_total") > hits
+    assert metric(decoder, "vllm:nixl_xfer_time_seconds_count") > pulls
     assert _ids(answer.json()) == _reference(target, body)
 
 
@@ -91,12 +80,12 @@ def test_second_turn_is_admitted_and_the_prefiller_sees_nothing(
     reply = turn1.json()["choices"][0]["message"]["content"]
     messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And?"}]
     prefiller = target.prefillers[0]
-    before = _metric(prefiller, "vllm:prompt_tokens_total")
+    before = metric(prefiller, "vllm:prompt_tokens_total")
     turn2 = _post(gateway, "/v1/chat/completions", body | {"messages": messages, "stream": True})
     assert turn2.status_code == 200
     assert turn2.headers["x-pd-decision"] == "decode"
     assert "data: [DONE]" in turn2.text
-    assert _metric(prefiller, "vllm:prompt_tokens_total") == before
+    assert metric(prefiller, "vllm:prompt_tokens_total") == before
 
 
 async def _generate(client: httpx.AsyncClient, gateway: str, body: dict[str, Any]) -> list[int]:
@@ -147,9 +136,9 @@ async def _round(target: Target, gateway: str, stream: bool, index: int) -> list
             warm = await client.post(f"{gateway}/v1/completions", json=once)
             assert warm.status_code == 200
             assert warm.json()["choices"][0]["finish_reason"] == "length"
-        before = _metric(gateway, "pd_orchestrator_handbacks_total")
+        before = metric(gateway, "pd_orchestrator_handbacks_total")
         results = await asyncio.gather(*(_generate(client, gateway, b) for b in bodies))
-        handed_back = _metric(gateway, "pd_orchestrator_handbacks_total") > before
+        handed_back = metric(gateway, "pd_orchestrator_handbacks_total") > before
     for body, ids in zip(bodies, results, strict=True):
         assert ids == _reference(target, body), f"round {index}: output differs from reference"
     return [handed_back]
@@ -163,11 +152,11 @@ def test_preempted_requests_resume_through_the_prefiller_identically(
     if not target.preemption:
         pytest.skip("this target's decoder cannot be forced to preempt (PDO_E2E_PREEMPTION=1)")
     decoder = target.decoders[0]
-    rejections = _metric(decoder, "vllm:cache_threshold_rejections_total", phase="preemption")
+    rejections = metric(decoder, "vllm:cache_threshold_rejections_total", phase="preemption")
     for index in range(6):
         if any(asyncio.run(_round(target, gateway, stream, index))):
             break
     else:
         pytest.fail("no hand-back happened in 6 rounds")
-    after = _metric(decoder, "vllm:cache_threshold_rejections_total", phase="preemption")
+    after = metric(decoder, "vllm:cache_threshold_rejections_total", phase="preemption")
     assert after > rejections
