@@ -384,20 +384,27 @@ async def run_jobs(
 ) -> float:
     """Send every job (at most ``concurrency`` at once) and judge each answer into
     ``tally``; references are asked after the run (not while the fault is on).
-    ``gate`` = ``(first, event)``: the jobs after the ``first`` ones wait for
-    ``event`` (a fault in place) before they are sent. Returns the seconds the
-    requests took."""
+    ``gate`` = ``(first, event)``: until ``event`` is set (a fault in place) at most
+    ``first`` jobs are in flight -- each one that ends lets the next go -- then the
+    rest go at once. Returns the seconds the requests took."""
     work = list(work)
     answers: list[Answer | None] = [None] * len(work)
     limiter = anyio.Semaphore(concurrency)
     async with client(concurrency) as http:
+        ended = 0
 
         async def one(index: int, job: Job) -> None:
-            if gate is not None and index >= gate[0]:
-                await gate[1].wait()
-            async with limiter:
-                with anyio.move_on_after(bound):
-                    answers[index] = await _safely(send(http, fleet.url, job, progress))
+            nonlocal ended
+            if gate is not None:
+                first, event = gate
+                while not event.is_set() and index >= first + ended:  # noqa: ASYNC110 - two conditions
+                    await anyio.sleep(0.01)
+            try:
+                async with limiter:
+                    with anyio.move_on_after(bound):
+                        answers[index] = await _safely(send(http, fleet.url, job, progress))
+            finally:
+                ended += 1
 
         started = anyio.current_time()
         async with anyio.create_task_group() as tg:
@@ -550,8 +557,8 @@ async def prefill_fault(
 ) -> Tally:
     """Run ``count`` cold requests (each needs a prefill) while the first prefiller
     (started with ``victim``'s arguments) has ``fault``; ``inject(fleet)`` (awaited,
-    run beside the first two requests; the others are sent once it returned) injects
-    it, if it is not in the arguments already.
+    run beside the requests, two at a time until it returned) injects it, if it is not
+    in the arguments already.
     Returns the checked tally; every live upstream is settled."""
     prefillers = [victim, PREFILLER] if peer == PEERS[0] else [victim]
     fallback = "error" if peer == PEERS[2] else "local"
@@ -571,8 +578,9 @@ async def prefill_fault(
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(injecting)
-            # two requests reach the prefiller first; the rest wait for the fault, so
-            # they meet it however late a busy machine lets it land
+            # two requests at a time until the fault is in place (one of them must
+            # reach the faulty prefiller first), then the rest: they meet the fault
+            # however late a busy machine lets it land
             await run_jobs(fleet, jobs(count, max_tokens=16), tally, gate=(2, injected))
     tally.notes |= await recoveries(fleet)
     tally.notes["ejections"] = await gateway_metric(fleet, "pd_orchestrator_ejections_total")

@@ -66,6 +66,10 @@ async def test_load_with_5_percent_injected_500s(
     tally.notes |= await recoveries(fleet)
     tally.notes["seconds"] = round(seconds, 1)
     tally.notes["gateway_peak_rss_mib"] = round(_peak_rss_mib(fleet.gateway.process.pid), 1)
-    tally.check(max_clean_errors=int(REQUESTS * 0.005 - 1e-9))  # fewer than 0.5%
+    # Fewer than 0.5%. A request fails only when all three decoders fail it (about
+    # 0.1%: 0.6 expected at CI's 600 requests), so small runs also allow 5 -- more
+    # happens with odds below 1 in 10,000 when the gateway works as designed; the
+    # old behaviour (8.4%) would fail about 50.
+    tally.check(max_clean_errors=max(int(REQUESTS * 0.005 - 1e-9), 5))
     assert tally.notes["retried"] >= 1  # the failures were there, and were retried
     await settle(fleet.upstreams)
