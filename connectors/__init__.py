@@ -27,6 +27,7 @@ from connectors._base import (
     PrefillOutcome,
     TransferContext,
     UnknownConnectorError,
+    named_hosts,
 )
 from connectors._registry import available, can_pair, get_connector, parse_spec
 
@@ -51,5 +52,6 @@ __all__ = [
     "available",
     "can_pair",
     "get_connector",
+    "named_hosts",
     "parse_spec",
 ]

@@ -43,6 +43,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 __all__ = [
     "MOONCAKE_BOOTSTRAP_PORT",
@@ -235,6 +236,9 @@ class ConnectorInfo:
     ``returns_params``: the prefill answer carries ``kv_transfer_params``.
     ``peer_fields``: the :class:`PeerInfo` fields it reads (for configuration).
     ``prefill_keys``/``decode_keys``: the ``kv_transfer_params`` keys it writes.
+    ``address_keys``: the keys of the params handed to the decoder that name a host
+    the decoder will connect to (a host, or a URL whose host counts): what
+    :func:`named_hosts` reads, so that a gateway can check them.
     """
 
     name: str
@@ -246,6 +250,7 @@ class ConnectorInfo:
     peer_fields: frozenset[str] = frozenset()
     prefill_keys: frozenset[str] = frozenset()
     decode_keys: frozenset[str] = frozenset()
+    address_keys: frozenset[str] = frozenset()
     children: tuple[ConnectorInfo, ...] = field(default=())
 
 
@@ -327,6 +332,26 @@ def answer_params(answer: Body) -> Params | None:
     """A copy of the answer's ``kv_transfer_params`` when it is a non-empty object."""
     params = answer.get("kv_transfer_params")
     return copy.deepcopy(params) if isinstance(params, dict) and params else None
+
+
+def named_hosts(info: ConnectorInfo, params: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """The hosts ``params`` (handed to a decoder) name under ``info.address_keys``,
+    lower-cased, IPv6 without brackets; :class:`ConnectorError` for a value that is
+    not a string or names no host."""
+    if not params:
+        return ()
+    hosts: list[str] = []
+    for key in info.address_keys:
+        value = params.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise ConnectorError(f"{key} is not a string")
+        host = urlsplit(value).hostname if "://" in value else value.strip("[]")
+        if not host:
+            raise ConnectorError(f"{key} names no host")
+        hosts.append(host.lower())
+    return tuple(hosts)
 
 
 def with_params(body: Body, params: Mapping[str, Any] | None) -> Body:

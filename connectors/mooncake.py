@@ -96,6 +96,7 @@ class MooncakeConnector(Adapter):
             leg_order=self.leg_order,
             peer_fields=frozenset({"host", "bootstrap_port", "engine_id", "dp_rank", "dp_size"}),
             prefill_keys=frozenset({"do_remote_decode", "do_remote_prefill", "transfer_id"}),
+            address_keys=frozenset({"remote_bootstrap_addr"}),
             decode_keys=frozenset(
                 {
                     "do_remote_decode",

@@ -92,6 +92,7 @@ class MoRIIOConnector(Adapter):
                 {"host", "handshake_port", "notify_port", "tp_size", "dp_rank", "dp_size"}
             ),
             prefill_keys=_PREFILL_KEYS,
+            address_keys=frozenset({"remote_host"}),
             decode_keys=_PREFILL_KEYS | {"remote_dp_size_local", "tp_size"},
         )
 

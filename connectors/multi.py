@@ -90,6 +90,7 @@ class MultiConnector(Adapter):
             peer_fields=frozenset().union(*(i.peer_fields for i in infos)),
             prefill_keys=frozenset().union(*(i.prefill_keys for i in infos)),
             decode_keys=frozenset().union(*(i.decode_keys for i in infos)),
+            address_keys=frozenset().union(*(i.address_keys for i in infos)),
             children=infos,
         )
 

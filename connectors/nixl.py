@@ -79,6 +79,7 @@ class NixlConnector(Adapter):
             leg_order=self.leg_order,
             returns_params=True,
             prefill_keys=frozenset(PREFILL_PARAMS),
+            address_keys=frozenset({"remote_host"}),
             decode_keys=_ANSWER_KEYS,
         )
 

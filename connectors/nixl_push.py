@@ -77,6 +77,7 @@ class NixlPushConnector(Adapter):
             returns_params=True,
             peer_fields=frozenset({"engine_id", "host", "nixl_port", "tp_size"}),
             prefill_keys=frozenset(PREFILL_PARAMS),
+            address_keys=frozenset({"remote_host"}),
             decode_keys=_DECODE_KEYS,
         )
 

@@ -99,7 +99,7 @@ def with_logging(config: GatewayConfig, args: argparse.Namespace) -> GatewayConf
 class _DrainingServer(uvicorn.Server):
     """uvicorn that drains the gateway when it shuts down
     (:mod:`pd_orchestrator.gateway.lifecycle`) instead of cutting requests after a
-    fixed wait."""
+    fixed wait, and leaves idle connections open until they close by themselves."""
 
     def __init__(self, config: uvicorn.Config, drain: Drain, grace: float) -> None:
         super().__init__(config)
@@ -116,7 +116,10 @@ class _DrainingServer(uvicorn.Server):
             server.close()  # no new connection
         for sock in sockets or []:
             sock.close()
-        ended = await self.drain.run(self.grace, lambda: self.force_exit)
+        open_connections = self.server_state.connections
+        ended = await self.drain.run(
+            self.grace, lambda: self.force_exit, lambda: len(open_connections)
+        )
         if ended:
             logger.warning("drain: %d request(s) still in flight after %g s were ended",
                            ended, self.grace)  # fmt: skip

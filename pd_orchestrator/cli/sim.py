@@ -11,6 +11,7 @@ import anyio
 from pd_orchestrator.cli.logs import add_logging_arguments, setup_logging
 from pd_orchestrator.cli.signals import exit_on_sigterm
 from pd_orchestrator.prefix.hashing import HASH_ALGOS
+from pd_orchestrator.sim.faults import PROTOCOL_FAULTS
 from pd_orchestrator.sim.options import SimOptions
 from pd_orchestrator.sim.profiles import PROFILES
 
@@ -77,6 +78,17 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="seconds each completion request waits before it is taken (a slow server)",
     )
     add("--health-delay", type=float, default=0.0, help="seconds /health takes to answer")
+    add(
+        "--always-reject",
+        action="store_true",
+        help="answer every request cache_threshold, whatever its threshold (a faulty decoder)",
+    )
+    add(
+        "--protocol-fault",
+        choices=PROTOCOL_FAULTS,
+        default=None,
+        help="send answers no vLLM would send (a faulty upstream)",
+    )
     add("--kv-events-endpoint", default=None, help="ZMQ endpoint to publish KV events on (PUB)")
     add("--kv-events-replay-endpoint", default=None, help="ZMQ endpoint answering replays")
     add("--kv-events-topic", default="", help="topic of the published KV events")
@@ -124,6 +136,8 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
         drop_after_tokens=args.drop_after_tokens,
         response_delay=args.response_delay,
         health_delay=args.health_delay,
+        always_reject=args.always_reject,
+        protocol_fault=args.protocol_fault,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         kv_events_topic=args.kv_events_topic,

@@ -335,6 +335,12 @@ class TimeoutConfig(_Strict):
     prefill: Seconds = 60.0
     decode: Seconds = Field(default=120.0, description="between two chunks of a decode leg")
     pool: Seconds = 5.0
+    per_1k_prompt_tokens: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = Field(
+        default=0.5,
+        description="added to each read timeout of a request's legs per 1,000 tokens of its "
+        "prompt (estimated): prefilling a long prompt takes time, and a timeout that its "
+        "size causes is not the endpoint's fault",
+    )
 
 
 class HandbackConfig(_Strict):
@@ -362,7 +368,11 @@ class SidecarConfig(_Strict):
     off, which accepts any host (llm-d's ``--enable-ssrf-protection=false``).
     ``prefiller_sampling``: spread requests over the prefillers a header names
     (default: the first, the others as retries). ``prefiller_kv``: the side-channel
-    ports of header-named prefillers (vLLM's defaults)."""
+    ports of header-named prefillers (vLLM's defaults). ``max_named_targets``: how
+    many header-named ``host:port`` targets keep state of their own (health,
+    outlier counts, pooled connections: the least recently used idle one is
+    forgotten past it) and their own ``upstream`` label in the metrics (later ones
+    are counted as ``upstream="other"``)."""
 
     enabled: bool = False
     prefiller_header: str = "x-prefiller-host-port"
@@ -375,6 +385,7 @@ class SidecarConfig(_Strict):
     allowlist_refresh: Seconds = 10.0
     prefiller_sampling: bool = False
     prefiller_kv: KvSettings | None = None
+    max_named_targets: Annotated[int, Field(ge=1)] = 256
 
     @field_validator("allowed_prefillers")
     @classmethod
@@ -512,6 +523,15 @@ class LimitsConfig(_Strict):
     of the JSON body (the JSON encoder stops at 254 levels, hence the ceiling).
     ``max_messages`` and ``max_prompt_token_ids`` (400): checked before the body is
     validated, whose cost grows with them (about 7 us per chat message).
+    ``max_n_body_bytes`` (400): ``n`` times the body's bytes, for ``n`` > 1 (each
+    choice is a request of its own upstream).
+
+    What a connection may hold: ``header_timeout`` (the request head, from the
+    connection's opening or the request's first byte) and ``body_timeout`` (the
+    whole body, from the end of the head) answer 408 and close the connection;
+    ``keepalive_timeout`` closes a connection idle between two requests;
+    ``max_connections`` (per process; default: half the open-file limit) answers a
+    connection past it 503 and closes it.
     """
 
     max_body_bytes: Annotated[int, Field(ge=KIB)] = 16 * MIB
@@ -520,6 +540,11 @@ class LimitsConfig(_Strict):
     max_json_depth: Annotated[int, Field(ge=4, le=200)] = 64
     max_messages: Annotated[int, Field(ge=1)] = 4096
     max_prompt_token_ids: Annotated[int, Field(ge=1)] = MIB
+    max_n_body_bytes: Annotated[int, Field(ge=KIB)] = 32 * MIB
+    header_timeout: Seconds = 10.0
+    body_timeout: Seconds = 30.0
+    keepalive_timeout: Seconds = 5.0
+    max_connections: Annotated[int, Field(ge=1)] | None = None
 
 
 class SecurityConfig(_Strict):

@@ -12,7 +12,11 @@ one entry per line, ``#`` starts a comment):
 * ``host`` -- any port of that host (llm-d's allow-list holds hosts, not ports);
 * ``10.1.0.0/16`` -- any address of that network (a pod network, say);
 * a DNS name -- it and the addresses it resolves to (a headless Service's name
-  allows its pods), resolved again every ``allowlist_refresh`` seconds.
+  allows its pods), resolved again every ``allowlist_refresh`` seconds; ``name:port``
+  allows those addresses on that port only.
+
+A host is a DNS name, an IPv4 address or a bracketed IPv6 address without a zone;
+anything else in a header is a 400, and nothing is contacted.
 
 :class:`~pd_orchestrator.config.allowlist.AllowList` is the pure matcher;
 :class:`AllowListKeeper` rebuilds it when the file changes or names resolve
@@ -80,10 +84,8 @@ class AllowListKeeper:
                 logger.info("allow-list reloaded from %s", self.path)
         except (OSError, ValueError) as exc:  # a bad edit keeps the last good list
             logger.warning("allow-list file %s not reloaded: %s", self.path, exc)
-        addresses: set[str] = set()
-        for name in self._base.names:
-            addresses |= await _resolve(name)
-        self.current = self._base.with_addresses(addresses)
+        resolved = {name: await _resolve(name) for name in self._base.names}
+        self.current = self._base.with_addresses(resolved)
 
 
 async def _resolve(name: str) -> set[str]:

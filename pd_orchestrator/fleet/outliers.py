@@ -2,10 +2,11 @@
 
 Every leg's outcome is reported for its endpoint, at O(1) cost (two counters):
 
-* an answer (any status below 500) resets both counters;
+* an answer (any status below 500; a stream once read to its end) resets both
+  counters;
 * an HTTP 5xx (or an error event in a stream) adds one to ``consecutive_5xx``;
-* a connection failure -- refused, broken mid-answer, timed out -- adds one to
-  ``consecutive_failures``.
+* a connection failure -- refused, broken mid-answer, timed out -- or an answer no
+  vLLM would send adds one to ``consecutive_failures``.
 
 A counter that reaches its threshold (``outlier.consecutive_5xx``,
 ``outlier.consecutive_failures``; 0 turns one off) asks for an ejection -- once the

@@ -9,7 +9,9 @@ outcome of every leg of real traffic, counted by outlier detection
 (:mod:`~pd_orchestrator.fleet.outliers`), which ejects an endpoint that keeps
 failing for a while. An endpoint is in routing (``healthy`` in a snapshot)
 when it is healthy and not ejected; when none of a role is, the routing's
-``healthy`` filter routes to all of them anyway (panic routing).
+``healthy`` filter routes to all of them anyway (panic routing). One that a broken
+leg took out (:meth:`FleetState.mark_unhealthy`) is a *suspect* until it answers
+or passes a check: a request with no other decoder left may still try it.
 
 The planner never sees this object, only immutable snapshots
 (:meth:`FleetState.snapshot`), so its decisions are pure functions of a moment.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -50,7 +53,9 @@ class FleetState:
     """Health (active checks plus passive outlier detection) and in-flight counts.
 
     ``outlier``: the ejection settings (default: :class:`OutlierConfig`'s);
-    ``clock``: for ejection times; ``on_eject``: told of each ejection (metrics).
+    ``clock``: for ejection times; ``on_eject``: told of each ejection (metrics);
+    ``max_named``: how many endpoints that are not configured (a sidecar header's)
+    are tracked at most (see :meth:`_track`).
     """
 
     def __init__(
@@ -61,6 +66,7 @@ class FleetState:
         outlier: OutlierConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_eject: OnEject | None = None,
+        max_named: int = 256,
     ) -> None:
         self._endpoints = {e.name: e for e in endpoints}
         self._healthy = dict.fromkeys(self._endpoints, True)
@@ -69,12 +75,15 @@ class FleetState:
         self._outliers = {name: Outlier() for name in self._endpoints}
         self._ejected: dict[str, Outlier] = {}
         self._answered: set[str] = set()
+        self._suspects: set[str] = set()
         self.unhealthy_after = unhealthy_after
         self.outlier = outlier or OutlierConfig()
         self.clock = clock
         self.on_eject = on_eject
         self.checked_once = False
         self._learned: dict[str, PeerUpdate] = {}
+        self._named: OrderedDict[str, None] = OrderedDict()
+        self.max_named = max_named
 
     def endpoints(self, role: Role | None = None) -> list[Endpoint]:
         """Endpoints able to play ``role`` (``both`` endpoints count for either)."""
@@ -114,17 +123,50 @@ class FleetState:
         """In routing: healthy (active checks) and not ejected (passive)."""
         return self._healthy.get(name, True) and name not in self._ejected
 
+    def is_suspect(self, name: str) -> bool:
+        """Out of routing only because a leg broke on it (:meth:`mark_unhealthy`) since
+        it last answered or passed a check -- not for failed checks or connections, not
+        ejected: a recovery with no healthy decoder left may still try it."""
+        return name in self._suspects and name not in self._ejected
+
     def outlier_of(self, name: str) -> Outlier | None:
         """The passive record of ``name`` (None: never seen)."""
         return self._outliers.get(name)
 
     def _track(self, name: str) -> None:
-        """Start tracking an endpoint that is not configured (a sidecar header's)."""
-        if name not in self._healthy:
-            self._healthy[name] = True
-            self._failures[name] = 0
-            self._in_flight[name] = 0
-            self._outliers[name] = Outlier()
+        """Track an endpoint that is not configured (a sidecar header's), most recently
+        used last; past ``max_named`` of them the least recently used one with nothing
+        in flight is forgotten (its health, counters and what was learned of it)."""
+        if name in self._endpoints:
+            return
+        named = self._named
+        if name in named:
+            named.move_to_end(name)
+            return
+        named[name] = None
+        self._healthy[name] = True
+        self._failures[name] = 0
+        self._in_flight[name] = 0
+        self._outliers[name] = Outlier()
+        if len(named) > self.max_named:
+            self._forget_one_idle(name)
+
+    def _forget_one_idle(self, keep: str) -> None:
+        for old in self._named:
+            if old != keep and not self._in_flight[old]:
+                del self._named[old]
+                for table in (self._healthy, self._failures, self._in_flight, self._outliers):
+                    del table[old]
+                for keyed in (self._ejected, self._learned):
+                    keyed.pop(old, None)
+                self._answered.discard(old)
+                self._suspects.discard(old)
+                return
+
+    @property
+    def named_count(self) -> int:
+        """How many endpoints that are not configured are tracked."""
+        return len(self._named)
 
     # -- active health -------------------------------------------------------------------
     def record_check(self, name: str, healthy: bool, *, late: bool = False) -> None:
@@ -133,9 +175,7 @@ class FleetState:
         answered = name in self._answered
         self._answered.discard(name)
         if healthy:
-            self._track(name)
-            self._failures[name] = 0
-            self._healthy[name] = True
+            self._reachable(name)
             if self._ejected:
                 self._maybe_return(name)
         elif not (late and answered):
@@ -144,22 +184,37 @@ class FleetState:
     def record_failure(self, name: str) -> None:
         """One failed check or connection; enough in a row mark the endpoint unhealthy."""
         self._track(name)
+        self._suspects.discard(name)
         self._failures[name] += 1
         if self._failures[name] >= self.unhealthy_after:
             self._healthy[name] = False
 
     def mark_unhealthy(self, name: str) -> None:
+        """A leg broke on ``name`` mid-answer: out of routing until it answers or passes a
+        check again (a suspect: see :meth:`is_suspect`)."""
         self._track(name)
         self._failures[name] = max(self._failures[name], self.unhealthy_after)
         self._healthy[name] = False
+        self._suspects.add(name)
 
-    # -- real traffic (passive) ------------------------------------------------------------
-    def record_success(self, name: str) -> None:
-        """A leg of real traffic was answered: healthy, and its runs of failures end."""
+    def _reachable(self, name: str) -> None:
+        """``name`` answers: healthy, its run of failed checks ends."""
         self._track(name)
         self._failures[name] = 0
         self._healthy[name] = True
+        self._suspects.discard(name)
+
+    # -- real traffic (passive) ------------------------------------------------------------
+    def record_accepted(self, name: str) -> None:
+        """A leg of real traffic began (a stream's status and headers came): healthy, as
+        for :meth:`record_success`, but outlier detection waits for how the answer ends."""
+        self._reachable(name)
         self._answered.add(name)
+
+    def record_success(self, name: str) -> None:
+        """A leg of real traffic was answered (a stream read to its end): healthy, and its
+        runs of failures end."""
+        self.record_accepted(name)
         self._outliers[name].answered()
         if self._ejected:
             self._maybe_return(name)

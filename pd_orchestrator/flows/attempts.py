@@ -32,9 +32,10 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from pd_orchestrator.config.settings import AskAllConfig, AskAllFallbackConfig
 from pd_orchestrator.fleet.endpoints import Endpoint
-from pd_orchestrator.flows.chunks import ChunkView, view_answer
+from pd_orchestrator.flows.chunks import ChunkView, MalformedChunk, view_answer
 from pd_orchestrator.flows.legs import Leg, Legs
 from pd_orchestrator.flows.request import ClientRequest
+from pd_orchestrator.openai.responses import Kind
 from pd_orchestrator.planner.plan import Plan
 from pd_orchestrator.routing.types import Candidate
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
@@ -221,9 +222,20 @@ class Race(_AskAll):
         if leg is None or keep:
             return
         if reply.outcome == "cancelled":
-            wasted = sum(len(leg.view(c).token_ids or ()) for c in leg.held)
-            self.metrics.fanout_wasted_tokens.inc(wasted)
+            self.metrics.fanout_wasted_tokens.inc(_held_tokens(leg))
         await legs.close(leg)
+
+
+def _held_tokens(leg: Leg) -> int:
+    """Tokens in the chunks ``leg`` holds (none counted past a malformed one, which is
+    the leg's fault, reported when it is closed)."""
+    tokens = 0
+    try:
+        for chunk in leg.held:
+            tokens += len(leg.view(chunk).token_ids or ())
+    except UpstreamError:
+        pass
+    return tokens
 
 
 class Probe(_AskAll):
@@ -264,8 +276,7 @@ class Probe(_AskAll):
         """
         admitted: list[tuple[int, int, Endpoint]] = []
         for order, decoder in enumerate(asked):
-            answer = answers.get(decoder.name)
-            view = None if answer is None else view_answer(answer, request.kind)
+            view = _probe_view(answers.get(decoder.name), request.kind)
             outcome = "failed" if view is None else "admitted" if admits(view) else "rejected"
             self.metrics.fanout_legs.labels(outcome).inc()
             if view is not None and outcome == "admitted":
@@ -274,6 +285,16 @@ class Probe(_AskAll):
             return None
         self.metrics.fanout_wasted_tokens.inc(len(admitted) - 1)
         return min(admitted, key=lambda item: (item[0], item[1]))[2]
+
+
+def _probe_view(answer: Json | None, kind: Kind) -> ChunkView | None:
+    """What a probe's answer says (None: it failed, or its answer is malformed)."""
+    if answer is None:
+        return None
+    try:
+        return view_answer(answer, kind)
+    except MalformedChunk:
+        return None
 
 
 def _cached_tokens(view: ChunkView) -> int:

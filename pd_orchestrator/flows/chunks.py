@@ -1,6 +1,9 @@
 """Reading upstream answers and writing client answers (pure).
 
-Upstream chunks are read into a :class:`ChunkView`. A chunk whose leg speaks the
+Upstream chunks are read into a :class:`ChunkView`, once each; a field read there
+that has a type vLLM never sends (``choices`` not a list, token ids not integers, a
+``finish_reason`` that is not a string...) raises :class:`MalformedChunk`, which the
+legs turn into the endpoint's protocol error. A chunk whose leg speaks the
 client's API is relayed as it came (every field vLLM sent survives: tool calls,
 reasoning, logprobs), with the client's id and creation time, and with token ids
 kept only when the client asked for them. A completions chunk that serves a chat
@@ -10,7 +13,7 @@ client (a request continued as a token prompt) is re-rendered as a chat chunk.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from pd_orchestrator.openai.responses import Kind, stream_chunk
 
@@ -18,6 +21,7 @@ __all__ = [
     "CACHE_THRESHOLD",
     "ChunkView",
     "Identity",
+    "MalformedChunk",
     "answer_as_chunks",
     "relay_chunk",
     "render_chunk",
@@ -72,71 +76,130 @@ class ChunkView(NamedTuple):
         return value if isinstance(value, int) else None
 
 
-def _ids(value: Any) -> tuple[int, ...] | None:
-    """Token ids as an upstream sent them (a list, taken as vLLM's list of ints; a
-    malformed upstream is caught when a continuation is sent, not on every chunk)."""
-    return tuple(value) if type(value) is list else None
+class MalformedChunk(ValueError):
+    """A chunk or answer with a field of a type vLLM never sends (the upstream's fault)."""
+
+
+_INT = {int}
+_KINDS: dict[type, str] = {str: "a string", dict: "an object", list: "a list"}
+T = TypeVar("T")
+
+
+def _ids(value: Any, name: str) -> tuple[int, ...] | None:
+    """Token ids as an upstream sent them: a list of integers, or absent."""
+    if value is None:
+        return None
+    if type(value) is not list:
+        raise MalformedChunk(f"{name} is not a list")
+    ids = tuple(value)
+    if len(ids) > 8:  # a prompt's: one pass in C
+        if set(map(type, ids)) != _INT:
+            raise MalformedChunk(f"{name} holds something other than integers")
+        return ids
+    for token in ids:  # a chunk's one or few
+        if type(token) is not int:
+            raise MalformedChunk(f"{name} holds something other than integers")
+    return ids
+
+
+def _absent(value: Any, kind: type[T], name: str) -> None:
+    """A field read as ``kind`` that is not one: absent (None) is fine, anything else
+    is :class:`MalformedChunk` (called only off the hot path, when the type differs)."""
+    if value is not None:
+        raise MalformedChunk(f"{name} is not {_KINDS[kind]}")
 
 
 def _first_choice(chunk: Json) -> Json | None:
     choices = chunk.get("choices")
-    if type(choices) is list and choices and type(choices[0]) is dict:
-        return choices[0]
-    return None
+    if type(choices) is not list:
+        _absent(choices, list, "choices")
+        return None
+    if not choices:
+        return None
+    choice = choices[0]
+    if type(choice) is not dict:
+        raise MalformedChunk("a choice is not an object")
+    return choice
 
 
 def _usage(chunk: Json) -> Json | None:
     usage = chunk.get("usage")
-    return usage if type(usage) is dict else None
+    if usage is not None and type(usage) is not dict:
+        _absent(usage, dict, "usage")
+    return usage
+
+
+def _text(value: Any, name: str) -> str:
+    if type(value) is str:
+        return value
+    _absent(value, str, name)
+    return ""
+
+
+def _finish(choice: Json) -> str | None:
+    reason = choice.get("finish_reason")
+    if reason is not None and type(reason) is not str:
+        _absent(reason, str, "finish_reason")
+    return reason
 
 
 _OTHER_DELTAS = ("tool_calls", "reasoning_content", "reasoning")
 
 
 def view_chunk(chunk: Json, kind: Kind) -> ChunkView:
-    """Read one streamed chunk of an answer of ``kind``."""
+    """Read one streamed chunk of an answer of ``kind``; :class:`MalformedChunk` when a
+    field it reads has a type vLLM never sends (each is checked where it is read)."""
     choice = _first_choice(chunk)
     usage = chunk.get("usage")
-    if type(usage) is not dict:
-        usage = None
+    if usage is not None and type(usage) is not dict:
+        _absent(usage, dict, "usage")
     if choice is None:
-        return ChunkView(False, "", None, None, _ids(chunk.get("prompt_token_ids")), usage)
+        prompt = _ids(chunk.get("prompt_token_ids"), "prompt_token_ids")
+        return ChunkView(False, "", None, None, prompt, usage)
     ids = choice.get("token_ids")
-    token_ids = tuple(ids) if type(ids) is list else None
+    token_ids = None if ids is None else _ids(ids, "token_ids")
     if kind == "completion":
-        text = choice.get("text") or ""
+        text = choice.get("text")
         raw_prompt = choice.get("prompt_token_ids")
         other = False
     else:
         delta = choice.get("delta")
         if type(delta) is not dict:
+            _absent(delta, dict, "delta")
             delta = {}
-        text = delta.get("content") or ""
+        text = delta.get("content")
         raw_prompt = chunk.get("prompt_token_ids")
         # tool calls or reasoning make a chunk decisive (only asked when it has no text)
         other = not text and any(delta.get(k) for k in _OTHER_DELTAS)
-    prompt_ids = tuple(raw_prompt) if type(raw_prompt) is list else None
-    if type(text) is not str:
-        text = str(text)
-    return ChunkView(True, text, token_ids, choice.get("finish_reason"), prompt_ids, usage, other)
+    if type(text) is not str:  # checked inline: this runs once per relayed chunk
+        _absent(text, str, "text")
+        text = ""
+    finish = choice.get("finish_reason")
+    if finish is not None and type(finish) is not str:
+        _absent(finish, str, "finish_reason")
+    prompt_ids = None if raw_prompt is None else _ids(raw_prompt, "prompt_token_ids")
+    return ChunkView(True, text, token_ids, finish, prompt_ids, usage, other)
 
 
 def view_answer(answer: Json, kind: Kind) -> ChunkView:
-    """Read a whole (non-streamed) answer of ``kind``."""
+    """Read a whole (non-streamed) answer of ``kind`` (:class:`MalformedChunk` as for
+    :func:`view_chunk`)."""
     choice = _first_choice(answer) or {}
     if kind == "completion":
-        text = choice.get("text") or ""
-        prompt_ids = _ids(choice.get("prompt_token_ids"))
+        text = _text(choice.get("text"), "text")
+        prompt_ids = _ids(choice.get("prompt_token_ids"), "prompt_token_ids")
     else:
-        raw_message = choice.get("message")
-        message: Json = raw_message if isinstance(raw_message, dict) else {}
-        text = message.get("content") or ""
-        prompt_ids = _ids(answer.get("prompt_token_ids"))
+        message = choice.get("message")
+        if type(message) is not dict:
+            _absent(message, dict, "message")
+            message = {}
+        text = _text(message.get("content"), "content")
+        prompt_ids = _ids(answer.get("prompt_token_ids"), "prompt_token_ids")
     return ChunkView(
         has_choice=bool(choice),
-        text=str(text),
-        token_ids=_ids(choice.get("token_ids")),
-        finish_reason=choice.get("finish_reason"),
+        text=text,
+        token_ids=_ids(choice.get("token_ids"), "token_ids"),
+        finish_reason=_finish(choice),
         prompt_token_ids=prompt_ids,
         usage=_usage(answer),
     )

@@ -43,15 +43,36 @@ answered as such):
 * **Mid-answer** (a leg that fails after content reached the client, or a
   continuation that cannot start): the request continues as in step 5, prompt plus
   every token the client got, on the best decoder not seen failing, at most
-  ``handback.max_recoveries`` times.
+  ``handback.max_recoveries`` times. When none of the plan's is left, a decoder that
+  is out of routing only because a leg broke on it (not for failed health checks,
+  not ejected) is still tried: the request's own outcome decides, as in panic
+  routing.
 * Otherwise the failure is the answer: one error (:mod:`~pd_orchestrator.upstream.errors`).
 
+An answer that is not what vLLM sends is the endpoint's protocol error, handled as a
+broken leg (and counted against it by outlier detection): a field of the wrong type,
+content after the finish reason (the chunk with the finish is held until the leg
+ends, so none of the faulty part reaches the client), more tokens than the request
+allows, no finish reason, or ``cache_threshold`` from a leg sent with threshold 0
+(vLLM rejects only below a threshold: every P/D decode leg and local leg is sent with
+0, so a decoder that rejects them anyway fails instead of being asked forever).
+
+Every loop is bounded: decoders tried before the first byte by
+``upstream.decode_attempts``, prefill attempts per hand-over by
+``upstream.prefill_attempts`` (and ``prefill_budget``), hand-backs by
+``handback.max_handbacks`` (the next goes to a decoder with threshold 0, which may not
+hand back), recoveries by ``handback.max_recoveries``, choices by ``n``. As a
+backstop, a request that sent as many upstream requests as all of them together
+allow (:func:`leg_budget`) is answered 502 rather than send another.
+
 The client sees one id, one role chunk and one usage figure: prompt and cached tokens
-of the leg that served the original prompt, completion tokens of every leg.
+of the leg that served the original prompt, completion tokens counted once each as
+the client got them (the token ids of every leg, broken ones too).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -61,6 +82,7 @@ from pd_orchestrator.config.settings import HandbackConfig, UpstreamConfig
 from pd_orchestrator.fleet.endpoints import Endpoint
 from pd_orchestrator.flows.attempts import Attempt
 from pd_orchestrator.flows.bodies import continuation_body, leg_body, with_threshold
+from pd_orchestrator.flows.chunks import ChunkView
 from pd_orchestrator.flows.handover import Handover, retryable
 from pd_orchestrator.flows.legs import Leg, Legs
 from pd_orchestrator.flows.render import Renderer
@@ -71,13 +93,27 @@ from pd_orchestrator.openai.responses import Kind
 from pd_orchestrator.planner.plan import Plan
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
 from pd_orchestrator.upstream.client import Phase
-from pd_orchestrator.upstream.errors import UpstreamError, UpstreamProtocolError
+from pd_orchestrator.upstream.errors import UpstreamError
 
-__all__ = ["COMPLETIONS", "Flow", "FlowSettings", "Outcome"]
+__all__ = ["COMPLETIONS", "Flow", "FlowSettings", "Outcome", "leg_budget"]
 
 Json = dict[str, Any]
 COMPLETIONS = "/v1/completions"
 _DECODER_PHASES = frozenset({Phase.DECODE_ATTEMPT, Phase.DECODE})
+logger = logging.getLogger("pd_orchestrator.flows")
+
+
+def leg_budget(upstream: UpstreamConfig, handback: HandbackConfig, asked: int) -> int:
+    """The most upstream requests one client request (one choice) may send, from the
+    bounds above: per decoder tried before the first byte, the attempt (``asked``
+    decoders, plus the real request after ask-all's probes) and a hand-over; per
+    hand-back (one more than ``max_handbacks``) and recovery, a hand-over. A hand-over
+    sends per prefill attempt at most two lookups, the prefill and two decode legs (a
+    stale connector context sends the decode leg again), then the decoder alone."""
+    handover = 5 * upstream.prefill_attempts + 1
+    original = upstream.decode_attempts * (asked + 1 + handover)
+    continuations = (handback.max_handbacks + 1 + handback.max_recoveries) * handover
+    return original + continuations
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +164,8 @@ class Flow:
         self.prefiller: Endpoint | None = None
         self.recoveries = 0
         self.stream_legs = request.stream or attempt.streams
+        self.budget = leg_budget(settings.upstream, settings.handback, len(plan.asked))
+        legs.prompt_tokens = plan.prompt_tokens
 
     def headers(self) -> dict[str, str]:
         """The response headers that report the decision (endpoint names only)."""
@@ -180,6 +218,7 @@ class Flow:
 
     async def _serve_original(self, plan: Plan) -> Leg:
         """Steps 1-3 on ``plan``: the attempt, then P/D (or the decoder alone)."""
+        self._within_budget()
         request = self.request
         started = self.settings.clock()
         self.decision, self.prefiller = "decode", None
@@ -206,7 +245,7 @@ class Flow:
         failed = self.legs.failed
         if self.prefiller is not None:
             failed.add(self.prefiller.name)  # its KV may be what the decode leg lacked
-        decoders = tuple(d for d in plan.decoders if d.name not in failed)
+        decoders = tuple(d for d in plan.decoders if d.name not in failed) or self._spares()
         if tried >= self.settings.upstream.decode_attempts or not decoders:
             raise exc
         self.settings.metrics.count_upstream_error(exc.endpoint, "retried")
@@ -269,10 +308,16 @@ class Flow:
                 leg = await self._recover(exc)
 
     async def _relay(self, leg: Leg, renderer: Renderer) -> bool:
-        """Relay ``leg`` to the client; True when it finished, False when handed back."""
-        transcript = self.transcript
-        original = leg.original_prompt
-        handed_back = finished = False
+        """Relay ``leg`` to the client; True when it finished, False when handed back.
+
+        The chunk with the finish reason is held until the leg ended, and what it
+        sends after it is only its usage: anything else, no finish at all, or a hand-back
+        at threshold 0 is the leg's :meth:`~Leg.fault`, raised before that chunk (or
+        any of the faulty part) reaches the client. Whatever ends the leg, the tokens
+        the client got of it count in the usage.
+        """
+        last: tuple[Json, ChunkView] | None = None
+        complete = False
         try:
             while (batch := await leg.next_batch()) is not None:
                 for chunk in batch:
@@ -281,30 +326,49 @@ class Flow:
                         leg.usage = view.usage
                     if not view.has_choice:
                         continue
-                    if view.token_ids:
-                        leg.tokens += len(view.token_ids)
-                    if transcript.identity is None:
-                        transcript.adopt_identity(chunk)
-                    transcript.absorb(view, original_prompt=original)
-                    if view.rejected:
-                        handed_back = True
-                        if view.text or view.token_ids:
-                            renderer.emit(leg, chunk, view, None)
-                        continue
-                    renderer.emit(leg, chunk, view, view.finish_reason)
-                    finished = finished or view.finish_reason is not None
+                    if last is not None:
+                        if view.decisive:
+                            raise leg.fault("content after the finish reason")
+                    elif view.finish_reason is not None:
+                        last = (chunk, view)
+                    else:
+                        self._take(leg, chunk, view, renderer)
                 await renderer.flush()
+            if last is None:
+                raise leg.fault("the answer ended without a finish reason")
+            chunk, view = last
+            if view.rejected and leg.threshold <= 0.0:
+                raise leg.fault("cache_threshold at threshold 0")
+            self._take(leg, chunk, view, renderer)
+            await renderer.flush()
+            complete = True
         finally:
             await self.legs.close(leg)
-        transcript.absorb_usage(leg.usage, original_prompt=original, leg_tokens=leg.tokens)
-        self._phase("decode", leg.started)
-        if handed_back:
-            return False
-        if not finished:
-            raise UpstreamProtocolError(
-                leg.endpoint.name, "decode", "stream ended without a finish reason", role="decoder"
+            self.transcript.absorb_usage(
+                leg.usage if complete else None,
+                original_prompt=leg.original_prompt,
+                leg_tokens=leg.tokens,
             )
-        return True
+        self._phase("decode", leg.started)
+        return not view.rejected
+
+    def _take(self, leg: Leg, chunk: Json, view: ChunkView, renderer: Renderer) -> None:
+        """Record one chunk with a choice and hand it to the client (a hand-back's only
+        if it carries tokens); more tokens than the request allows are a fault."""
+        transcript = self.transcript
+        ids = view.token_ids
+        if ids:
+            remaining = transcript.remaining
+            if remaining is not None and len(ids) > remaining:
+                raise leg.fault("more tokens than the request allows")
+            leg.tokens += len(ids)
+        if transcript.identity is None:
+            transcript.adopt_identity(chunk)
+        transcript.absorb(view, original_prompt=leg.original_prompt)
+        if not view.rejected:
+            renderer.emit(leg, chunk, view, view.finish_reason)
+        elif view.text or ids:
+            renderer.emit(leg, chunk, view, None)
 
     # -- continuations (hand-back and recovery) ---------------------------------------------------
     async def _recover(self, exc: UpstreamError) -> Leg:
@@ -333,6 +397,7 @@ class Flow:
     async def _continue(self, decoder: Endpoint, *, recovering: bool) -> Leg:
         """The leg that continues the request on ``decoder`` after ``len(generated)``
         tokens (a hand-back, or a recovery when ``recovering``)."""
+        self._within_budget()
         transcript = self.transcript
         handback = self.settings.handback
         if not self.request.continuable:
@@ -350,12 +415,10 @@ class Flow:
         self.decoder = decoder
         local = not recovering and transcript.handbacks > handback.max_handbacks
         threshold = 0.0 if local else handback.leg_threshold
+        prompt = transcript.continuation_prompt()
+        self.legs.prompt_tokens = len(prompt)
         body = continuation_body(
-            self.request,
-            transcript.continuation_prompt(),
-            len(transcript.generated),
-            threshold,
-            stream=self.stream_legs,
+            self.request, prompt, len(transcript.generated), threshold, stream=self.stream_legs
         )
         if local:
             return await self._local(body, COMPLETIONS, "completion", original_prompt=False)
@@ -363,13 +426,38 @@ class Flow:
 
     def _next_decoder(self) -> Endpoint | None:
         """The plan's best decoder not seen failing in this request and in routing, else
-        the best not seen failing (None: every one failed)."""
+        the best not seen failing, else the best spare (None: none is left)."""
         failed = self.legs.failed
         usable = [d for d in self.plan.decoders if d.name not in failed]
         for decoder in usable:
             if self.legs.fleet.is_healthy(decoder.name):
                 return decoder
-        return usable[0] if usable else None
+        if usable:
+            return usable[0]
+        spares = self._spares()
+        return spares[0] if spares else None
+
+    def _spares(self) -> tuple[Endpoint, ...]:
+        """Decoders left out of the plan only because a leg broke on them (suspects, see
+        :meth:`FleetState.is_suspect`) and not seen failing in this request, best first:
+        where a request goes when its plan has no decoder left (worked out only then)."""
+        failed, fleet = self.legs.failed, self.legs.fleet
+        return tuple(
+            d
+            for d in self.plan.spare_decoders()
+            if d.name not in failed and fleet.is_suspect(d.name)
+        )
+
+    def _within_budget(self) -> None:
+        """502 rather than another leg once the request sent its :func:`leg_budget`."""
+        if self.legs.sent < self.budget:
+            return
+        logger.warning(
+            "request %s sent its budget of %d upstream requests without an answer",
+            self.request.request_id,
+            self.budget,
+        )
+        raise GatewayError(502, "the upstream answers did not let the request finish")
 
     def _length_answer(self) -> Json:
         """An empty answer that ends the request at its token limit."""

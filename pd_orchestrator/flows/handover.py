@@ -19,13 +19,17 @@ and for every continuation alike:
      it and fails the attempt.
 
    A prefill answer without transfer params that finished is itself the answer.
+   Transfer params that name a host the prefiller cannot be reached at (its URL's
+   or ``kv`` host, or what those resolve to) are the prefiller's protocol error:
+   a decoder never connects where an upstream alone says.
 4. **Retries**: an attempt that fails on the prefill side (a broken or refused
    connection, a timeout, or a 5xx) is retried on the next prefiller, chosen when the
    retry starts: the best of the plan's not seen failing in this request and in
    routing (healthy, not ejected), else the best not seen failing, else one not yet
    tried, else the next in turn. Each retry waits a full-jitter exponential backoff
    first; at most ``upstream.prefill_attempts`` attempts, all within
-   ``upstream.prefill_budget`` seconds (which also bounds each prefill leg). A 4xx
+   ``upstream.prefill_budget`` seconds plus the prompt's read-timeout allowance
+   (:meth:`Legs.allowance`), which also bounds each prefill leg. A 4xx
    (the request itself is refused) is not retried, nor is a failure of the decode
    leg (the flow handles that).
 """
@@ -47,6 +51,7 @@ from connectors import (
     PeerInfo,
     PrefillOutcome,
     TransferContext,
+    named_hosts,
 )
 from connectors import Leg as Side
 from pd_orchestrator.config.settings import UpstreamConfig
@@ -120,7 +125,7 @@ class Handover:
     ) -> HandoverResult:
         """Prefill ``body`` and decode it on the decoder with the threshold it carries."""
         shape = _Shape(body, path, kind, original_prompt)
-        deadline = self.clock() + self.config.prefill_budget
+        deadline = self.clock() + self.config.prefill_budget + self.legs.allowance()
         tried: list[str] = []
         while True:
             prefiller = self.prefiller = self._next(tried)
@@ -202,16 +207,45 @@ class Handover:
                 prefiller.name, Phase.PREFILL, "prefill budget exhausted", role="prefiller"
             ) from None
 
-    def _read(self, prefiller: Endpoint, answer: Json, ctx: TransferContext) -> PrefillOutcome:
+    async def _read(
+        self, prefiller: Endpoint, answer: Json, ctx: TransferContext
+    ) -> PrefillOutcome:
+        """What the prefill answer means for the decode leg (see :meth:`_checked`)."""
         try:
             outcome = self.connector.read_prefill(answer, ctx)
         except ConnectorError as exc:
-            raise UpstreamProtocolError(
-                prefiller.name, Phase.PREFILL, f"unusable transfer params ({exc})", role="prefiller"
-            ) from exc
+            raise self._refused(prefiller, str(exc)) from exc
+        outcome = await self._checked(prefiller, outcome)
         if outcome.learned is not None:
             self.legs.fleet.learn(prefiller.name, outcome.learned)
         return outcome
+
+    async def _checked(self, prefiller: Endpoint, outcome: PrefillOutcome) -> PrefillOutcome:
+        """``outcome`` when every host its params name (:func:`connectors.named_hosts`) is
+        one the prefiller may be reached at (:meth:`Upstream.addresses`); else the
+        prefiller's protocol error: the decoder never connects where a prefiller says
+        unless the configuration (or the allow-list a sidecar checked the prefiller
+        against) named that host."""
+        try:
+            hosts = named_hosts(self.connector.describe(), outcome.params)
+        except ConnectorError as exc:
+            raise self._refused(prefiller, str(exc)) from exc
+        if hosts:
+            allowed = await self.legs.upstream.addresses(prefiller)
+            for host in hosts:
+                if host not in allowed:
+                    raise self._refused(prefiller, f"transfer params name host {host!r}")
+        return outcome
+
+    def _refused(self, prefiller: Endpoint, why: str) -> UpstreamError:
+        """The prefiller's protocol error for unusable transfer params, counted against
+        it (metrics, outlier detection) and logged."""
+        return self.legs.faulted(
+            prefiller,
+            UpstreamProtocolError(
+                prefiller.name, Phase.PREFILL, f"unusable transfer params ({why})", role="prefiller"
+            ),
+        )
 
     async def _decode(
         self, ctx: TransferContext, shape: _Shape, params: dict[str, Any] | None
@@ -230,7 +264,7 @@ class Handover:
 
     async def _sequential(self, prefiller: Endpoint, ctx: TransferContext, shape: _Shape) -> Leg:
         answer = await self._prefill(prefiller, ctx, shape)
-        outcome = self._read(prefiller, answer, ctx)
+        outcome = await self._read(prefiller, answer, ctx)
         if outcome.params is None and outcome.finished:
             return self.legs.answer(prefiller, answer, shape.kind, shape.original_prompt)
         return await self._decode(ctx, shape, outcome.params)
@@ -256,7 +290,7 @@ class Handover:
             tg.start_soon(decode, scope)
             try:
                 answer = await self._prefill(prefiller, ctx, shape)
-                outcome = self._read(prefiller, answer, ctx)
+                outcome = await self._read(prefiller, answer, ctx)
             except UpstreamError as exc:
                 failures.insert(0, exc)
             if outcome is None or outcome.finished or outcome.stale:

@@ -5,11 +5,20 @@ request goes through it, so every one is treated alike:
 
 * counted in flight on its endpoint from the moment it is sent until it is read to
   the end or closed (a stream for as long as it streams);
-* its success or failure reported to the fleet, when it is sent or, for a stream,
-  when it fails mid-answer (:meth:`FleetState.record_error`: a connection that
-  cannot be made counts as a failed check; outlier detection counts 5xx answers and
-  broken connections); a leg the flow gives up on mid-answer marks its endpoint
-  unhealthy (:meth:`Legs.broken`);
+* its success or failure reported to the fleet: a failure when it happens
+  (:meth:`FleetState.record_error`: a connection that cannot be made counts as a
+  failed check; outlier detection counts 5xx answers, broken connections, timeouts
+  and protocol errors), a success once its answer was read to the end -- a stream's
+  start only shows the endpoint is up (:meth:`FleetState.record_accepted`), an
+  answer that breaks or turns out malformed is a failure; a leg the flow gives up on
+  mid-answer marks its endpoint unhealthy (:meth:`Legs.broken`);
+* read as vLLM answers: a field of a type vLLM never sends, ``cache_threshold``
+  from a leg sent with threshold 0 (vLLM rejects only below a threshold), or no
+  content within :data:`MAX_HELD` chunks is a protocol error of the endpoint
+  (:meth:`Leg.fault`);
+* given a read timeout that grows with the request's prompt (:attr:`Legs.prompt_tokens`:
+  prefilling a long prompt takes time; ``timeouts.per_1k_prompt_tokens``);
+* counted (:attr:`Legs.sent`: the flow holds each request to a budget of them);
 * counted by endpoint, phase and outcome, with its duration
   (``pd_orchestrator_upstream_requests_total``, ``pd_orchestrator_upstream_seconds``);
   a prefill sent again after a failed one is a retry
@@ -28,7 +37,8 @@ request goes through it, so every one is treated alike:
 
 A :class:`Leg` is an answer being read, in batches of chunks. A leg the client's
 body asks to stream is read as SSE; otherwise its whole answer is the leg's one
-batch (``whole``), so a flow relays both alike.
+batch (``whole``), so a flow relays both alike, and both are accounted for when
+they are closed.
 """
 
 from __future__ import annotations
@@ -41,25 +51,29 @@ from typing import Any
 import anyio
 from opentelemetry.trace import Span
 
-from pd_orchestrator.fleet.endpoints import Endpoint
+from pd_orchestrator.fleet.endpoints import Endpoint, Role
 from pd_orchestrator.fleet.state import FleetState
-from pd_orchestrator.flows.chunks import ChunkView, view_answer, view_chunk
+from pd_orchestrator.flows.chunks import ChunkView, MalformedChunk, view_answer, view_chunk
 from pd_orchestrator.openai.responses import Kind
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
 from pd_orchestrator.telemetry.tracing import RequestTrace
-from pd_orchestrator.upstream.client import ChunkStream, Phase, Upstream
+from pd_orchestrator.upstream.client import ChunkStream, Phase, Upstream, role_label
 from pd_orchestrator.upstream.errors import (
     UpstreamError,
+    UpstreamProtocolError,
     UpstreamStatusError,
     UpstreamTimeout,
     UpstreamUnavailable,
 )
 
-__all__ = ["CLOSE_SECONDS", "Leg", "Legs"]
+__all__ = ["CLOSE_SECONDS", "MAX_HELD", "Leg", "Legs"]
 
 Json = dict[str, Any]
 CLOSE_SECONDS = 2.0
 """How long closing one leg may take before it is abandoned."""
+MAX_HELD = 64
+"""Chunks a leg may send before its first decisive one (vLLM sends at most a role
+chunk first: every generated token comes with its id)."""
 logger = logging.getLogger("pd_orchestrator.upstream")
 
 
@@ -97,9 +111,10 @@ class Leg:
     ``kind``: the API its chunks speak. ``whole``: its one batch is a whole answer.
     ``original_prompt``: it serves the client's prompt (not a continuation).
     ``held``: chunks read ahead (to the first decisive one) and not yet relayed.
-    ``tokens`` and ``usage``: what it generated and reported. ``ended``: read to its
-    end; ``error``: what broke it mid-answer (reported to the fleet when it is
-    closed); ``phase`` and ``span``: how :class:`Legs` accounts for it when it closes.
+    ``tokens`` and ``usage``: the tokens of it the client got and what it reported.
+    ``ended``: read to its end; ``error``: what broke it or was wrong with it
+    (reported to the fleet when it is closed); ``phase`` and ``span``: how
+    :class:`Legs` accounts for it when it closes.
     """
 
     endpoint: Endpoint
@@ -121,16 +136,34 @@ class Leg:
     span: Span | None = None
 
     def view(self, chunk: Json) -> ChunkView:
-        """What ``chunk`` (an answer when ``whole``) says (read once per held chunk)."""
+        """What ``chunk`` (an answer when ``whole``) says (read once per held chunk);
+        a malformed one is the leg's fault (:meth:`fault`)."""
         views = self.views
         if views:
             seen = views.pop(id(chunk), None)
             if seen is not None:
                 return seen
-        return view_answer(chunk, self.kind) if self.whole else view_chunk(chunk, self.kind)
+        try:
+            return view_answer(chunk, self.kind) if self.whole else view_chunk(chunk, self.kind)
+        except MalformedChunk as exc:
+            raise self.fault(str(exc)) from None
+
+    def fault(self, message: str) -> UpstreamProtocolError:
+        """The leg's answer is not what vLLM sends: a protocol error of its endpoint,
+        which the leg keeps (reported when it is closed) and returns to be raised."""
+        error = UpstreamProtocolError(
+            self.endpoint.name, self.phase, message, role=role_label(self.endpoint)
+        )
+        self.error = error
+        return error
 
     async def read_until_decisive(self) -> ChunkView | None:
-        """Hold chunks until one carries content or a finish; None if none does."""
+        """Hold chunks until one carries content or a finish; None if none does.
+
+        Raises the leg's :meth:`fault` for a rejection at threshold 0 (``cache_threshold``,
+        or an answer with no choice: vLLM admits every request at 0) and for a stream
+        with no decisive chunk among its first :data:`MAX_HELD`.
+        """
         if self.decisive is not None:
             return self.decisive
         while (batch := await self._next()) is not None:
@@ -139,8 +172,14 @@ class Leg:
                 view = self.view(chunk)
                 self.views[id(chunk)] = view  # the relay reads it from here
                 if view.decisive:
+                    if view.rejected and self.threshold <= 0.0:
+                        raise self.fault("cache_threshold at threshold 0")
                     self.decisive = view
                     return view
+            if len(self.held) > MAX_HELD:
+                raise self.fault(f"no content in the first {MAX_HELD} chunks")
+        if self.threshold <= 0.0:
+            raise self.fault("an answer with no content and no finish reason")
         return None
 
     async def next_batch(self) -> list[Json] | None:
@@ -162,7 +201,12 @@ class Leg:
 
 
 class Legs:
-    """Every upstream request of one client request (see the module docstring)."""
+    """Every upstream request of one client request (see the module docstring).
+
+    ``sent``: upstream requests sent so far. ``prompt_tokens``: the size of the prompt
+    the next legs carry, which lengthens their read timeouts (the flow sets it: the
+    plan's estimate, then each continuation's token prompt).
+    """
 
     def __init__(
         self,
@@ -183,14 +227,20 @@ class Legs:
         self.forward = forward
         self.trace = trace
         self.failed: set[str] = set()
+        self.prompt_tokens = 0
+        self.sent = 0
         self._count = 0
-        self._open: list[tuple[Leg, ChunkStream]] = []
+        self._open: list[tuple[Leg, ChunkStream | None]] = []
         self._prefill_failed = False
 
     def next_id(self) -> str:
         """A new leg id: ``<request id>-<n>``."""
         self._count += 1
         return f"{self.request_id}-{self._count}"
+
+    def allowance(self) -> float:
+        """Seconds the read timeouts of the next legs grow by for their prompt's size."""
+        return self.upstream.allowance(self.prompt_tokens)
 
     def _headers(
         self, endpoint: Endpoint, span: Span | None, extra: Mapping[str, str] | None
@@ -206,6 +256,12 @@ class Legs:
             for name, value in extra.items():
                 headers[name.lower()] = value
         return headers
+
+    def faulted(self, endpoint: Endpoint, exc: UpstreamError) -> UpstreamError:
+        """Count and log ``exc``, a fault found in an answer already taken (the answer
+        itself counted as answered): returned for the caller to raise."""
+        self._failure(endpoint, exc, exc.phase)
+        return exc
 
     def _failure(self, endpoint: Endpoint, exc: UpstreamError, phase: str) -> None:
         """Count and log a failed leg (the one place upstream failures are logged)."""
@@ -239,7 +295,18 @@ class Legs:
         leg's own, e.g. a connector's shared ``X-Request-Id``). ``label`` names the leg
         in metrics and traces when its phase does not say enough (``probe``)."""
         name: str = label or phase  # a StrEnum: its value as a label
-        return await self._post(endpoint, path, body, phase, name, name, headers)
+        span = self._span(name, endpoint, name)
+        started = self.clock()
+        answer = await self._post(endpoint, path, body, phase, name, span, headers)
+        self.fleet.record_success(endpoint.name)
+        self.metrics.count_leg(endpoint.name, name, "ok", self.clock() - started)
+        if span is not None:
+            RequestTrace.end_leg(span, "ok", _usage_attributes(answer.get("usage")))
+        return answer
+
+    def _span(self, span_name: str, endpoint: Endpoint, phase: str) -> Span | None:
+        trace = self.trace
+        return None if trace is None else trace.leg(span_name, endpoint.name, phase)
 
     async def _post(
         self,
@@ -248,21 +315,21 @@ class Legs:
         body: Json,
         phase: Phase,
         name: str,
-        span_name: str,
+        span: Span | None,
         extra: Mapping[str, str] | None,
     ) -> Json:
+        """The whole answer to ``body``; its failures accounted for, not its success."""
+        self.sent += 1
         fleet = self.fleet
-        trace = self.trace
-        span = None if trace is None else trace.leg(span_name, endpoint.name, name)
         if self._prefill_failed and name == "prefill":
             self._prefill_failed = False
             self.metrics.prefill_retries.inc()
-        started = self.clock()
         fleet.enter(endpoint.name)
         try:
-            answer = await self.upstream.post_json(
-                endpoint, path, body, phase=phase, headers=self._headers(endpoint, span, extra)
-            )
+            return await self.upstream.post_json(
+                endpoint, path, body, phase=phase,
+                headers=self._headers(endpoint, span, extra), prompt_tokens=self.prompt_tokens,
+            )  # fmt: skip
         except UpstreamError as exc:
             self._failed_leg(endpoint, exc, name, span)
             raise
@@ -271,11 +338,6 @@ class Legs:
             raise
         finally:
             fleet.leave(endpoint.name)
-        fleet.record_success(endpoint.name)
-        self.metrics.count_leg(endpoint.name, name, "ok", self.clock() - started)
-        if span is not None:
-            RequestTrace.end_leg(span, "ok", _answer_attributes(answer))
-        return answer
 
     def _failed_leg(
         self, endpoint: Endpoint, exc: UpstreamError, phase: str, span: Span | None
@@ -303,7 +365,8 @@ class Legs:
         original_prompt: bool = True,
         headers: Mapping[str, str] | None = None,
     ) -> Leg:
-        """Send ``body``: a stream when it says ``stream``, else a whole answer."""
+        """Send ``body``: a stream when it says ``stream``, else a whole answer (either
+        accounted for when it is closed)."""
         threshold = float(body.get("cache_hit_threshold") or 0.0)
         name: str = phase  # a StrEnum: its value as a label
         span_name = name
@@ -312,17 +375,38 @@ class Legs:
                 self.metrics.count_kv_transfer(endpoint.connector)
             if not original_prompt:
                 span_name = "continuation"
-        if not body.get("stream"):
-            answer = await self._post(endpoint, path, body, phase, name, span_name, headers)
-            return self.answer(endpoint, answer, kind, original_prompt, threshold)
-        trace = self.trace
-        span = None if trace is None else trace.leg(span_name, endpoint.name, name)
+        span = self._span(span_name, endpoint, name)
         started = self.clock()
+        stream: ChunkStream | None = None
+        if body.get("stream"):
+            stream = await self._open_stream(endpoint, path, body, phase, span, headers)
+            source: AsyncIterator[list[Json]] = stream
+        else:
+            source = _Whole(await self._post(endpoint, path, body, phase, name, span, headers))
+        leg = Leg(endpoint, kind, source, stream is None, original_prompt, started, threshold)
+        leg.phase = name
+        leg.span = span
+        self._open.append((leg, stream))
+        return leg
+
+    async def _open_stream(
+        self,
+        endpoint: Endpoint,
+        path: str,
+        body: Json,
+        phase: Phase,
+        span: Span | None,
+        extra: Mapping[str, str] | None,
+    ) -> ChunkStream:
+        """The stream answering ``body``, in flight on ``endpoint`` until it is closed."""
+        self.sent += 1
+        name: str = phase
         self.fleet.enter(endpoint.name)
         try:
             stream = await self.upstream.open_stream(
-                endpoint, path, body, phase=phase, headers=self._headers(endpoint, span, headers)
-            )
+                endpoint, path, body, phase=phase,
+                headers=self._headers(endpoint, span, extra), prompt_tokens=self.prompt_tokens,
+            )  # fmt: skip
         except UpstreamError as exc:
             self.fleet.leave(endpoint.name)
             self._failed_leg(endpoint, exc, name, span)
@@ -331,12 +415,8 @@ class Legs:
             self.fleet.leave(endpoint.name)
             self._cancelled_leg(endpoint, name, span)
             raise
-        self.fleet.record_success(endpoint.name)
-        leg = Leg(endpoint, kind, stream, False, original_prompt, started, threshold)
-        leg.phase = name
-        leg.span = span
-        self._open.append((leg, stream))
-        return leg
+        self.fleet.record_accepted(endpoint.name)
+        return stream
 
     def answer(
         self,
@@ -346,11 +426,14 @@ class Legs:
         original_prompt: bool,
         threshold: float = 0.0,
     ) -> Leg:
-        """A whole answer already in hand, as a leg."""
-        return Leg(endpoint, kind, _Whole(answer), True, original_prompt, self.clock(), threshold)
+        """A whole answer already in hand (accounted for when it was posted), as a leg."""
+        leg = Leg(endpoint, kind, _Whole(answer), True, original_prompt, self.clock(), threshold)
+        leg.phase = Phase.PREFILL if endpoint.role is Role.PREFILL else Phase.DECODE
+        return leg
 
     async def lookup(self, endpoint: Endpoint, url: str) -> Any:
         """A connector's lookup about ``endpoint`` (``GET url``, a JSON answer)."""
+        self.sent += 1
         try:
             return await self.upstream.get_json(endpoint, url)
         except UpstreamError as exc:
@@ -363,13 +446,17 @@ class Legs:
         self.fleet.mark_unhealthy(endpoint)
 
     async def close(self, leg: Leg) -> None:
-        """Close ``leg`` (its connection too, unless it was read to the end)."""
+        """Close ``leg`` (a stream's connection too, unless it was read to the end) and
+        account for it."""
         if not leg.open:
             return
         leg.open = False
         for index, (open_leg, stream) in enumerate(self._open):
             if open_leg is leg:
                 del self._open[index]
+                if stream is None:  # a whole answer: read already, out of flight
+                    self._closed(leg, True)
+                    return
                 try:
                     if stream.done:  # read to its end: the connection just goes back
                         await stream.aclose()
@@ -380,10 +467,12 @@ class Legs:
                     self.fleet.leave(leg.endpoint.name)
                     self._closed(leg, stream.done)
                 return
+        if leg.error is not None:  # an answer in hand (its leg was accounted) found faulty
+            self._failure(leg.endpoint, leg.error, leg.phase)
 
     def _closed(self, leg: Leg, done: bool) -> None:
-        """Account for a stream that ended: read to its ``[DONE]`` (``done``), closed
-        before it, or broken."""
+        """Account for a leg that ended: read to its end (``done``: a stream's
+        ``[DONE]``, or a whole answer), closed before it, or broken."""
         name = leg.endpoint.name
         if leg.error is not None:
             self._failed_leg(leg.endpoint, leg.error, leg.phase, leg.span)
@@ -393,9 +482,12 @@ class Legs:
             outcome = "rejected"
         else:
             outcome = "ok" if ended else "cancelled"
+        if outcome != "cancelled":
+            self.fleet.record_success(name)
         self.metrics.count_leg(name, leg.phase, outcome, self.clock() - leg.started)
         if leg.span is not None:
-            RequestTrace.end_leg(leg.span, outcome, {"pd.completion_tokens": leg.tokens})
+            attributes = _usage_attributes(leg.usage) | {"pd.completion_tokens": leg.tokens}
+            RequestTrace.end_leg(leg.span, outcome, attributes)
 
     async def aclose(self) -> None:
         """Close every leg still open."""
@@ -411,9 +503,8 @@ def _rejects(view: ChunkView | None) -> bool:
     return view.rejected and not view.token_ids and not view.completion_tokens
 
 
-def _answer_attributes(answer: Json) -> dict[str, Any]:
-    """Span attributes of a whole answer: its token counts, when it reports them."""
-    usage = answer.get("usage")
+def _usage_attributes(usage: Any) -> dict[str, Any]:
+    """Span attributes of an answer's usage: its token counts, when it reports them."""
     if not isinstance(usage, dict):
         return {}
     counts = (("pd.prompt_tokens", "prompt_tokens"), ("pd.completion_tokens", "completion_tokens"))

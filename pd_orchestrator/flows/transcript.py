@@ -72,9 +72,14 @@ class Transcript:
             self.finish_reason = view.finish_reason
 
     def absorb_usage(self, usage: Json | None, *, original_prompt: bool, leg_tokens: int) -> None:
-        """Add one leg's usage: its completion tokens always, prompt figures once."""
+        """Add one leg's usage: ``leg_tokens``, the tokens of it the client got, counted
+        by their ids whether the leg finished or broke (each token once: a continuation
+        generates only what comes after them); what ``usage`` reports only for a leg
+        that returned no ids. Prompt figures once, from the original prompt's leg."""
         reported = usage.get("completion_tokens") if usage else None
-        self.completion_tokens += reported if isinstance(reported, int) else leg_tokens
+        if not leg_tokens and isinstance(reported, int):
+            leg_tokens = reported
+        self.completion_tokens += leg_tokens
         if not original_prompt or usage is None or self.prompt_tokens is not None:
             return
         prompt = usage.get("prompt_tokens")

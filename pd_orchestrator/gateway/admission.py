@@ -5,7 +5,8 @@ decodes it (400 unless a JSON object), checks it against the limits
 (:func:`~pd_orchestrator.gateway.limits.check_json`: depth, messages, token ids),
 refuses the KV-transfer fields a client may not set (400, see
 :func:`refuse_transfer_fields`), parses it into its typed view (400 naming the
-field), checks the model (404) and, in sidecar mode, the prefillers and the KV
+field), checks ``n`` times the body's size (400, ``limits.max_n_body_bytes``), checks
+the model (404) and, in sidecar mode, the prefillers and the KV
 source a request names in its headers (403 unless allow-listed), and returns the
 request (raw body kept for pass-through, typed view for everything the gateway
 reads) with the planner's view of it
@@ -31,7 +32,7 @@ from pd_orchestrator.config.settings import KvSettings
 from pd_orchestrator.fleet.endpoints import Endpoint, Role
 from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.flows.sink import GatewayError
-from pd_orchestrator.gateway.limits import check_json
+from pd_orchestrator.gateway.limits import check_choices, check_json
 from pd_orchestrator.gateway.state import GatewayState
 from pd_orchestrator.openai.protocol import RequestError, parse_for
 from pd_orchestrator.openai.responses import Kind
@@ -45,6 +46,7 @@ __all__ = [
     "RequestIds",
     "admit",
     "header_map",
+    "json_object",
     "refuse_transfer_fields",
     "request_id_of",
 ]
@@ -87,7 +89,8 @@ def request_id_of(value: str | None, ids: RequestIds) -> str:
     return ids.new()
 
 
-def _decode(raw: bytes) -> dict[str, Any]:
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object; GatewayError 400 otherwise."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -121,7 +124,7 @@ def admit(
     ids: RequestIds,
 ) -> Admitted:
     """Admit one completion request (see the module docstring); raises GatewayError."""
-    body = _decode(raw)
+    body = json_object(raw)
     config = state.config
     check_json(body, config.limits, kind)
     if not config.security.trust_client_transfer_params:
@@ -130,6 +133,7 @@ def admit(
         view = parse_for(kind, body)
     except RequestError as exc:
         raise GatewayError(400, str(exc), exc.param) from None
+    check_choices(view.n, len(raw), config.limits)
     if state.models and view.model not in state.models:
         raise GatewayError(404, f"The model `{view.model}` does not exist.", "model")
     request = ClientRequest(
@@ -177,18 +181,22 @@ def _host_port(state: GatewayState, header: str, value: str) -> tuple[str, int]:
 
 
 def _named(state: GatewayState, headers: dict[str, str]) -> tuple[Endpoint, ...] | None:
-    """The sidecar header's prefillers (allow-listed), or None without the header."""
+    """The sidecar header's prefillers (allow-listed); none (decode on the local
+    decoder alone) when a sidecar's request has no such header or an empty one -- what
+    llm-d's scheduler sends when it chose decode-only, and what llm-d's routing sidecar
+    (llm-d-inference-scheduler v0.3, ``pkg/sidecar/proxy``) then serves on its decoder;
+    None outside sidecar mode (the prefill profile ranks the fleet's prefillers)."""
     sidecar = state.config.sidecar
-    header = headers.get(sidecar.prefiller_header.lower()) if sidecar.enabled else None
-    if header is None:
+    if not sidecar.enabled:
         return None
+    header = headers.get(sidecar.prefiller_header.lower())
+    if header is None or not header.strip(" ,"):
+        return ()
     chosen = [
         _prefiller(state, *_host_port(state, sidecar.prefiller_header, item))
         for item in header.split(",")
         if item.strip()
     ]
-    if not chosen:
-        raise GatewayError(400, f"header {sidecar.prefiller_header} names no prefiller")
     return tuple(chosen)
 
 

@@ -68,13 +68,14 @@ from pd_orchestrator.gateway.admission import (
     RequestIds,
     admit,
     header_map,
+    json_object,
     request_id_of,
 )
 from pd_orchestrator.gateway.auth import OPEN_PATHS, ApiKeys, forwarded_headers, unauthorized
 from pd_orchestrator.gateway.lifecycle import SHUTTING_DOWN, Drain, closing_connections
 from pd_orchestrator.gateway.limits import REFUSALS_THAT_CLOSE, check_head, read_body
 from pd_orchestrator.gateway.observe import Answered, log_access, span_attributes
-from pd_orchestrator.gateway.passthrough import json_object, tokenizer_decoder, versions
+from pd_orchestrator.gateway.passthrough import tokenizer_decoder, versions
 from pd_orchestrator.gateway.protocol import limited_protocol
 from pd_orchestrator.gateway.response import error_of, error_response, respond
 from pd_orchestrator.gateway.state import (
@@ -114,10 +115,15 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("latin-1")).digest()
 
 
+def _closing(status: int) -> dict[str, str]:
+    """The headers of a refusal with ``status``: one that leaves the request unread
+    also closes the connection."""
+    return _CLOSE if status in REFUSALS_THAT_CLOSE else {}
+
+
 async def _refuse(send: Send, exc: GatewayError) -> None:
-    """Answer a refusal; one that leaves the request unread also closes the connection."""
-    headers = _CLOSE if exc.status in REFUSALS_THAT_CLOSE else None
-    await error_response(send, exc.status, exc.message, exc.param, headers)
+    """Answer a refusal (see :func:`_closing`)."""
+    await error_response(send, exc.status, exc.message, exc.param, _closing(exc.status))
 
 
 class Gateway:
@@ -480,7 +486,8 @@ class Gateway:
         tracing = self.tracing
         trace = None if tracing is None else tracing.request("POST", path, headers)
         try:
-            body = json_object(await request.body())
+            raw = await read_body(request.receive, state.config.limits.max_body_bytes)
+            body = json_object(raw)
             decoder = tokenizer_decoder(state, body.get("model"), next(self._turns))
             forward = forwarded_headers(headers, own_keys=self._api_keys is not None, tracing=trace)
             legs = Legs(
@@ -494,7 +501,8 @@ class Gateway:
             answer, error = error_body(message, status, param=param), message
         self.metrics.count_request(path, "error" if status >= 400 else "none", status)
         self._observe(state, trace, Answered("POST", path, status, None, error), started)
-        return JSONResponse(answer, status, headers={"x-request-id": request_id})
+        headers = {"x-request-id": request_id, **_closing(status)}
+        return JSONResponse(answer, status, headers=headers)
 
     async def _admin_reload(self, request: Request) -> Response:
         """``POST /admin/reload`` with ``Authorization: Bearer <admin.token>`` (the

@@ -5,13 +5,18 @@
    (:func:`closing_connections`), and the server closes its listening sockets, so no
    new connection is accepted.
 2. Requests in flight, and those that still arrive on open connections, may finish
-   for ``lifecycle.drain_seconds`` (:meth:`Drain.run`).
+   for ``lifecycle.drain_seconds`` (:meth:`Drain.run`). The drain lasts until every
+   connection has closed, not only until nothing is in flight: a connection closes
+   after its next answer, or when it has been idle for ``limits.keepalive_timeout``
+   (or its request timed out, ``limits.header_timeout`` and ``body_timeout``), so a
+   request a client sends on an idle keep-alive connection after the signal is
+   served (with ``Connection: close``) instead of being cut with the connection.
 3. Then every request still in flight is cancelled: its upstream legs are closed
    (that is how vLLM learns to abort), a stream already started ends with one SSE
    error event in vLLM's shape and ``[DONE]``, an answer not yet started is a 503 in
    the same shape (:func:`~pd_orchestrator.gateway.response.respond` does both). A
    request that arrives after this point is a 503 at once.
-4. The server closes the connections left (idle ones) and the process exits.
+4. The server closes the connections left and the process exits.
 
 A second SIGINT (uvicorn's force exit) cuts the waits short.
 """
@@ -49,12 +54,18 @@ class Drain:
         """Start draining (safe in a signal handler: it only sets a flag)."""
         self.draining = True
 
-    async def run(self, grace: float, forced: Callable[[], bool] = lambda: False) -> int:
-        """Let requests finish for ``grace`` seconds, then end the rest; returns how many
-        were ended. ``forced()`` true stops waiting."""
+    async def run(
+        self,
+        grace: float,
+        forced: Callable[[], bool] = lambda: False,
+        connections: Callable[[], int] = lambda: 0,
+    ) -> int:
+        """Let requests finish, and open connections close, for ``grace`` seconds, then
+        end the requests left; returns how many were ended. ``connections()``: how many
+        client connections are open; ``forced()`` true stops waiting."""
         self.begin()
         with anyio.move_on_after(grace):
-            await self._settled(forced)
+            await self._settled(forced, connections)
         self.closing = True
         ended = len(self.scopes)
         for scope in list(self.scopes):
@@ -63,8 +74,11 @@ class Drain:
             await self._settled(forced)
         return ended
 
-    async def _settled(self, forced: Callable[[], bool]) -> None:
-        while self.requests and not forced():  # noqa: ASYNC110 - uvicorn's force flag is no event
+    async def _settled(
+        self, forced: Callable[[], bool], connections: Callable[[], int] = lambda: 0
+    ) -> None:
+        """Until no request is in flight and no connection is open, or ``forced()``."""
+        while (self.requests or connections()) and not forced():  # noqa: ASYNC110 - no event to wait on
             await anyio.sleep(_POLL)
 
 

@@ -15,6 +15,8 @@ OpenAI error shape); the limits are :class:`~pd_orchestrator.config.settings.Lim
   only and skips a completion's ``prompt`` (which validation then allows to be a
   string or a flat list of token ids only, however long), so a plain completion
   body costs about a microsecond and a 100-message chat some tens.
+* :func:`check_choices` -- on the validated request: ``n`` times the body's size
+  (400): each choice is a request of its own upstream, with its own copy of the body.
 """
 
 from __future__ import annotations
@@ -27,7 +29,14 @@ from pd_orchestrator.config.settings import LimitsConfig
 from pd_orchestrator.flows.sink import GatewayError
 from pd_orchestrator.openai.responses import Kind
 
-__all__ = ["REFUSALS_THAT_CLOSE", "check_head", "check_json", "json_depth_exceeds", "read_body"]
+__all__ = [
+    "REFUSALS_THAT_CLOSE",
+    "check_choices",
+    "check_head",
+    "check_json",
+    "json_depth_exceeds",
+    "read_body",
+]
 
 REFUSALS_THAT_CLOSE = frozenset({413, 431})
 """Statuses answered with ``connection: close`` (the rest of the request is unread)."""
@@ -115,3 +124,12 @@ def check_json(body: dict[str, Any], limits: LimitsConfig, kind: Kind) -> None:
         raise GatewayError(
             400, f"the request has more than {limits.max_messages} messages", "messages"
         )
+
+
+def check_choices(n: int, size: int, limits: LimitsConfig) -> None:
+    """Refuse ``n`` > 1 choices of a ``size``-byte body past ``limits.max_n_body_bytes``
+    (400)."""
+    limit = limits.max_n_body_bytes
+    if n > 1 and n * size > limit:
+        message = f"n={n} times the body's {size} bytes exceeds {limit} bytes: ask fewer choices"
+        raise GatewayError(400, message, "n")

@@ -26,22 +26,11 @@ from pd_orchestrator.gateway.state import GatewayState
 from pd_orchestrator.upstream.client import Upstream
 from pd_orchestrator.upstream.errors import UpstreamError
 
-__all__ = ["TOKENIZER_ROUTES", "VERSION_SECONDS", "json_object", "tokenizer_decoder", "versions"]
+__all__ = ["TOKENIZER_ROUTES", "VERSION_SECONDS", "tokenizer_decoder", "versions"]
 
 TOKENIZER_ROUTES = ("/tokenize", "/detokenize")
 VERSION_SECONDS = 1.0
 """How long ``/version`` waits for each endpoint's version."""
-
-
-def json_object(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object; GatewayError 400 otherwise."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise GatewayError(400, f"malformed JSON body: {exc}") from None
-    if not isinstance(body, dict):
-        raise GatewayError(400, "the request body must be a JSON object")
-    return body
 
 
 def tokenizer_decoder(state: GatewayState, model: object, turn: int) -> Endpoint:

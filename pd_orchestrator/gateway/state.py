@@ -108,7 +108,9 @@ def build_state(
         outlier=config.outlier,
         clock=clock,
         on_eject=metrics.count_ejection,
+        max_named=config.sidecar.max_named_targets,
     )
+    metrics.label_upstreams({e.name for e in endpoints}, config.sidecar.max_named_targets)
     if previous is not None:
         fleet.inherit(previous.fleet)
     pairs = frozenset((p.prefill_group, p.decode_group) for p in config.compatibility.host_staged)

@@ -20,6 +20,12 @@ returns a :class:`Plan`:
    decoder admits needs none, unless the threshold policy reads the prefillers.
 4. **Threshold**: the policy's decision for the first decoder, which sees that
    decoder's load, the prompt's size and its compatible prefillers' load.
+5. **Prompt size** in tokens (exact when counted, else estimated from its
+   characters), which lengthens the read timeouts of the request's legs.
+6. **Spare decoders** (:meth:`Plan.spare_decoders`): the decode profile's ranking
+   with health set aside, worked out only for a request that has no decoder of its
+   plan left (a recovery may still try one that is out of routing only because a
+   leg broke on it).
 
 Routing state is per request: every profile run of one request carries the same
 ordinal (``RoutingRequest.sequence``), which the gateway advances once per request,
@@ -30,11 +36,12 @@ What the planner learns comes back after the request: :meth:`Planner.learn`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from pd_orchestrator.fleet.endpoints import Endpoint, Role
 from pd_orchestrator.policies.base import LatencyObservation, ThresholdContext, ThresholdDecision
+from pd_orchestrator.policies.estimator import PromptLengthEstimator
 from pd_orchestrator.policies.threshold import ThresholdResolver
 from pd_orchestrator.prefix.runtime import PrefixFields
 from pd_orchestrator.routing.engine import Profile
@@ -56,11 +63,18 @@ __all__ = [
 DECODE_ONLY = ThresholdDecision(0.0, "none", "no-threshold")
 """The decision of a planner without a threshold resolver (every decoder admits)."""
 
+NO_PREFILLER = ThresholdDecision(0.0, "gateway", "no-prefiller")
+"""The decision for a request no prefiller can serve: the fleet has none, or the
+request named none (a sidecar without llm-d's prefiller header: llm-d then serves on
+the decoder alone). Admitted wherever it goes, whatever its own threshold."""
+
 NOT_CONTINUABLE = ThresholdDecision(0.0, "gateway", "not-continuable")
 """The decision for a request a continuation could not honour (see
 :attr:`RequestFacts.continuable`): admitted wherever it goes, never handed back."""
 
 Width = Literal["all"] | int
+_PRIOR = PromptLengthEstimator(calibrate=False)
+"""Prompt sizes of a planner without a threshold resolver (the estimator's prior)."""
 
 
 class NoCandidateError(LookupError):
@@ -75,7 +89,8 @@ class RequestFacts:
     known; ``affinity_key`` keeps a conversation's turns together among equals;
     ``fields`` are the prefix scorers' inputs; ``client_threshold`` is the request's
     own ``cache_hit_threshold``; ``prefillers`` are the prefillers the request names
-    itself (None: the prefill profile ranks them). ``continuable``: a continuation
+    itself (None: the prefill profile ranks them; empty: it names none, and is served
+    by its decoder alone). ``continuable``: a continuation
     would honour the request (no tools, structured outputs or logprobs); one that is
     not gets threshold 0, so that no decoder rejects it or hands it back.
     """
@@ -145,10 +160,21 @@ class Plan:
     candidates: tuple[Candidate, ...]
     routing: RoutingRequest
     ranking: RoutingResult
+    prompt_tokens: int = 0
+    decode_profile: Profile | None = None
 
     @property
     def decoder(self) -> Endpoint:
         return self.decoders[0]
+
+    def spare_decoders(self) -> tuple[Endpoint, ...]:
+        """Every decoder the decode profile ranks with health set aside, best first
+        (worked out on each call: only a request with no decoder of its plan left asks)."""
+        profile = self.decode_profile
+        if profile is None:
+            return ()
+        everyone = [replace(c, healthy=True) for c in self.candidates if c.endpoint.role.decodes]
+        return profile.run(self.routing, everyone).endpoints
 
     @property
     def ordinal(self) -> int:
@@ -222,7 +248,9 @@ class Planner:
             self.connector_pairs,
             facts.prefillers,
         )
-        threshold = self._threshold(facts, ranking.pick.candidate, prefillers, prefillers_in, now)
+        tokens = self._prompt_tokens(facts)
+        decoder = ranking.pick.candidate
+        threshold = self._threshold(facts, decoder, prefillers, prefillers_in, now, tokens)
         return Plan(
             decoders=decoders,
             asked=self._asked(decoders),
@@ -231,7 +259,17 @@ class Planner:
             candidates=candidates,
             routing=routing,
             ranking=ranking,
+            prompt_tokens=tokens,
+            decode_profile=self.profiles.decode,
         )
+
+    def _prompt_tokens(self, facts: RequestFacts) -> int:
+        """The prompt's tokens: counted, or estimated from its characters."""
+        if facts.prompt_tokens is not None:
+            return facts.prompt_tokens
+        if self.threshold is not None:
+            return self.threshold.estimate_tokens(facts.model, facts.prompt_chars)
+        return _PRIOR.estimate(facts.model, facts.prompt_chars)
 
     def _asked(self, decoders: tuple[Endpoint, ...]) -> tuple[Endpoint, ...]:
         width = self.width
@@ -246,18 +284,18 @@ class Planner:
         prefillers: PrefillRanking,
         candidates: tuple[Candidate, ...],
         now: float,
+        tokens: int,
     ) -> ThresholdDecision:
         resolver = self.threshold
         if resolver is None:
             return DECODE_ONLY
         if not facts.continuable:
             return NOT_CONTINUABLE
+        if facts.prefillers == () or (facts.prefillers is None and not candidates):
+            return NO_PREFILLER
         compatible: set[str] = set()
         if resolver.reads_prefillers:
             compatible = {e.name for e in prefillers.for_decoder(decoder.endpoint)}
-        tokens = facts.prompt_tokens
-        if tokens is None:
-            tokens = resolver.estimate_tokens(facts.model, facts.prompt_chars)
         context = ThresholdContext(
             model=facts.model,
             decoder=decoder,

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from pd_orchestrator.prefix.hashing import HashAlgo, hash_function
+from pd_orchestrator.sim.faults import ProtocolFault
 from pd_orchestrator.sim.handover import connector_names
 from pd_orchestrator.sim.profiles import LatencyProfile, get_profile
 
@@ -31,8 +32,10 @@ class SimOptions:
     ``--api-key``: requests to ``/v1/...`` need ``Authorization: Bearer <a key>``. Fault hooks:
     ``failure_rate``, ``drop_after_tokens``, ``response_delay`` (seconds each
     completion request waits before the instance takes it: a slow server),
-    ``health_delay`` (seconds ``/health`` takes: a busy one) and ``lease_seconds``
-    (0: produced KV is gone before any consumer can pull it).
+    ``health_delay`` (seconds ``/health`` takes: a busy one), ``lease_seconds``
+    (0: produced KV is gone before any consumer can pull it), ``always_reject``
+    (``cache_threshold`` for every request, whatever its threshold) and
+    ``protocol_fault`` (answers no vLLM would send: :mod:`pd_orchestrator.sim.faults`).
     """
 
     host: str = "127.0.0.1"
@@ -61,6 +64,8 @@ class SimOptions:
     response_delay: float = 0.0
     health_delay: float = 0.0
     fault_seed: int | None = None
+    always_reject: bool = False
+    protocol_fault: ProtocolFault | None = None
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""

@@ -19,7 +19,9 @@ Test hooks (as llm-d's inference simulator has them):
 * ``--failure-rate`` answers a seeded random fraction of requests with 500;
 * ``--response-delay`` holds each completion request that long before taking it,
   ``--health-delay`` each ``/health`` answer (a slow or busy server);
-* ``--lease-seconds 0``: produced KV expires before a consumer can pull it.
+* ``--lease-seconds 0``: produced KV expires before a consumer can pull it;
+* ``--always-reject`` answers every request ``cache_threshold``, even at threshold 0,
+  and ``--protocol-fault`` sends answers no vLLM would (:mod:`pd_orchestrator.sim.faults`).
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ from pd_orchestrator.sim.engine import (
     RequestOutput,
     SamplingSpec,
 )
+from pd_orchestrator.sim.faults import corrupt
 from pd_orchestrator.sim.handover import (
     Advertised,
     Fetched,
@@ -90,7 +93,7 @@ from pd_orchestrator.sim.handover import (
 from pd_orchestrator.sim.metrics import SimMetrics
 from pd_orchestrator.sim.options import SimOptions
 from pd_orchestrator.sim.runner import EngineRunner
-from pd_orchestrator.sim.tokenizer import SimTokenizer
+from pd_orchestrator.sim.tokenizer import WORD_BASE, SimTokenizer
 
 if TYPE_CHECKING:
     from pd_orchestrator.sim.kv_events import KvEventPublisher
@@ -515,6 +518,7 @@ class SimServer:
     ) -> MemoryObjectReceiveStream[RequestOutput]:
         params = job.request.kv_transfer_params or {}
         forced = http_request.headers.get("x-cache-threshold-finish-reason", "").lower() == "true"
+        forced = forced or self.options.always_reject
         engine_request = EngineRequest(
             request_id=job.request_id,
             prompt_token_ids=job.prompt_ids,
@@ -598,7 +602,7 @@ class SimServer:
         self._observe(job, first_at)
         transfer = last.transfer if last is not None else None
         request = job.request
-        return completion_body(
+        answer = completion_body(
             kind=job.kind,
             response_id=job.request_id,
             model=self.model,
@@ -615,6 +619,7 @@ class SimServer:
                 else None
             ),
         )
+        return corrupt(answer, self.options.protocol_fault)
 
     async def _stream(
         self, job: _Job, receive: MemoryObjectReceiveStream[RequestOutput]
@@ -623,18 +628,18 @@ class SimServer:
         request = job.request
         want_ids = request.return_token_ids
         prompt_ids: list[int] | None = job.prompt_ids if want_ids else None
+        fault = self.options.protocol_fault
 
         def chunk(text: str | None, **fields: Any) -> bytes:
-            return encode_event(
-                stream_chunk(
-                    kind=job.kind,
-                    response_id=job.request_id,
-                    model=self.model,
-                    created=created,
-                    text=text,
-                    **fields,
-                )
+            body = stream_chunk(
+                kind=job.kind,
+                response_id=job.request_id,
+                model=self.model,
+                created=created,
+                text=text,
+                **fields,
             )
+            return encode_event(corrupt(body, fault))
 
         last: RequestOutput | None = None
         first_at: float | None = None
@@ -668,6 +673,9 @@ class SimServer:
                         and not output.finished
                     ):
                         raise _DroppedConnection(f"dropping the stream after {sent} tokens")
+            if fault == "tokens-after-finish":
+                extra = [WORD_BASE]
+                yield chunk(self.tokenizer.decode(extra), token_ids=extra if want_ids else None)
             self._observe(job, first_at)
             if request.include_usage:
                 usage = self._usage(job, last)

@@ -45,7 +45,11 @@ label the Prometheus Operator gives every scraped target. Counters export no
 threshold series. The per-request recorders (:meth:`~GatewayMetrics.record_threshold`,
 :meth:`~GatewayMetrics.observe_phase`, :meth:`~GatewayMetrics.count_request`,
 :meth:`~GatewayMetrics.count_leg`) keep each label set's child once resolved: a
-label lookup per request costs more than the increment.
+label lookup per request costs more than the increment. Endpoint names a request
+brings itself (a sidecar header's ``host:port``) get their own label up to
+``sidecar.max_named_targets`` of them, then ``other``
+(:meth:`GatewayMetrics.label_upstreams`): no client can grow the label set without
+bound.
 """
 
 from __future__ import annotations
@@ -61,7 +65,10 @@ from pd_orchestrator.telemetry.fast import FastHistogram as Histogram
 if TYPE_CHECKING:
     from pd_orchestrator.policies.base import ThresholdDecision
 
-__all__ = ["GatewayMetrics"]
+__all__ = ["OTHER_UPSTREAM", "GatewayMetrics"]
+
+OTHER_UPSTREAM = "other"
+"""The ``upstream`` label of header-named targets past ``sidecar.max_named_targets``."""
 
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
@@ -193,6 +200,24 @@ class GatewayMetrics:
         )
 
         self._legs: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+        self._configured: frozenset[str] = frozenset()
+        self._named: set[str] = set()
+        self._max_named = 256
+
+    def label_upstreams(self, configured: set[str], max_named: int) -> None:
+        """The endpoint names that are configured (each has its own ``upstream`` label),
+        and how many other names (a sidecar header's ``host:port``) get one of their
+        own before the rest are counted as ``other`` (the label set stays bounded)."""
+        self._configured = frozenset(configured)
+        self._max_named = max_named
+
+    def _upstream(self, name: str) -> str:
+        if name in self._configured or name in self._named:
+            return name
+        if len(self._named) < self._max_named:
+            self._named.add(name)
+            return name
+        return OTHER_UPSTREAM
 
     def record_threshold(self, decision: ThresholdDecision) -> None:
         """Count one applied threshold: its value and who chose it why."""
@@ -216,9 +241,13 @@ class GatewayMetrics:
         key = (upstream, phase, outcome)
         children = self._legs.get(key)
         if children is None:
-            children = self._legs[key] = (
-                self.upstream_requests.labels(upstream, phase, outcome),
-                self.upstream_seconds.labels(upstream, phase),
+            upstream = self._upstream(upstream)
+            children = self._legs.setdefault(
+                (upstream, phase, outcome),
+                (
+                    self.upstream_requests.labels(upstream, phase, outcome),
+                    self.upstream_seconds.labels(upstream, phase),
+                ),
             )
         children[0].inc()
         if seconds is not None:
@@ -226,7 +255,7 @@ class GatewayMetrics:
 
     def count_upstream_error(self, upstream: str, kind: str) -> None:
         """One failure talking to ``upstream`` (``kind``: the error's class)."""
-        self.upstream_errors.labels(upstream, kind).inc()
+        self.upstream_errors.labels(self._upstream(upstream), kind).inc()
 
     def count_kv_transfer(self, connector: str) -> None:
         """One decode leg sent with KV transfer parameters through ``connector``."""
@@ -235,4 +264,4 @@ class GatewayMetrics:
     def count_ejection(self, upstream: str, reason: str) -> None:
         """``upstream`` was taken out of rotation for ``reason`` (``consecutive_5xx``,
         ``consecutive_failures``)."""
-        self.ejections.labels(upstream, reason).inc()
+        self.ejections.labels(self._upstream(upstream), reason).inc()

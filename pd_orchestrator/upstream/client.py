@@ -6,8 +6,10 @@ a whole JSON answer (:meth:`Upstream.post_json`), an SSE stream read as batches 
 JSON chunks (:meth:`Upstream.open_stream`: one batch per network read, so a relay
 can answer a burst of chunks with one write) or a plain reply for health and
 metrics polls (:meth:`Upstream.get`). Every call names its phase, which picks the
-read timeout. Transport errors never leave this module: :func:`_translate` turns
-them into :mod:`~pd_orchestrator.upstream.errors`. Streams must be closed with
+read timeout, and the size of the prompt it carries, which lengthens it
+(``timeouts.per_1k_prompt_tokens``: :meth:`Upstream.allowance`). Transport errors
+never leave this module: :func:`_translate` turns them into
+:mod:`~pd_orchestrator.upstream.errors`. Streams must be closed with
 :meth:`ChunkStream.aclose`; closing one before its end closes its connection,
 which is how vLLM learns to abort the request.
 """
@@ -15,11 +17,15 @@ which is how vLLM learns to abort the request.
 from __future__ import annotations
 
 import enum
+import socket
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+from urllib.parse import urlsplit
 
+import anyio
 import orjson
 
 from pd_orchestrator.config.settings import TimeoutConfig, UpstreamConfig
@@ -208,6 +214,13 @@ class ChunkStream:
         await self._response.aclose()
 
 
+_MAX_TARGETS = 4096
+"""Endpoint URLs whose parsed origin is kept (a cache: cleared when full)."""
+
+_RESOLVE_EVERY = 30.0
+"""Seconds a resolved endpoint name is trusted (:meth:`Upstream.addresses`)."""
+
+
 class Upstream:
     """All requests to endpoints go through here."""
 
@@ -225,6 +238,7 @@ class Upstream:
         )
         self._targets: dict[str, tuple[Origin, str]] = {}
         self._timeouts = {phase: self._timeout(phase) for phase in Phase}
+        self._resolutions: dict[str, tuple[float, frozenset[str]]] = {}
 
     async def aclose(self) -> None:
         await self._transport.aclose()
@@ -240,11 +254,50 @@ class Upstream:
         }[phase]
         return Timeouts(connect=t.connect, read=read, pool=t.pool)
 
+    def allowance(self, prompt_tokens: int) -> float:
+        """Seconds a leg's read timeout grows by for a prompt of ``prompt_tokens`` tokens:
+        prefilling it (or recomputing it after a preemption) takes that much longer."""
+        return self.timeouts.per_1k_prompt_tokens * prompt_tokens / 1000.0
+
+    async def addresses(self, endpoint: Endpoint) -> frozenset[str]:
+        """The hosts ``endpoint`` may be reached at: its URL's host, its ``kv`` host, and
+        the addresses either name resolves to (resolved at most every
+        :data:`_RESOLVE_EVERY` seconds; an unresolvable name counts as itself only).
+        What a prefiller's transfer params may name (:mod:`pd_orchestrator.flows.handover`)."""
+        names = {endpoint.peer.host.lower(), (urlsplit(endpoint.url).hostname or "").lower()}
+        found = set(names)
+        for name in names - {""}:
+            found |= await self._resolved(name)
+        return frozenset(found)
+
+    async def _resolved(self, name: str) -> frozenset[str]:
+        now = time.monotonic()
+        cached = self._resolutions.get(name)
+        if cached is not None and now - cached[0] < _RESOLVE_EVERY:
+            return cached[1]
+        try:
+            infos = await anyio.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+        except OSError:
+            addresses: frozenset[str] = frozenset()
+        else:
+            addresses = frozenset(str(info[4][0]).lower() for info in infos)
+        if len(self._resolutions) >= _MAX_TARGETS:
+            self._resolutions.clear()
+        self._resolutions[name] = (now, addresses)
+        return addresses
+
+    def _timeouts_for(self, phase: Phase, prompt_tokens: int) -> Timeouts:
+        timeouts = self._timeouts[phase]
+        extra = self.allowance(prompt_tokens)
+        return replace(timeouts, read=timeouts.read + extra) if extra > 0 else timeouts
+
     def _request(
         self, endpoint: Endpoint, method: str, path: str, content: bytes, headers: Any
     ) -> Request:
         target = self._targets.get(endpoint.url)
         if target is None:
+            if len(self._targets) >= _MAX_TARGETS:
+                self._targets.clear()  # sidecar targets come and go: stay bounded
             base = endpoint.url.split("://", 1)[-1]
             prefix = base[base.index("/") :] if "/" in base else ""
             target = self._targets[endpoint.url] = (Origin.of(endpoint.url), prefix)
@@ -263,11 +316,13 @@ class Upstream:
         *,
         phase: Phase,
         headers: Mapping[str, str] | None = None,
+        prompt_tokens: int = 0,
     ) -> Json:
-        """POST ``body`` and return the decoded JSON answer (2xx only)."""
+        """POST ``body`` (its prompt ``prompt_tokens`` long) and return the decoded JSON
+        answer (2xx only)."""
         request = self._request(endpoint, "POST", path, orjson.dumps(body), headers)
         with _translate(endpoint, phase):
-            response = await self._send(request, self._timeouts[phase])
+            response = await self._send(request, self._timeouts_for(phase, prompt_tokens))
             try:
                 content = await response.read()
             finally:
@@ -293,11 +348,13 @@ class Upstream:
         *,
         phase: Phase,
         headers: Mapping[str, str] | None = None,
+        prompt_tokens: int = 0,
     ) -> ChunkStream:
-        """POST ``body`` for an SSE answer; the caller must ``aclose`` the stream."""
+        """POST ``body`` (its prompt ``prompt_tokens`` long) for an SSE answer; the caller
+        must ``aclose`` the stream."""
         request = self._request(endpoint, "POST", path, orjson.dumps(body), headers)
         with _translate(endpoint, phase):
-            response = await self._send(request, self._timeouts[phase])
+            response = await self._send(request, self._timeouts_for(phase, prompt_tokens))
             if response.status >= 300:
                 try:
                     content = await response.read()

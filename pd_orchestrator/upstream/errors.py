@@ -16,10 +16,11 @@ never the upstream's text (the gateway logs that):
   whatever the cause (refused, reset, unreachable: a client cannot tell an open
   port from a closed one);
 * a timeout -> 504;
-* an upstream 400, 404, 413 or 422 -> the same status and the upstream's message,
-  which vLLM words about the request's own fields (context length, an unknown
-  model, a bad parameter) -- unless it names an address (a URL, ``host:port`` or
-  an IP), then the gateway's words instead;
+* an upstream 400, 404, 413 or 422 (about the request's own fields) -> the same
+  status, and the gateway's words for it -- except vLLM's few refusals a client can
+  act on, recognised by their form and rewritten by the gateway from the numbers
+  they state (:func:`known_refusal`): only those numbers pass, so no host, path,
+  address, HTML or traceback an upstream writes can reach the client;
 * any other status (5xx; 401/403/429 and the like are about the gateway's own
   access, not the client's input) or an unreadable answer -> 502.
 """
@@ -38,7 +39,7 @@ __all__ = [
     "UpstreamTimeout",
     "UpstreamUnavailable",
     "client_error",
-    "names_an_address",
+    "known_refusal",
 ]
 
 
@@ -101,19 +102,52 @@ class ClientError:
 
 
 PASSED_THROUGH = frozenset({400, 404, 413, 422})
-"""Upstream statuses (about the client's own input) answered with the upstream's message."""
+"""Upstream statuses (about the client's own input) the client gets as they are."""
 
-_ADDRESS = re.compile(
-    r"[A-Za-z][A-Za-z0-9+.\-]*://"  # a URL
-    r"|\b\d{1,3}(?:\.\d{1,3}){3}\b"  # an IPv4 address
-    r"|\[[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*\]"  # a bracketed IPv6 address
-    r"|[A-Za-z0-9\-.]+:\d{1,5}\b"  # host:port
+_NUMBER = r"(?<!\d)(\d{1,10})(?!\d)"
+_CONTEXT = re.compile(r"maximum (?:context|model) length (?:is|of) " + _NUMBER)
+_INPUT = re.compile(
+    _NUMBER + r" input tokens"
+    r"|prompt \(length " + _NUMBER + r"\)"
+    r"|prompt has " + _NUMBER + r" tokens"
+    r"|\(" + _NUMBER + r" in the messages"
 )
+_OUTPUT = re.compile(
+    r"too large: " + _NUMBER + r"|" + _NUMBER + r" in the completion"
+    r"|requested " + _NUMBER + r" output tokens"
+)
+_FIXED = frozenset({"The decoder prompt cannot be empty"})
+"""vLLM refusals without a variable part: passed as they are, when equal."""
 
 
-def names_an_address(message: str) -> bool:
-    """Whether ``message`` contains a URL, an IP address or a ``host:port``."""
-    return _ADDRESS.search(message) is not None
+def _number(pattern: re.Pattern[str], message: str) -> int | None:
+    found = pattern.search(message)
+    return None if found is None else int(next(g for g in found.groups() if g is not None))
+
+
+def known_refusal(message: str) -> str | None:
+    """The client's words for a vLLM refusal it can act on, or None.
+
+    A message equal to one of vLLM's fixed refusals (an empty prompt) is kept. A
+    context-length refusal -- any of vLLM's wordings: ``maximum context length is L
+    tokens`` or ``maximum model length of L``, with the prompt's and the requested
+    output's token counts when it states them -- is rewritten from those numbers
+    alone. Anything else is None: the caller answers in its own words.
+    """
+    if message in _FIXED:
+        return message
+    context = _number(_CONTEXT, message)
+    if context is None:
+        return None
+    words = f"This model's maximum context length is {context} tokens"
+    prompt, output = _number(_INPUT, message), _number(_OUTPUT, message)
+    if prompt is not None:
+        words += f"; the request has {prompt} input tokens"
+        if output is not None:
+            words += f" and asks for {output} output tokens"
+    elif output is not None:
+        words += f"; the request asks for {output} output tokens"
+    return words + ". Reduce the prompt or max_tokens."
 
 
 def client_error(exc: UpstreamError) -> ClientError:
@@ -125,9 +159,9 @@ def client_error(exc: UpstreamError) -> ClientError:
     if isinstance(exc, UpstreamTimeout):
         return ClientError(504, f"{who} timed out during {exc.phase}")
     if isinstance(exc, UpstreamStatusError):
-        message = exc.upstream_message
         if exc.status in PASSED_THROUGH:
-            if names_an_address(message):
+            message = known_refusal(exc.upstream_message)
+            if message is None:
                 message = f"{who} refused the request during {exc.phase} (HTTP {exc.status})"
             return ClientError(exc.status, message)
         return ClientError(502, f"{who} failed during {exc.phase} (HTTP {exc.status})")

@@ -434,6 +434,10 @@ def _pool_expire(waiter: asyncio.Future[None]) -> None:
         waiter.set_exception(PoolTimedOut("no upstream connection became free in time"))
 
 
+_MAX_POOLS = 512
+"""Origins pooled at once before the idle pools are forgotten (:meth:`HttpTransport._prune`)."""
+
+
 class HttpTransport:
     """HTTP/1.1 over TCP (or TLS for https origins), pooled per origin."""
 
@@ -448,8 +452,19 @@ class HttpTransport:
     def _pool(self, origin: Origin) -> _Pool:
         pool = self._pools.get(origin)
         if pool is None:
+            if len(self._pools) >= _MAX_POOLS:
+                self._prune()
             pool = self._pools[origin] = _Pool(origin, self._limit, self._keepalive, self._expiry)
         return pool
+
+    def _prune(self) -> None:
+        """Forget the pools with no connection in use (their idle ones are closed): the
+        origins a sidecar's headers name come and go, and no client can grow this map
+        without bound."""
+        for origin, pool in list(self._pools.items()):
+            if not pool.active and not pool._waiters:
+                pool.close()
+                del self._pools[origin]
 
     async def send(self, request: Request, timeouts: Timeouts) -> Response:
         """Send ``request``; return when the answer's headers arrived (see the module doc)."""

@@ -6,7 +6,7 @@ Every test module injects one fault into real processes on loopback and asserts 
 tokens. With a fixed seed and temperature 0 every request must end either
 
 * **identical**: token for token what the reference instance answers to the same
-  request, or
+  request, with one finish reason (a string), or
 * with **one clean error**: an HTTP error in the OpenAI shape, or a stream whose
   tokens so far are the reference's first ones, then one error event in that shape,
   then ``[DONE]``.
@@ -191,12 +191,13 @@ def jobs(
 
 @dataclass
 class Answer:
-    """What a client got: status, the token ids before any error, the error (OpenAI
-    shape or not), whether a stream ended with ``[DONE]`` and whether anything
-    followed its error event."""
+    """What a client got: status, the token ids before any error, the finish reasons,
+    the error (OpenAI shape or not), whether a stream ended with ``[DONE]`` and
+    whether anything followed its error event."""
 
     status: int
     tokens: list[int] = field(default_factory=list)
+    finishes: list[Any] = field(default_factory=list)
     error: Any = None
     done: bool = True
     after_error: bool = False
@@ -220,6 +221,11 @@ def _choice_ids(chunk: dict[str, Any]) -> list[int]:
     return ids
 
 
+def _finishes(chunk: dict[str, Any]) -> list[Any]:
+    choices = chunk.get("choices") or []
+    return [c["finish_reason"] for c in choices if c.get("finish_reason") is not None]
+
+
 async def send(
     client: httpx.AsyncClient, url: str, job: Job, progress: Progress | None = None
 ) -> Answer:
@@ -229,7 +235,8 @@ async def send(
         data = response.json()
         if response.status_code != 200:
             return Answer(response.status_code, error=data)
-        return Answer(200, tokens=list(data["choices"][0].get("token_ids") or []))
+        tokens = list(data["choices"][0].get("token_ids") or [])
+        return Answer(200, tokens=tokens, finishes=_finishes(data))
     async with client.stream("POST", url + job.path, json=job.body) as response:
         if response.status_code != 200:
             return Answer(response.status_code, error=json.loads(await response.aread()))
@@ -250,6 +257,7 @@ async def send(
                 continue
             ids = _choice_ids(chunk)
             answer.tokens += ids
+            answer.finishes += _finishes(chunk)
             if progress is not None and ids:
                 progress.tokens += len(ids)
                 if first:
@@ -273,7 +281,8 @@ def judge(answer: Answer, expected: list[int]) -> str:
     tokens = answer.tokens
     if answer.error is None and answer.status == 200 and answer.done:
         if tokens == expected:
-            return IDENTICAL
+            finishes = answer.finishes
+            return IDENTICAL if len(finishes) == 1 and isinstance(finishes[0], str) else LOST
         return DUPLICATED if len(tokens) > len(expected) else LOST
     clean = _openai_error(answer.error) and answer.done and not answer.after_error
     if not clean:
@@ -433,7 +442,7 @@ def _describe(job: Job, answer: Answer, expected: list[int]) -> str:
     return (
         f"{job.kind} stream={job.stream}: status {answer.status}, done={answer.done}, "
         f"{len(answer.tokens)}/{len(expected)} tokens, first difference at {agree}, "
-        f"error={str(answer.error)[:300]}"
+        f"finishes={answer.finishes}, error={str(answer.error)[:300]}"
     )
 
 

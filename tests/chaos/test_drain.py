@@ -1,7 +1,8 @@
 """SIGTERM with long answers in flight: the gateway drains.
 
 At once ``/ready`` answers 503 (on a connection still open; the answer closes it)
-and no new connection is accepted. Answers in flight within ``lifecycle.drain_seconds``
+and no new connection is accepted; a request sent afterwards on a connection left
+open is served, that connection then closed. Answers in flight within ``lifecycle.drain_seconds``
 end identical to the reference; those still running when it runs out end with one
 clean error (a stream: one SSE error event then ``[DONE]``; a whole answer: a 503),
 their upstream requests closed. Then the process exits with status 0. The same
@@ -12,20 +13,24 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
+import orjson
 import pytest
 import yaml
 
 from pd_orchestrator.children import Child, python_command, start_child, stop_child
 
-from ..conftest import GatewayFactory, SimFactory
+from ..conftest import GatewayFactory, SimFactory, gateway_config
+from ..gateway.helpers import read_answer, read_to_close
 from .harness import (
     MODEL,
+    NIXL,
     Fleet,
     Progress,
     Tally,
@@ -119,6 +124,39 @@ async def test_answers_still_running_after_the_grace_end_with_one_clean_error(
     assert tally.clean_errors == tally.requests  # every answer was cut, cleanly
     assert seen["ready"] == 503 and tally.notes["exit"] == 0
     await settle(fleet.upstreams)  # the gateway closed their upstream requests
+
+
+def _ask(sock: socket.socket, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    sock.sendall(request)
+    return read_answer(sock)
+
+
+async def test_a_request_on_an_idle_connection_after_sigterm_is_served(
+    sim_factory: SimFactory, gateway_factory: GatewayFactory
+) -> None:
+    """SIGTERM with nothing in flight and a keep-alive connection open: a request the
+    client sends on it once new connections are refused is answered (with
+    ``Connection: close``), then the process exits. Old: the drain ended at once and
+    closed the idle connection under the request (the client got no answer)."""
+    decoder, prefiller = (sim_factory("--profile", "instant", *NIXL) for _ in range(2))
+    limits = {"keepalive_timeout": 60.0}  # the connection stays open whatever the machine's pace
+    gateway = gateway_factory(gateway_config([decoder], [prefiller], limits=limits))
+    body = orjson.dumps({"model": MODEL, "prompt": "drained", "max_tokens": 4})
+    completion = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=30) as sock:
+        health = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"
+        assert (await anyio.to_thread.run_sync(_ask, sock, health))[0] == 200
+        gateway.process.send_signal(signal.SIGTERM)
+        await poll(lambda: _refused(gateway.url), 10.0, 0.05)
+        status, headers, answer = await anyio.to_thread.run_sync(_ask, sock, completion)
+        rest = await anyio.to_thread.run_sync(read_to_close, sock)
+    assert status == 200 and headers["connection"] == "close"
+    assert orjson.loads(answer)["usage"]["completion_tokens"] == 4
+    assert rest == b""  # closed after the answer
+    assert await _exited(gateway.process) == 0
 
 
 def _up_config(path: Path, gateway_port: int) -> dict[str, Any]:

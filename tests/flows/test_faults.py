@@ -5,15 +5,31 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio
 import orjson
 import pytest
 
-from pd_orchestrator.config.settings import HandbackConfig, OutlierConfig, UpstreamConfig
+from connectors import get_connector
+from pd_orchestrator.config.settings import (
+    HandbackConfig,
+    OutlierConfig,
+    TimeoutConfig,
+    UpstreamConfig,
+)
 from pd_orchestrator.fleet.endpoints import Endpoint, Role
 from pd_orchestrator.fleet.state import FleetState
+from pd_orchestrator.flows import Flow, FlowSettings, GatewayError, Legs, Single, renderer_for
+from pd_orchestrator.flows.flow import leg_budget
+from pd_orchestrator.flows.legs import MAX_HELD
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
+from pd_orchestrator.upstream.client import Upstream
 from pd_orchestrator.upstream.errors import UpstreamStatusError, UpstreamUnavailable
-from pd_orchestrator.upstream.transport import ConnectionBroken, MockResponse, Request
+from pd_orchestrator.upstream.transport import (
+    ConnectionBroken,
+    MockResponse,
+    MockTransport,
+    Request,
+)
 
 from .test_flow import (
     D1,
@@ -22,9 +38,11 @@ from .test_flow import (
     PROMPT_IDS,
     STREAM,
     Script,
+    Sink,
     _completion_chunk,
     _pieces,
     _plan,
+    _request,
     _serve,
     _stream,
     _text,
@@ -237,3 +255,73 @@ async def test_a_continuation_failing_on_every_decoder_is_the_answer() -> None:
         await _serve(script, STREAM, handback=HandbackConfig(max_recoveries=3))
     assert raised.value.endpoint == "d1"
     assert [host for host, _ in script.seen] == ["d0", "p0", "d0", "p0", "d1"]
+
+
+def _broken_after_one_token(request: Request) -> MockResponse:
+    chunk = _completion_chunk([5], first=True)
+    return _stream(chunk, done=False, error=ConnectionBroken("reset"))(request)
+
+
+async def test_a_decoder_that_breaks_every_stream_it_began_is_ejected() -> None:
+    outlier = OutlierConfig(consecutive_failures=2, max_ejection_percent=50)
+    fleet = FleetState(FLEET, outlier=outlier)
+    for _ in range(2):  # each stream begins (its status came), then breaks
+        script = Script(
+            {
+                "d0": [_broken_after_one_token],
+                "d1": [_stream(_completion_chunk([6, 7, 8], "length"))],
+                "p0": [_prefilled],
+            }
+        )
+        run = await _serve(script, STREAM, fleet=fleet)
+        assert _text(run)[0] == " t5 t6 t7 t8"
+    record = fleet.outlier_of("d0")
+    assert record is not None and record.ejected
+
+
+async def test_more_tokens_than_the_request_allows_are_a_protocol_error() -> None:
+    script = Script(
+        {
+            "d0": [_stream(_completion_chunk([5, 6], first=True), _completion_chunk([7, 8, 9]))],
+            "d1": [_stream(_completion_chunk([7, 8], "length"))],
+            "p0": [_prefilled],
+        }
+    )
+    run = await _serve(script, STREAM)  # max_tokens 4
+    assert _text(run) == (" t5 t6 t7 t8", [])
+    assert script.bodies("d1")[0]["prompt"] == [*PROMPT_IDS, 5, 6]
+    assert run.fleet.outlier_of("d0").consecutive_failures == 1  # type: ignore[union-attr]
+
+
+async def test_a_stream_with_no_content_in_its_first_chunks_is_replaced() -> None:
+    empty = {"id": "up", "object": "text_completion", "created": 7, "model": "m",
+             "choices": [{"index": 0, "text": "", "finish_reason": None}]}  # fmt: skip
+    script = Script(
+        {
+            "d0": [_stream(*[empty] * (MAX_HELD + 1))],
+            "d1": [_stream(_completion_chunk([5, 6], "length", first=True))],
+        }
+    )
+    run = await _serve(script, STREAM)
+    assert _text(run)[0] == " t5 t6"
+    assert [host for host, _ in script.seen] == ["d0", "d1"]  # not taken for a rejection
+
+
+async def test_a_request_that_sent_its_budget_is_answered_502_without_another_leg() -> None:
+    script = Script({"d0": [_stream(_completion_chunk([5, 6], "length", first=True))]})
+    metrics = GatewayMetrics()
+    legs = Legs(
+        Upstream(UpstreamConfig(), TimeoutConfig(), MockTransport(script)),
+        FleetState(FLEET), metrics, "rid", anyio.current_time,
+    )  # fmt: skip
+    settings = FlowSettings(
+        HandbackConfig(), UpstreamConfig(), {"nixl": get_connector("nixl")}, metrics,
+        anyio.current_time,
+    )  # fmt: skip
+    request = _request("completion", STREAM)
+    flow = Flow(request, _plan(), legs, Single(), settings)
+    assert flow.budget == leg_budget(UpstreamConfig(), HandbackConfig(), len(flow.plan.asked))
+    legs.sent = flow.budget  # a request whose bounds let it send this many already
+    with pytest.raises(GatewayError) as raised:
+        await flow.run(renderer_for(request, flow.transcript, Sink(), anyio.current_time))
+    assert raised.value.status == 502 and script.seen == []

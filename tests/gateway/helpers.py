@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import orjson
 
 MODEL = "sim-model"
 
@@ -98,3 +101,58 @@ def metric(text: str, name: str, **labels: str) -> float:
 async def metrics_text(base_url: str) -> str:
     async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
         return (await client.get("/metrics")).text
+
+
+def assert_error_shape(body: Any, status: int) -> dict[str, Any]:
+    """``body`` is vLLM's error shape with ``code`` ``status``; its ``error`` object."""
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and isinstance(error["type"], str)
+    assert error["param"] is None or isinstance(error["param"], str)
+    assert error["code"] == status
+    return dict(error)
+
+
+def raw_exchange(port: int, data: bytes, timeout: float = 10) -> bytes:
+    """Send ``data`` on a fresh connection to ``port`` on loopback; everything read
+    until the server closes it (a socket timeout if it never does)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        with contextlib.suppress(ConnectionResetError, BrokenPipeError):
+            sock.sendall(data)
+        return read_to_close(sock)
+
+
+def read_to_close(sock: socket.socket) -> bytes:
+    """Everything ``sock`` receives until the server closes the connection."""
+    received = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            received += chunk
+    return received
+
+
+def raw_error(received: bytes) -> tuple[int, dict[str, Any]]:
+    """The status and error object of a raw JSON error answer."""
+    head, _, body = received.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    assert b"content-type: application/json" in head.lower()
+    return status, assert_error_shape(orjson.loads(body), status)
+
+
+def read_answer(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """One answer with a ``content-length`` read off a kept-alive connection: status,
+    headers (lower-case names), body."""
+    received = b""
+    while b"\r\n\r\n" not in received:
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed before an answer: {received!r}"
+        received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    while len(body) < int(headers["content-length"]):
+        chunk = sock.recv(65536)
+        assert chunk, "the connection closed in the middle of an answer"
+        body += chunk
+    return int(lines[0].split(" ", 2)[1]), headers, body

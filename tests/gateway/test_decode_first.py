@@ -170,7 +170,11 @@ async def test_official_openai_client(stack: Stack) -> None:
         (b'{"prompt": "x"}', 400, "model"),
         (b'{"model": "sim-model", "prompt": "x", "max_tokens": -1}', 400, "max_tokens"),
         (b'{"model": "other", "prompt": "x"}', 404, "does not exist"),
-        (b'{"model": "sim-model", "prompt": "x", "max_tokens": 2, "min_tokens": 5}', 400, "min"),
+        (  # the upstream's refusal, in the gateway's words
+            b'{"model": "sim-model", "prompt": "x", "max_tokens": 2, "min_tokens": 5}',
+            400,
+            "refused the request during decode_attempt (HTTP 400)",
+        ),
     ],
     ids=["malformed", "missing-model", "negative-max-tokens", "unknown-model", "upstream-400"],
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
+import httpx
 import pytest
 
 from pd_orchestrator.children import Child
@@ -156,3 +157,71 @@ async def test_requests_a_continuation_cannot_honour_are_not_handed_back(
         assert answer.token_ids == expected.token_ids
     assert metric(await metrics_text(gateway.url), "pd_orchestrator_handbacks_total") == 0
     assert metric(await metrics_text(decoder.url), "vllm:num_preemptions_total") >= 1
+
+
+def _flaky_fleet(sims: SimFactory) -> tuple[list[Child], Child, Child]:
+    """Two decoders that drop every stream after 5 tokens, a prefiller, a reference."""
+    nixl = ("--profile", "instant", "--kv-connector", "nixl")
+    flaky = [sims(*nixl, "--drop-after-tokens", "5", name=f"flaky-{i}") for i in range(2)]
+    return flaky, sims(*nixl, name="prefill"), sims("--profile", "instant", name="reference")
+
+
+BROKEN = 8
+"""Tokens of an answer that breaks after 5: 3 more come from the recovery."""
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["one-choice", "two-choices"])
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+async def test_the_usage_of_a_recovered_answer_counts_each_token_once(
+    sim_factory: SimFactory, gateway_factory: GatewayFactory, kind: str, stream: bool, n: int
+) -> None:
+    """Each choice breaks after 5 tokens and goes on on the other decoder: the usage
+    counts the 8 tokens of each choice the client got, those of the broken leg too.
+    (A client that wants a whole answer gets streamed legs in ask-all mode.)"""
+    flaky, prefiller, reference = _flaky_fleet(sim_factory)
+    mode = "decode-first" if stream else "ask-all"
+    gateway = gateway_factory(gateway_config(flaky, [prefiller], mode=mode))
+    body = _body(kind, 0, stream) | {"max_tokens": BROKEN, "n": n}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    answer = await call(gateway.url, kind, body)
+    expected = await call(reference.url, kind, _body(kind, 0, False) | {"max_tokens": BROKEN})
+    assert answer.status == 200, answer.body
+    if stream:
+        tokens = len(answer.token_ids)
+    else:
+        assert answer.body is not None
+        tokens = sum(len(choice["token_ids"]) for choice in answer.body["choices"])
+    if n == 1:
+        assert answer.token_ids == expected.token_ids
+    assert tokens == BROKEN * n
+    assert answer.usage is not None and expected.usage is not None
+    assert answer.usage["completion_tokens"] == BROKEN * n
+    assert answer.usage["prompt_tokens"] == expected.usage["prompt_tokens"]
+    text = await metrics_text(gateway.url)
+    assert metric(text, "pd_orchestrator_upstream_errors_total", kind="recovered") == n
+
+
+async def test_a_recovery_may_go_to_a_decoder_a_break_took_out_of_routing(
+    sim_factory: SimFactory, gateway_factory: GatewayFactory
+) -> None:
+    """The first request breaks on one decoder (out of routing until its next health
+    check) and is recovered on the other; the second, planned on the other alone,
+    breaks there too: it is recovered on the first, which only a break took out."""
+    flaky, prefiller, reference = _flaky_fleet(sim_factory)
+    config = gateway_config(flaky, [prefiller], health={"interval": 600.0})
+    gateway = gateway_factory(config)  # health checked once, at the start
+    for i in range(2):
+        body = _body("completion", i, True) | {"max_tokens": BROKEN}
+        answer = await call(gateway.url, "completion", body)
+        expected = await call(reference.url, "completion", body | {"stream": False})
+        assert answer.status == 200 and answer.body is None, answer.body
+        assert answer.token_ids == expected.token_ids
+        if i == 0:
+            async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as client:
+                status = (await client.get("/status")).json()
+            out = [e["name"] for e in status["endpoints"] if not e["healthy"]]
+            assert len(out) == 1  # the first decoder it broke on
+    text = await metrics_text(gateway.url)
+    assert metric(text, "pd_orchestrator_upstream_errors_total", kind="recovered") == 2

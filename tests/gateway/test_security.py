@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import anyio
@@ -17,9 +18,17 @@ import orjson
 import pytest
 
 from pd_orchestrator.children import Child
+from pd_orchestrator.openai.errors import error_body
 
 from ..conftest import GatewayFactory, SimFactory, gateway_config
-from .helpers import MODEL, call
+from .helpers import (
+    MODEL,
+    assert_error_shape,
+    call,
+    raw_error,
+    raw_exchange,
+    read_to_close,
+)
 
 pytestmark = pytest.mark.anyio
 NIXL = ("--profile", "instant", "--kv-connector", "nixl")
@@ -107,16 +116,6 @@ def _pull_params(port: int) -> dict[str, Any]:
     }
 
 
-def _assert_error_shape(body: Any, status: int) -> dict[str, Any]:
-    assert isinstance(body, dict) and set(body) == {"error"}, body
-    error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"}, error
-    assert isinstance(error["message"], str) and isinstance(error["type"], str)
-    assert error["param"] is None or isinstance(error["param"], str)
-    assert error["code"] == status
-    return dict(error)
-
-
 # -- client-supplied connector fields -------------------------------------------------------------
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize(
@@ -139,7 +138,7 @@ async def test_client_transfer_fields_are_refused_and_reach_no_host(
         await anyio.sleep(0.3)
         assert listener.connections == 0
     assert answer.status == 400
-    error = _assert_error_shape(answer.body, 400)
+    error = assert_error_shape(answer.body, 400)
     assert error["param"] == param and "may not be set by a client" in error["message"]
 
 
@@ -159,7 +158,7 @@ async def test_trusted_callers_set_transfer_params_and_no_port_is_told_apart(
     open_port, closed_port = answers
     assert open_port.status == closed_port.status == 502
     assert open_port.body == closed_port.body
-    message = _assert_error_shape(open_port.body, 502)["message"]
+    message = assert_error_shape(open_port.body, 502)["message"]
     assert message == "decoder decode-0 failed during decode_attempt (HTTP 500)"
     log = trusting.log_tail(200)
     assert "pd_orchestrator.upstream" not in message and "KV transfer failed" in log
@@ -184,7 +183,7 @@ async def test_upstream_5xx_text_is_logged_not_echoed(
         gateway.url, "completion", {"model": MODEL, "prompt": cold, "stream": stream}
     )
     assert answer.status == 502
-    error = _assert_error_shape(answer.body, 502)
+    error = assert_error_shape(answer.body, 502)
     name, phase = (
         ("decode-0", "decode_attempt") if failing == "decoder" else ("prefill-0", "prefill")
     )
@@ -197,7 +196,158 @@ async def test_upstream_5xx_text_is_logged_not_echoed(
 async def test_an_upstream_400_about_the_input_keeps_its_message(strict: Child) -> None:
     answer = await call(strict.url, "completion", {"model": MODEL, "prompt": "", "max_tokens": 2})
     assert answer.status == 400
-    assert _assert_error_shape(answer.body, 400)["message"] == "The decoder prompt cannot be empty"
+    assert assert_error_shape(answer.body, 400)["message"] == "The decoder prompt cannot be empty"
+
+
+def _vllm_error(status: int, message: str) -> tuple[int, str, bytes]:
+    return status, "application/json", orjson.dumps(error_body(message, status))
+
+
+TRACEBACK = (
+    b"<html><head><title>500</title></head><body><pre>Traceback (most recent call last):\n"
+    b'  File "/srv/vllm/vllm/entrypoints/openai/api_server.py", line 812, in create\n'
+    b"ValueError: bad request</pre></body></html>"
+)
+LEAKS: dict[str, tuple[tuple[int, str, bytes], str]] = {
+    "ipv6": (_vllm_error(400, "KV pull from fe80::1%eth0 port 5600 refused"), "fe80::1%eth0"),
+    "ipv6-full": (_vllm_error(422, "peer 2001:db8:0:1::17 sent nothing"), "2001:db8:0:1::17"),
+    "host-name": (_vllm_error(400, "decoder gpu-node-17 is draining"), "gpu-node-17"),
+    "dns-name": (
+        _vllm_error(404, "model not on vllm-decode-3.inference.svc.cluster.local"),
+        "vllm-decode-3.inference.svc.cluster.local",
+    ),
+    "path": (
+        _vllm_error(400, 'File "/opt/vllm/entrypoints/serving_engine.py", line 42, in check'),
+        "/opt/vllm/entrypoints/serving_engine.py",
+    ),
+    "html-traceback": ((400, "text/html", TRACEBACK), "Traceback (most recent call last)"),
+    "not-json": (
+        (413, "text/plain", b"request entity too large at /var/lib/nginx/body"),
+        "/var/lib/nginx/body",
+    ),
+}
+"""Upstream refusals whose text must not reach the client (the answer, and what of it
+the log must show), by the ``leak`` field that asks the hostile upstream for them."""
+SECRETS = (
+    "fe80",
+    "2001:db8",
+    "gpu-node",
+    "svc.cluster",
+    "/opt/",
+    "/srv/",
+    "/var/",
+    "<",
+    "Traceback",
+)
+CONTEXT = _vllm_error(
+    400,
+    "This model's maximum context length is 2048 tokens. However, your request has 3000 "
+    "input tokens. Please reduce the length of the input messages (see "
+    "http://vllm-decode-3.inference.svc.cluster.local:8000/docs on gpu-node-17).",
+)
+
+
+class _Hostile:
+    """An upstream on loopback that answers health checks and load polls, and every
+    POST with the refusal its body's ``leak`` field names (:data:`LEAKS`, or
+    :data:`CONTEXT` for ``context``)."""
+
+    def __init__(self) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:
+                self._answer(200, "text/plain", b"")
+
+            def do_POST(self) -> None:
+                body = orjson.loads(self.rfile.read(int(self.headers["content-length"])))
+                leak = body.get("leak")
+                self._answer(*(CONTEXT if leak == "context" else LEAKS[leak][0]))
+
+            def _answer(self, status: int, content_type: str, content: bytes) -> None:
+                self.send_response(status)
+                self.send_header("content-type", content_type)
+                self.send_header("content-length", str(len(content)))
+                self.end_headers()
+                self.wfile.write(content)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return None
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> _Hostile:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self._thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def hostile(module_gateways: GatewayFactory) -> Iterator[Child]:
+    """A gateway whose one decoder (and prefiller) is a :class:`_Hostile` upstream."""
+    with _Hostile() as upstream:
+        endpoint = {"url": upstream.url, "hardware": "h200", "model": MODEL}
+        config = {
+            "decoders": [{"name": "decode-0", **endpoint}],
+            "prefillers": [{"name": "prefill-0", **endpoint}],
+            "health": {"interval": 0.5},
+        }
+        yield module_gateways(config)
+
+
+async def _refused(gateway: Child, route: str, leak: str) -> tuple[int, str, dict[str, Any]]:
+    """Ask ``gateway`` on ``route`` for the upstream refusal ``leak``: status, the
+    whole answer as text, its error object."""
+    if route == "tokenize":
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+            response = await client.post("/tokenize", json={"prompt": "hi", "leak": leak})
+        status, text, body = response.status_code, response.text, response.json()
+    else:
+        request = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "leak": leak}
+        answer = await call(gateway.url, "completion", request | {"stream": route == "stream"})
+        status, text, body = answer.status, orjson.dumps(answer.body).decode(), answer.body
+    return status, text, assert_error_shape(body, status)
+
+
+@pytest.mark.parametrize("route", ["whole", "stream", "tokenize"])
+@pytest.mark.parametrize("leak", list(LEAKS))
+async def test_upstream_4xx_text_is_logged_not_echoed(
+    hostile: Child, route: str, leak: str
+) -> None:
+    """An upstream refusal keeps its status; the client gets the gateway's words, the
+    log the upstream's. Old: only a URL, an IPv4 address, a bracketed IPv6 address or
+    ``host:port`` was held back -- plain IPv6, host names, file paths and HTML
+    tracebacks reached the client."""
+    status, text, error = await _refused(hostile, route, leak)
+    (upstream_status, _, _), logged = LEAKS[leak]
+    assert status == upstream_status
+    phase = "tokenize" if route == "tokenize" else "decode_attempt"
+    assert (
+        error["message"] == f"decoder decode-0 refused the request during {phase} (HTTP {status})"
+    )
+    assert not [secret for secret in SECRETS if secret in text], text
+    assert logged in hostile.log_tail(400)
+
+
+@pytest.mark.parametrize("route", ["whole", "stream", "tokenize"])
+async def test_a_context_length_refusal_is_told_in_the_gateways_words(
+    hostile: Child, route: str
+) -> None:
+    """vLLM's context-length refusal is the one a client can act on: the gateway
+    rewrites it from its numbers, and nothing else of the upstream's text passes."""
+    status, text, error = await _refused(hostile, route, "context")
+    assert status == 400
+    assert error["message"] == (
+        "This model's maximum context length is 2048 tokens; the request has 3000 input "
+        "tokens. Reduce the prompt or max_tokens."
+    )
+    assert not [secret for secret in SECRETS if secret in text], text
 
 
 # -- the admin token ---------------------------------------------------------------------------
@@ -223,7 +373,7 @@ async def test_the_admin_api_takes_only_a_bearer_token(
         response = await client.post("/admin/reload", headers=headers)
     assert response.status_code == status
     if status == 401:
-        _assert_error_shape(response.json(), 401)
+        assert_error_shape(response.json(), 401)
         assert response.headers["www-authenticate"] == "Bearer"
 
 
@@ -242,7 +392,58 @@ async def test_a_body_over_the_limit_is_refused_before_it_is_read(strict: Child)
     for response in (declared, chunked):
         assert response.status_code == 413
         assert response.headers["connection"] == "close"
-        _assert_error_shape(response.json(), 413)
+        assert_error_shape(response.json(), 413)
+
+
+def _chunked(path: str, body: bytes) -> bytes:
+    """A whole request with ``body`` in chunks of 8 KiB."""
+    head = f"POST {path} HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n".encode()
+    pieces = [body[i : i + 8192] for i in range(0, len(body), 8192)]
+    return head + b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/tokenize", {"model": MODEL, "prompt": "x" * 200_000}),
+        ("/detokenize", {"model": MODEL, "tokens": [7] * 100_000}),
+    ],
+    ids=["tokenize", "detokenize"],
+)
+async def test_tokenizer_routes_refuse_a_body_over_the_limit(
+    strict: Child, path: str, body: dict[str, Any]
+) -> None:
+    """The same limit as the completion routes, on the same path: 413 from a declared
+    length, and as soon as a chunked body passes it. Old: a chunked body was read
+    whole (300 MiB: the gateway grew to 660 MiB), then forwarded."""
+    raw = orjson.dumps(body)
+    declared = f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-length: {len(raw)}\r\n\r\n"
+    for request in (declared.encode() + raw, _chunked(path, raw)):
+        received = await anyio.to_thread.run_sync(raw_exchange, strict.port, request)
+        status, error = raw_error(received)
+        assert status == 413 and "exceeds 65536 bytes" in error["message"]
+        head = received.partition(b"\r\n\r\n")[0].lower() + b"\r\n"
+        assert b"\r\nconnection: close\r\n" in head
+
+
+@pytest.fixture(scope="module")
+def choices(fleet: tuple[Child, Child], module_gateways: GatewayFactory) -> Child:
+    """At most 128 KiB for n times the body's size."""
+    return module_gateways(
+        gateway_config([fleet[0]], [fleet[1]], limits={"max_n_body_bytes": 131072})
+    )
+
+
+@pytest.mark.parametrize(("n", "status"), [(1, 200), (3, 200), (4, 400), (16, 400)])
+async def test_n_times_the_body_is_bounded(choices: Child, n: int, status: int) -> None:
+    """Each choice is a request of its own upstream, with its own copy of the body.
+    Old: n=16 with a 15 MiB body was taken (+465 MiB for one request)."""
+    body = {"model": MODEL, "prompt": "x" * 40_000, "max_tokens": 2, "n": n}
+    answer = await call(choices.url, "completion", body)
+    assert answer.status == status
+    if status == 400:
+        error = assert_error_shape(answer.body, 400)
+        assert error["param"] == "n" and "exceeds 131072 bytes" in error["message"]
 
 
 @pytest.mark.parametrize(
@@ -258,35 +459,16 @@ async def test_a_head_over_the_limits_is_431(strict: Child, headers: list[tuple[
                 "POST" if "v1" in path else "GET", path, headers=headers
             )
             assert response.status_code == 431
-            _assert_error_shape(response.json(), 431)
-
-
-def _raw_exchange(child: Child, data: bytes, *, timeout: float = 10) -> bytes:
-    """Send ``data`` on a fresh connection; everything read until the server closes it."""
-    with socket.create_connection(("127.0.0.1", child.port), timeout=timeout) as sock:
-        with contextlib.suppress(ConnectionResetError, BrokenPipeError):
-            sock.sendall(data)
-        received = b""
-        with contextlib.suppress(ConnectionResetError):
-            while chunk := sock.recv(65536):
-                received += chunk
-    return received
-
-
-def _raw_error(received: bytes) -> tuple[int, dict[str, Any]]:
-    head, _, body = received.partition(b"\r\n\r\n")
-    status = int(head.split(b" ", 2)[1])
-    assert b"content-type: application/json" in head.lower()
-    return status, _assert_error_shape(orjson.loads(body), status)
+            assert_error_shape(response.json(), 431)
 
 
 async def test_a_head_that_never_ends_is_cut_while_it_arrives(strict: Child) -> None:
     """A header value that grows forever: refused once past the limit, the connection
     closed (old: buffered whole by the server, no answer)."""
     received = await anyio.to_thread.run_sync(
-        _raw_exchange, strict, b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: " + b"v" * 300_000
+        raw_exchange, strict.port, b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: " + b"v" * 300_000
     )
-    status, error = _raw_error(received)
+    status, error = raw_error(received)
     assert status == 431 and "8192 bytes" in error["message"]
 
 
@@ -296,10 +478,7 @@ def _slow_exchange(child: Child, pieces: list[bytes]) -> bytes:
         for piece in pieces:
             sock.sendall(piece)
             time.sleep(0.05)
-        received = b""
-        while chunk := sock.recv(65536):
-            received += chunk
-    return received
+        return read_to_close(sock)
 
 
 async def test_a_head_within_the_limits_is_served_however_it_arrives(strict: Child) -> None:
@@ -316,8 +495,8 @@ async def test_a_head_within_the_limits_is_served_however_it_arrives(strict: Chi
 
 async def test_invalid_http_is_answered_in_the_error_shape(strict: Child) -> None:
     """Old: uvicorn's plain-text 'Invalid HTTP request received.'"""
-    received = await anyio.to_thread.run_sync(_raw_exchange, strict, b"NOT HTTP AT ALL\r\n\r\n")
-    assert _raw_error(received)[0] == 400
+    received = await anyio.to_thread.run_sync(raw_exchange, strict.port, b"NOT HTTP AT ALL\r\n\r\n")
+    assert raw_error(received)[0] == 400
 
 
 def _nested(depth: int) -> bytes:
@@ -350,14 +529,14 @@ async def test_deep_and_long_bodies(
         assert response.status_code == 200
         return
     assert response.status_code == status
-    error = _assert_error_shape(response.json(), status)
+    error = assert_error_shape(response.json(), status)
     assert fragment is not None and fragment in error["message"]
 
 
 async def test_too_many_messages(strict: Child) -> None:
     messages = [{"role": "user", "content": "hi"}] * 9
     answer = await call(strict.url, "chat", {"model": MODEL, "messages": messages})
-    assert answer.status == 400 and _assert_error_shape(answer.body, 400)["param"] == "messages"
+    assert answer.status == 400 and assert_error_shape(answer.body, 400)["param"] == "messages"
 
 
 # -- malformed input ---------------------------------------------------------------------------
@@ -398,7 +577,7 @@ async def test_malformed_bodies_are_400(strict: Child, raw: bytes) -> None:
         for path in ("/v1/completions", "/v1/chat/completions"):
             response = await client.post(path, content=raw)
             assert response.status_code == 400
-            _assert_error_shape(response.json(), 400)
+            assert_error_shape(response.json(), 400)
 
 
 @pytest.mark.parametrize(
@@ -446,6 +625,6 @@ async def test_unknown_routes_and_methods_use_the_error_shape(
     async with httpx.AsyncClient(base_url=strict.url, timeout=10) as client:
         response = await client.request(method, path)
     assert response.status_code == status
-    _assert_error_shape(response.json(), status)
+    assert_error_shape(response.json(), status)
     allowed = response.headers.get("allow")
     assert (allowed and set(allowed.split(", "))) == (allow and set(allow.split(", ")))

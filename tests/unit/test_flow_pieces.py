@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from pd_orchestrator.flows.bodies import continuation_body, leg_body
 from pd_orchestrator.flows.chunks import (
     Identity,
+    MalformedChunk,
     relay_chunk,
     render_chunk,
     view_answer,
@@ -70,6 +73,45 @@ def test_chat_chunk_views() -> None:
     assert view_chunk(rejected, "chat").rejected and view_chunk(rejected, "chat").decisive
     assert not view_chunk(usage, "chat").has_choice
     assert view_chunk(usage, "chat").completion_tokens == 3
+
+
+@pytest.mark.parametrize(
+    ("kind", "chunk"),
+    [
+        ("completion", {"choices": {"index": 0, "text": "x"}}),
+        ("completion", {"choices": ["x"]}),
+        ("completion", {"choices": [{"index": 0, "text": "x", "token_ids": ["7"]}]}),
+        ("completion", {"choices": [{"index": 0, "text": "x", "token_ids": [True]}]}),
+        ("completion", {"choices": [{"index": 0, "text": "x", "token_ids": 7}]}),
+        ("completion", {"choices": [{"index": 0, "text": 7}]}),
+        ("completion", {"choices": [{"index": 0, "text": "", "finish_reason": 1}]}),
+        ("completion", {"choices": [{"index": 0, "text": "x", "prompt_token_ids": [1.5]}]}),
+        ("completion", {"choices": [], "usage": 3}),
+        ("chat", {"choices": [{"index": 0, "delta": "x"}]}),
+        ("chat", {"choices": [{"index": 0, "delta": {"content": ["x"]}}]}),
+        ("chat", {"prompt_token_ids": "1 2", "choices": [{"index": 0, "delta": {}}]}),
+    ],
+    ids=[
+        "choices-object", "choice-not-object", "ids-strings", "ids-booleans", "ids-not-list",
+        "text-number", "finish-number", "prompt-ids-floats", "usage-number", "delta-string",
+        "content-list", "chat-prompt-ids-string",
+    ],
+)  # fmt: skip
+def test_fields_of_a_type_vllm_never_sends_are_malformed(kind: str, chunk: dict[str, Any]) -> None:
+    with pytest.raises(MalformedChunk):
+        view_chunk(chunk, kind)  # type: ignore[arg-type]
+
+
+def test_a_malformed_whole_answer_is_malformed() -> None:
+    answer = {"choices": [{"index": 0, "message": {"content": "x"}, "finish_reason": 0}]}
+    with pytest.raises(MalformedChunk, match="finish_reason"):
+        view_answer(answer, "chat")
+
+
+def test_absent_and_null_fields_are_read_as_empty() -> None:
+    view = view_chunk({"choices": [{"index": 0, "text": None, "token_ids": None}]}, "completion")
+    assert view.has_choice and view.text == "" and view.token_ids is None
+    assert not view_chunk({"usage": None}, "chat").has_choice
 
 
 def _upstream_chunk() -> dict[str, Any]:

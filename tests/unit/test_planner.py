@@ -102,6 +102,24 @@ def test_when_no_decoder_looks_healthy_the_plan_keeps_them_all() -> None:
     assert {e.name for e in plan.decoders} == {"hd0", "hd1", "ad0"}
 
 
+def test_spare_decoders_are_the_ranking_with_health_set_aside() -> None:
+    out = {"hd1", "ad0"}
+    candidates = [Candidate(e, healthy=e.name not in out) for e in FLEET]
+    plan = _planner().plan(_request(), candidates, 0.0, 0)
+    assert [e.name for e in plan.decoders] == ["hd0"]
+    assert {e.name for e in plan.spare_decoders()} == {"hd0", "hd1", "ad0"}
+
+
+def test_the_plan_sizes_the_prompt() -> None:
+    counted = RequestFacts(model="m", prompt_chars=400, prompt_tokens=123)
+    candidates = [Candidate(e) for e in FLEET]
+    assert _planner().plan(counted, candidates, 0.0, 0).prompt_tokens == 123
+    estimated = RequestFacts(model="m", prompt_chars=400)  # the prior: 4 characters a token
+    assert _planner().plan(estimated, candidates, 0.0, 0).prompt_tokens == 100
+    decode_only = Planner(build_profiles(RoutingConfig(), builtin_registry()))
+    assert decode_only.plan(estimated, candidates, 0.0, 0).prompt_tokens == 100
+
+
 @pytest.mark.parametrize(
     ("decoder", "pairs", "expected"),
     [
