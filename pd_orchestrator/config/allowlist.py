@@ -33,19 +33,25 @@ def _host(host: str, bracketed: bool) -> str:
             raise ValueError("an IPv6 zone is not allowed")
         return str(ipaddress.IPv6Address(host))
     if len(host) > 253 or _NAME.fullmatch(host) is None:
-        raise ValueError(f"{host!r} is not a host name or address")
+        raise ValueError(f"{host!r} is no host name or address")
     return host
 
 
 def split_host_port(value: str) -> tuple[str, int | None]:
     """``host:port`` (``[v6]:port``) or a bare host, lower-cased and checked (see the
-    module docstring); ValueError if bad."""
-    value = value.strip().lower()
+    module docstring); ValueError if bad, saying why."""
+    try:
+        return _split(value.strip().lower())
+    except ValueError as exc:
+        raise ValueError(f"{value.strip()!r} is not host, host:port or a network ({exc})") from None
+
+
+def _split(value: str) -> tuple[str, int | None]:
     bracketed = value.startswith("[")
     if bracketed:
         host, closed, rest = value[1:].partition("]")
         if not closed or (rest and not rest.startswith(":")):
-            raise ValueError(f"{value!r} is not [v6]:port")
+            raise ValueError("not [v6]:port")
         port = rest[1:]
     elif value.count(":") == 1:
         host, _, port = value.partition(":")
@@ -54,7 +60,7 @@ def split_host_port(value: str) -> tuple[str, int | None]:
     if value.endswith(":") or (
         port and not (port.isascii() and port.isdigit() and 0 < int(port) < 65536)
     ):
-        raise ValueError(f"{value!r} has no valid port")
+        raise ValueError("no valid port")
     return _host(host, bracketed), int(port) if port else None
 
 
