@@ -230,8 +230,9 @@ class Handover:
             hosts = named_hosts(self.connector.describe(), outcome.params)
         except ConnectorError as exc:
             raise self._refused(prefiller, str(exc)) from exc
-        if hosts:
-            allowed = await self.legs.upstream.addresses(prefiller)
+        upstream = self.legs.upstream
+        if any(host not in upstream.hosts_of(prefiller) for host in hosts):
+            allowed = await upstream.addresses(prefiller)  # resolves names (cached)
             for host in hosts:
                 if host not in allowed:
                     raise self._refused(prefiller, f"transfer params name host {host!r}")

@@ -259,14 +259,21 @@ class Upstream:
         prefilling it (or recomputing it after a preemption) takes that much longer."""
         return self.timeouts.per_1k_prompt_tokens * prompt_tokens / 1000.0
 
-    async def addresses(self, endpoint: Endpoint) -> frozenset[str]:
-        """The hosts ``endpoint`` may be reached at: its URL's host, its ``kv`` host, and
-        the addresses either name resolves to (resolved at most every
-        :data:`_RESOLVE_EVERY` seconds; an unresolvable name counts as itself only).
-        What a prefiller's transfer params may name (:mod:`pd_orchestrator.flows.handover`)."""
+    @staticmethod
+    def hosts_of(endpoint: Endpoint) -> frozenset[str]:
+        """The hosts the configuration names for ``endpoint``: its URL's and its ``kv``
+        host (no I/O)."""
         names = {endpoint.peer.host.lower(), (urlsplit(endpoint.url).hostname or "").lower()}
+        return frozenset(names - {""})
+
+    async def addresses(self, endpoint: Endpoint) -> frozenset[str]:
+        """The hosts ``endpoint`` may be reached at: :meth:`hosts_of` and the addresses
+        those names resolve to (resolved at most every :data:`_RESOLVE_EVERY` seconds;
+        an unresolvable name counts as itself only). What a prefiller's transfer params
+        may name (:mod:`pd_orchestrator.flows.handover`)."""
+        names = self.hosts_of(endpoint)
         found = set(names)
-        for name in names - {""}:
+        for name in names:
             found |= await self._resolved(name)
         return frozenset(found)
 

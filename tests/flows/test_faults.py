@@ -66,8 +66,9 @@ def _answer(ids: list[int], finish: str = "length") -> dict[str, Any]:
 
 
 def _prefilled(request: Request) -> MockResponse:
+    params = PARAMS | {"remote_host": request.origin.host}  # the prefiller's own host
     prefill = {"id": "p", "choices": [{"index": 0, "text": "", "finish_reason": "length"}],
-               "kv_transfer_params": PARAMS}  # fmt: skip
+               "kv_transfer_params": params}  # fmt: skip
     return MockResponse(200, json=prefill)
 
 

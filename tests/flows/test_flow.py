@@ -247,7 +247,7 @@ async def test_token_ids_are_stripped_unless_asked() -> None:
 
 
 async def test_a_rejection_goes_through_the_prefiller_with_the_transfer_params() -> None:
-    params = {"remote_block_ids": [9], "remote_engine_id": "p0", "remote_host": "h"}
+    params = {"remote_block_ids": [9], "remote_engine_id": "p0", "remote_host": "p0"}
     prefill = {"id": "p", "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
                "kv_transfer_params": params}  # fmt: skip
     script = Script(

@@ -59,7 +59,7 @@ from .test_flow import (
 
 pytestmark = pytest.mark.anyio
 
-PARAMS = {"remote_block_ids": [9], "remote_engine_id": "p0", "remote_host": "h"}
+PARAMS = {"remote_block_ids": [9], "remote_engine_id": "p0", "remote_host": "p0"}
 PREFILL = {"id": "p", "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
            "kv_transfer_params": PARAMS}  # fmt: skip
 
