@@ -89,7 +89,7 @@ def test_the_documented_example_builds() -> None:
         (
             {"policy": {"type": "load-adaptiv"}},
             "threshold.policy: policy 'load-adaptiv': unknown policy type 'load-adaptiv' "
-            "(known: load-adaptive, max, min, min-uncached-tokens, overrides, slo-feedback, "
+            "(known: dynamo, llm-d, load-adaptive, max, min, min-uncached-tokens, overrides, slo-feedback, "
             "static, weighted)",
         ),
         (
