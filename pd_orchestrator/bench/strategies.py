@@ -15,6 +15,8 @@ a threshold policy.
 * ``load-adaptive`` -- decode-first with the ``load-adaptive`` policy (defaults).
 * ``slo-feedback`` -- decode-first with the ``slo-feedback`` policy (defaults), its
   targets the benchmark's SLO (TTFT p90 and ITL p99).
+* ``goodput`` -- decode-first with the ``goodput`` cost model, its targets the
+  benchmark's SLO (TTFT and TPOT).
 * any name bound in a policy file (:func:`load_policy_file`): decode-first with a
   ``threshold.policy`` block, so every policy the gateway can run drops in without
   code here.
@@ -62,6 +64,7 @@ DEFAULT_STRATEGIES = (
     "static-0.9",
     "load-adaptive",
     "slo-feedback",
+    "goodput",
 )
 
 
@@ -164,6 +167,12 @@ def _fixed(slo: Slo) -> dict[str, Strategy]:
             Mode.DECODE_FIRST,
             _threshold({"type": "load-adaptive"}),
             "decode-first, load-adaptive (defaults)",
+        ),
+        "goodput": Strategy(
+            "goodput",
+            Mode.DECODE_FIRST,
+            _threshold({"type": "goodput", "params": {"ttft": slo.ttft, "tpot": slo.tpot}}),
+            f"decode-first, goodput cost model (TTFT {slo.ttft:g}s, TPOT {slo.tpot:g}s)",
         ),
         "slo-feedback": Strategy(
             "slo-feedback",

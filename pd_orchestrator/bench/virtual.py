@@ -529,7 +529,16 @@ class _Flow:
             record.tpot = (self.last_at - self.first_at) / (len(self.generated) - 1)
         if self.decoder is not None and self.planned is not None:
             plan, facts = self.planned
-            served = Served(self.decoder.endpoint, now, record.ttft, record.tpot)
+            served = Served(
+                self.decoder.endpoint,
+                now,
+                record.ttft,
+                record.tpot,
+                record.prompt_tokens,
+                cached_tokens=record.cached_tokens,
+                output_tokens=record.output_tokens,
+                remote=record.decision == "pd",
+            )
             self.fleet.planner.learn(plan, facts, served)
         self.fleet.complete(self, now)
 

@@ -1,7 +1,7 @@
 """The built-in policy types, registered on a routing registry as kind ``policy``.
 
 Leaf types: ``static``, ``min-uncached-tokens``, ``load-adaptive``, ``slo-feedback``, and
-the peers' rules ``dynamo`` and ``llm-d``.
+the peers' rules ``dynamo`` and ``llm-d``, and the cost model ``goodput``.
 Types with child policies, built through the registry they are registered on:
 ``max``, ``min``, ``weighted``, ``overrides``.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from pd_orchestrator.policies.compose import composite_types
+from pd_orchestrator.policies.goodput import GOODPUT
 from pd_orchestrator.policies.load_adaptive import LOAD_ADAPTIVE
 from pd_orchestrator.policies.min_uncached import MIN_UNCACHED_TOKENS
 from pd_orchestrator.policies.overrides import overrides_type
@@ -28,6 +29,7 @@ LEAF_POLICY_TYPES: tuple[PluginType[Any, Any], ...] = (
     SLO_FEEDBACK,
     DYNAMO,
     LLM_D,
+    GOODPUT,
 )
 
 
