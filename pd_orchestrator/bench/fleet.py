@@ -6,6 +6,8 @@ Presets:
 * ``mixed`` -- half H200, half MI325X (same model), each half with its own
   decoders and prefillers in its own compatibility group (NIXL does not join a
   CUDA prefiller and a ROCm decoder);
+* ``h200-8x8`` -- the same H200s, 8 decoders and 8 prefillers (a fleet where the
+  prefill pool is as large as the decode pool);
 * ``tiny`` -- one H200 decoder and one H200 prefiller (tests, agreement checks).
 
 ``decoders`` and ``prefillers`` override a preset's counts (for ``mixed``: totals,
@@ -23,14 +25,15 @@ from pd_orchestrator.sim.profiles import LatencyProfile, get_profile
 
 __all__ = ["FLEETS", "FleetSpec", "InstanceSpec", "preset_fleet"]
 
-FLEETS = ("h200", "mixed", "tiny")
+FLEETS = ("h200", "mixed", "h200-8x8", "tiny")
 
 _PRESETS: dict[str, tuple[tuple[str, str], ...]] = {
     "h200": (("h200-llama3-8b", "nvidia"),),
     "mixed": (("h200-llama3-8b", "nvidia"), ("mi325x-llama3-8b", "amd")),
+    "h200-8x8": (("h200-llama3-8b", "nvidia"),),
     "tiny": (("h200-llama3-8b", "nvidia"),),
 }
-_COUNTS = {"h200": (12, 4), "mixed": (12, 4), "tiny": (1, 1)}
+_COUNTS = {"h200": (12, 4), "mixed": (12, 4), "h200-8x8": (8, 8), "tiny": (1, 1)}
 
 
 @dataclass(frozen=True, slots=True)

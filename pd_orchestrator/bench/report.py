@@ -4,7 +4,8 @@
 seconds, bytes, token counts) and, per strategy, the TTFT and ITL quantiles
 (0..100) the CDF plots are drawn from. Plots (matplotlib, Agg backend, no global
 pyplot state): ``ttft_cdf.png``, ``itl_cdf.png``, ``decisions.png`` (requests
-served by decode vs P/D), ``kv_bytes.png`` (KV bytes moved between instances).
+served by decode vs P/D), ``kv_bytes.png`` (KV bytes moved between instances), and
+after a goodput search ``attainment.png`` (SLO attainment against the rate).
 """
 
 from __future__ import annotations
@@ -17,9 +18,20 @@ from typing import Any
 
 from rich.table import Table
 
+from pd_orchestrator.bench.goodput import GoodputSearch
 from pd_orchestrator.bench.results import RunResult, Slo, Summary, percentiles
 
-__all__ = ["PLOTS", "plot_results", "quantiles", "summary_table", "write_json"]
+__all__ = [
+    "PLOTS",
+    "goodput_document",
+    "goodput_table",
+    "plot_attainment",
+    "plot_results",
+    "quantiles",
+    "ratios_to_best_other",
+    "summary_table",
+    "write_json",
+]
 
 PLOTS = ("ttft_cdf.png", "itl_cdf.png", "decisions.png", "kv_bytes.png")
 
@@ -112,15 +124,19 @@ def write_json(
     settings: Mapping[str, Any],
     results: Sequence[RunResult],
     summaries: Sequence[Summary],
+    goodput: Mapping[str, Any] | None = None,
 ) -> None:
-    """Write ``results.json``: settings, summaries and CDF quantiles per strategy."""
-    document = {
+    """Write ``results.json``: settings, summaries and CDF quantiles per strategy, and
+    the goodput searches when there were any (:func:`goodput_document`)."""
+    document: dict[str, Any] = {
         "settings": dict(settings),
         "strategies": [
             {**asdict(summary), "quantiles": _curves(result)}
             for result, summary in zip(results, summaries, strict=True)
         ],
     }
+    if goodput is not None:
+        document["goodput"] = dict(goodput)
     path.write_text(json.dumps(document, indent=2, sort_keys=False) + "\n")
 
 
@@ -188,5 +204,89 @@ def _kv_bars(path: Path, title: str, summaries: Sequence[Summary]) -> Path:
     axes.set_ylabel("KV moved between instances (GB)")
     axes.set_title(title, fontsize=10)
     axes.tick_params(axis="x", labelrotation=30)
+    figure.savefig(path, dpi=110)
+    return path
+
+
+def ratios_to_best_other(values: Mapping[str, float]) -> dict[str, float | None]:
+    """Each strategy's value over the best of the *other* strategies' (None when
+    those are all 0 or there is no other)."""
+    ratios: dict[str, float | None] = {}
+    for name, value in values.items():
+        others = [v for other, v in values.items() if other != name]
+        best = max(others, default=0.0)
+        ratios[name] = value / best if best > 0 else None
+    return ratios
+
+
+def goodput_table(
+    searches: Mapping[str, GoodputSearch], title: str, slo: Slo, goal: float
+) -> Table:
+    """One row per strategy: its goodput (the highest rate multiplier meeting the
+    attainment goal), the rate served there, the ratio to the best other strategy
+    and each pool's busy fraction at that rate."""
+    caption = (
+        f"goodput: the highest multiple of the workload's arrival rate at which >= {goal:.0%} "
+        f"of requests meet TTFT <= {slo.ttft:g} s and TPOT <= {slo.tpot * 1e3:g} ms; "
+        "busy: share of the run each pool spent stepping, at that rate"
+    )
+    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
+    for column in ("strategy", "goodput (x rate)", "req/s", "vs best other", "SLO met", "busy"):
+        table.add_column(column, justify="left" if column in ("strategy", "busy") else "right")
+    ratios = ratios_to_best_other({n: s.multiplier for n, s in searches.items()})
+    for name, found in searches.items():
+        best = found.best
+        ratio = ratios[name]
+        busy = (
+            "-" if best is None else ", ".join(f"{p} {b:.0%}" for p, b in sorted(best.busy.items()))
+        )
+        table.add_row(
+            name,
+            f"{found.multiplier:.3g}",
+            "-" if best is None else f"{best.rate:.2f}",
+            "-" if ratio is None else f"{ratio:.2f}x",
+            "-" if best is None else f"{best.attainment:.1%}",
+            busy,
+        )
+    return table
+
+
+def goodput_document(searches: Mapping[str, GoodputSearch], goal: float) -> dict[str, Any]:
+    """The goodput searches as ``results.json`` holds them."""
+    ratios = ratios_to_best_other({n: s.multiplier for n, s in searches.items()})
+    return {
+        "attainment_goal": goal,
+        "strategies": {
+            name: {
+                "multiplier": found.multiplier,
+                "ratio_to_best_other": ratios[name],
+                "probes": [asdict(probe) for probe in found.probes],
+            }
+            for name, found in searches.items()
+        },
+    }
+
+
+def plot_attainment(
+    path: Path, title: str, searches: Mapping[str, GoodputSearch], goal: float
+) -> Path:
+    """``attainment.png``: each strategy's SLO attainment against the rate multiplier."""
+    figure = _figure()
+    axes = figure.add_subplot()
+    for name, found in searches.items():
+        axes.plot(
+            [p.multiplier for p in found.probes],
+            [p.attainment for p in found.probes],
+            marker="o",
+            markersize=3,
+            label=name,
+        )
+    axes.axhline(goal, color="grey", linestyle="--", linewidth=0.8)
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("arrival rate (x the workload's)")
+    axes.set_ylabel("share of requests meeting the SLO")
+    axes.set_title(f"{title}: SLO attainment", fontsize=10)
+    axes.grid(True, alpha=0.3)
+    axes.legend(fontsize=8)
     figure.savefig(path, dpi=110)
     return path

@@ -86,6 +86,17 @@ class RunResult:
     wall_seconds: float = 0.0
     reasons: dict[str, int] = field(default_factory=dict)
     """Threshold decisions by ``policy:reason`` (virtual runs)."""
+    busy_seconds: dict[str, tuple[float, int]] = field(default_factory=dict)
+    """Per pool: engine-seconds spent stepping and the pool's instance count (virtual)."""
+
+    def busy(self) -> dict[str, float]:
+        """Per pool: the share of the run's span its instances spent stepping (0..1)."""
+        span = self.span
+        if span <= 0:
+            return {}
+        return {
+            pool: seconds / (count * span) for pool, (seconds, count) in self.busy_seconds.items()
+        }
 
     @property
     def span(self) -> float:
@@ -147,6 +158,7 @@ class Summary:
     preemptions: int
     span: float
     wall_seconds: float
+    busy: dict[str, float] = field(default_factory=dict)
 
 
 def summarize(result: RunResult, slo: Slo) -> Summary:
@@ -177,6 +189,7 @@ def summarize(result: RunResult, slo: Slo) -> Summary:
         tpot_p50=percentile(tpots, 50),
         e2e_p50=e2e_p50,
         e2e_p99=e2e_p99,
+        busy=result.busy(),
         goodput=met / span if span > 0 else 0.0,
         slo_share=met / len(result.records) if result.records else 0.0,
         decisions=dict(sorted(Counter(r.decision for r in done).items())),

@@ -5,13 +5,18 @@ a threshold policy.
   NIXL path do): prefill on a prefiller, KV to the decoder, decode there.
 * ``decode-only`` -- every instance decodes, threshold 0, no prefillers
   (aggregated serving on the same instances).
-* ``dynamo`` -- decode-first with ``min-uncached-tokens`` (2048): Dynamo's
-  conditional disaggregation (remote prefill unless the uncached part is short)
-  expressed as a threshold.
+* ``dynamo`` -- decode-first with the ``dynamo`` policy at Dynamo's defaults: remote
+  prefill iff more than 1000 tokens are uncached and fewer than 2 requests wait for
+  a prefiller (:mod:`pd_orchestrator.policies.peers`).
+* ``llm-d`` -- decode-first with the ``llm-d`` policy: remote prefill iff at least
+  ``nonCachedTokens`` are uncached on the decoder; llm-d's default (0) turns P/D off,
+  so the bench sets 1000, Dynamo's length (the two then differ by the queue rule).
 * ``static-<v>`` -- decode-first with a fixed threshold ``v`` (a sweep).
 * ``load-adaptive`` -- decode-first with the ``load-adaptive`` policy (defaults).
 * ``slo-feedback`` -- decode-first with the ``slo-feedback`` policy (defaults), its
   targets the benchmark's SLO (TTFT p90 and ITL p99).
+* ``goodput`` -- decode-first with the ``goodput`` cost model, its targets the
+  benchmark's SLO (TTFT and TPOT).
 * any name bound in a policy file (:func:`load_policy_file`): decode-first with a
   ``threshold.policy`` block, so every policy the gateway can run drops in without
   code here.
@@ -52,12 +57,14 @@ DEFAULT_STRATEGIES = (
     "always-pd",
     "decode-only",
     "dynamo",
+    "llm-d",
     "static-0.3",
     "static-0.5",
     "static-0.7",
     "static-0.9",
     "load-adaptive",
     "slo-feedback",
+    "goodput",
 )
 
 
@@ -146,14 +153,26 @@ def _fixed(slo: Slo) -> dict[str, Strategy]:
         "dynamo": Strategy(
             "dynamo",
             Mode.DECODE_FIRST,
-            _threshold({"type": "min-uncached-tokens", "params": {"max_uncached_tokens": 2048}}),
-            "decode-first, remote prefill above 2048 uncached tokens",
+            _threshold({"type": "dynamo"}),
+            "decode-first, Dynamo's rule: remote above 1000 uncached tokens, queue < 2",
+        ),
+        "llm-d": Strategy(
+            "llm-d",
+            Mode.DECODE_FIRST,
+            _threshold({"type": "llm-d", "params": {"non_cached_tokens": 1000}}),
+            "decode-first, llm-d's rule: remote from 1000 uncached tokens",
         ),
         "load-adaptive": Strategy(
             "load-adaptive",
             Mode.DECODE_FIRST,
             _threshold({"type": "load-adaptive"}),
             "decode-first, load-adaptive (defaults)",
+        ),
+        "goodput": Strategy(
+            "goodput",
+            Mode.DECODE_FIRST,
+            _threshold({"type": "goodput", "params": {"ttft": slo.ttft, "tpot": slo.tpot}}),
+            f"decode-first, goodput cost model (TTFT {slo.ttft:g}s, TPOT {slo.tpot:g}s)",
         ),
         "slo-feedback": Strategy(
             "slo-feedback",

@@ -128,6 +128,7 @@ class _Instance:
         self.stepping = False
         self.expiry_at: float | None = None
         self.in_flight = 0
+        self.busy = 0.0
         self.load: LoadSnapshot | None = None
         self._seen = (0, 0, 0)
 
@@ -233,7 +234,16 @@ class VirtualFleet:
             preemptions=sum(s.preemptions for s in stats),
             wall_seconds=wall,
             reasons=dict(self.decisions),
+            busy_seconds=self._busy(),
         )
+
+    def _busy(self) -> dict[str, tuple[float, int]]:
+        """Per pool: engine-seconds spent stepping, and how many instances it has."""
+        pools: dict[str, tuple[float, int]] = {}
+        for instance in self.instances:
+            seconds, count = pools.get(instance.endpoint.pool, (0.0, 0))
+            pools[instance.endpoint.pool] = (seconds + instance.busy, count + 1)
+        return pools
 
     def _poll(self, now: float) -> None:
         for instance in self.instances:
@@ -323,6 +333,7 @@ class VirtualFleet:
             self._watch_leases(instance, now)
             return
         instance.stepping = True
+        instance.busy += result.duration
         self.at(now + result.duration, partial(self._deliver, instance, result.outputs))
 
     def _deliver(self, instance: _Instance, outputs: Sequence[RequestOutput], now: float) -> None:
@@ -518,7 +529,16 @@ class _Flow:
             record.tpot = (self.last_at - self.first_at) / (len(self.generated) - 1)
         if self.decoder is not None and self.planned is not None:
             plan, facts = self.planned
-            served = Served(self.decoder.endpoint, now, record.ttft, record.tpot)
+            served = Served(
+                self.decoder.endpoint,
+                now,
+                record.ttft,
+                record.tpot,
+                record.prompt_tokens,
+                cached_tokens=record.cached_tokens,
+                output_tokens=record.output_tokens,
+                remote=record.decision == "pd",
+            )
             self.fleet.planner.learn(plan, facts, served)
         self.fleet.complete(self, now)
 

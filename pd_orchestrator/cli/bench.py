@@ -8,6 +8,13 @@ in P/D mode in front of the same simulators; ``--target URL`` instead sends the
 workload to one running server (a gateway, a router or a simulator).
 
 Writes ``results.json`` and PNG plots to ``--out`` and prints a table.
+
+Virtual runs also measure goodput as the field does (DistServe): per strategy, the
+highest multiple of the workload's arrival rate at which ``--attainment`` of the
+requests meet both SLOs, by a sweep and ``--bisections`` bisection steps
+(:mod:`pd_orchestrator.bench.goodput`), printed with each strategy's ratio to the
+best other one and each pool's busy fraction; ``attainment.png`` plots attainment
+against the rate. ``--bisections -1`` skips the search.
 """
 
 from __future__ import annotations
@@ -25,13 +32,21 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pd_orchestrator.bench.fleet import FLEETS, FleetSpec, preset_fleet
+from pd_orchestrator.bench.goodput import GoodputSearch, Probe, SearchSettings, scaled, search
 from pd_orchestrator.bench.live import (
     LiveOptions,
     run_fleet_strategy,
     run_target,
     run_vllm_router,
 )
-from pd_orchestrator.bench.report import plot_results, summary_table, write_json
+from pd_orchestrator.bench.report import (
+    goodput_document,
+    goodput_table,
+    plot_attainment,
+    plot_results,
+    summary_table,
+    write_json,
+)
 from pd_orchestrator.bench.results import RunResult, Slo, summarize
 from pd_orchestrator.bench.strategies import (
     DEFAULT_STRATEGIES,
@@ -93,6 +108,18 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     add("--slo-ttft", type=float, default=2.0, help="goodput SLO on TTFT (seconds)")
     add("--slo-tpot", type=float, default=0.05, help="goodput SLO on mean ITL (seconds)")
     add("--hop", type=float, default=VirtualOptions().hop, help="virtual: one HTTP leg (s)")
+    add(
+        "--attainment",
+        type=float,
+        default=0.9,
+        help="virtual: the share of requests meeting the SLO that goodput asks for",
+    )
+    add(
+        "--bisections",
+        type=int,
+        default=4,
+        help="virtual: bisection steps of the goodput search (-1: no search)",
+    )
     add("--out", type=Path, default=None, help="output directory (default under bench-results/)")
     add("--no-plots", action="store_true")
     live = parser.add_argument_group("live runs")
@@ -161,6 +188,37 @@ def _run_virtual(
             if not console.is_terminal:
                 console.print(f"{strategy.name}: {results[-1].wall_seconds:.1f}s", highlight=False)
     return results
+
+
+def _search_goodput(
+    args: argparse.Namespace,
+    fleet: FleetSpec,
+    strategies: Sequence[Strategy],
+    workload: Workload,
+    console: Console,
+) -> dict[str, GoodputSearch]:
+    """Each strategy's goodput search (virtual runs over the scaled workload)."""
+    _, routing = _routing(args.routing)
+    options = VirtualOptions(hop=args.hop)
+    slo = Slo(args.slo_ttft, args.slo_tpot)
+    settings = SearchSettings(goal=args.attainment, bisections=args.bisections)
+    searches: dict[str, GoodputSearch] = {}
+    for strategy in strategies:
+
+        def probe(multiplier: float, strategy: Strategy = strategy) -> Probe:
+            result = VirtualFleet(fleet, strategy, routing, options).run(
+                scaled(workload, multiplier)
+            )
+            summary = summarize(result, slo)
+            rate = summary.completed / summary.span if summary.span > 0 else 0.0
+            return Probe(multiplier, summary.slo_share, rate, summary.busy)
+
+        searches[strategy.name] = found = search(probe, settings)
+        console.print(
+            f"goodput {strategy.name}: x{found.multiplier:.3g} ({len(found.probes)} runs)",
+            highlight=False,
+        )
+    return searches
 
 
 def _run_live(
@@ -235,6 +293,7 @@ def _report(
     workload: Workload,
     results: Sequence[RunResult],
     console: Console,
+    searches: dict[str, GoodputSearch] | None = None,
 ) -> None:
     slo = Slo(args.slo_ttft, args.slo_tpot)
     runner = "virtual" if args.virtual else "live"
@@ -243,9 +302,19 @@ def _report(
     summaries = [summarize(result, slo) for result in results]
     title = f"{workload.name} ({len(workload)} requests), {runner}, {fleet.describe()}"
     console.print(summary_table(summaries, title, slo))
-    write_json(out / "results.json", _settings(args, fleet, workload, slo), results, summaries)
+    document = None
+    if searches:
+        console.print(goodput_table(searches, f"goodput: {title}", slo, args.attainment))
+        document = goodput_document(searches, args.attainment)
+    write_json(
+        out / "results.json", _settings(args, fleet, workload, slo), results, summaries, document
+    )
     if not args.no_plots:
         plot_results(out, f"{workload.name}, {fleet.name}", results, summaries)
+        if searches:
+            plot_attainment(
+                out / "attainment.png", f"{workload.name}, {fleet.name}", searches, args.attainment
+            )
     walls = ", ".join(f"{s.strategy} {s.wall_seconds:.1f}s" for s in summaries)
     console.print(f"wall time: {walls}\nresults in {out}/", highlight=False)
 
@@ -276,5 +345,8 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"{workload.description}\nfleet: {fleet.describe()}", highlight=False)
     runner = _run_virtual if args.virtual else _run_live
     results = runner(args, fleet, strategies, workload, console)
-    _report(args, fleet, workload, results, console)
+    searches = None
+    if args.virtual and args.bisections >= 0:
+        searches = _search_goodput(args, fleet, strategies, workload, console)
+    _report(args, fleet, workload, results, console, searches)
     return 0

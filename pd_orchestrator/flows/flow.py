@@ -131,7 +131,8 @@ class FlowSettings:
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """What a served request did: its decision, the decoder that served it last, the
-    prefiller (if any), the time to first token, mean ITL and prompt tokens."""
+    prefiller (if any), the time to first token, mean ITL, prompt tokens, the prompt
+    tokens the first decoder had cached (None: not reported) and output tokens."""
 
     decision: str
     decoder: Endpoint
@@ -140,6 +141,8 @@ class Outcome:
     itl: float | None
     prompt_tokens: int | None
     handbacks: int
+    cached_tokens: int | None = None
+    output_tokens: int = 0
 
 
 class Flow:
@@ -200,6 +203,8 @@ class Flow:
             timing.itl,
             transcript.prompt_tokens,
             transcript.handbacks,
+            transcript.cached_tokens,
+            transcript.completion_tokens,
         )
 
     # -- the leg that serves the original prompt ------------------------------------------------

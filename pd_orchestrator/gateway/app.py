@@ -436,7 +436,14 @@ class Gateway:
         if outcome is None:
             return
         served = Served(
-            outcome.decoder, self.clock(), outcome.ttft, outcome.itl, outcome.prompt_tokens
+            outcome.decoder,
+            self.clock(),
+            outcome.ttft,
+            outcome.itl,
+            outcome.prompt_tokens,
+            cached_tokens=outcome.cached_tokens,
+            output_tokens=outcome.output_tokens,
+            remote=outcome.decision == "pd",
         )
         try:
             state.planner.learn(plan, admitted.facts, served)

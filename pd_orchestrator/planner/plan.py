@@ -190,7 +190,10 @@ class Served:
     """What a served request teaches the planner: where it went and how it went.
 
     ``decoder``: the decoder that served it (None: no decoder served it); ``ttft`` and
-    ``itl`` in seconds; ``prompt_tokens``: what upstream counted for the prompt.
+    ``itl`` in seconds; ``prompt_tokens``: what upstream counted for the prompt;
+    ``cached_tokens``: of those, what the serving decoder had cached (None: unknown);
+    ``output_tokens``: tokens generated; ``remote``: prefilled on a prefiller (None:
+    unknown).
     """
 
     decoder: Endpoint | None
@@ -198,6 +201,9 @@ class Served:
     ttft: float | None = None
     itl: float | None = None
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    output_tokens: int = 0
+    remote: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -318,7 +324,17 @@ class Planner:
         if resolver is None:
             return
         resolver.observe(
-            LatencyObservation(facts.model, decoder.pool, served.now, served.ttft, served.itl)
+            LatencyObservation(
+                facts.model,
+                decoder.pool,
+                served.now,
+                served.ttft,
+                served.itl,
+                prompt_tokens=served.prompt_tokens,
+                cached_tokens=served.cached_tokens,
+                output_tokens=served.output_tokens,
+                remote=served.remote,
+            )
         )
         if served.prompt_tokens and facts.prompt_tokens is None:
             resolver.observe_usage(facts.model, facts.prompt_chars, served.prompt_tokens)

@@ -112,6 +112,9 @@ class LatencyObservation:
     content sent to the client. ``itl``: an inter-token latency in seconds (the
     request's mean gap between content chunks, or one gap). Either may be None.
     ``now``: when it was observed, on the clock of :attr:`ThresholdContext.now`.
+    ``prompt_tokens`` and ``cached_tokens`` (of those, what the serving decoder had
+    cached), ``output_tokens`` and ``remote`` (prefilled on a prefiller): what a cost
+    model learns rates from (None: unknown).
     """
 
     model: str
@@ -119,6 +122,10 @@ class LatencyObservation:
     now: float
     ttft: float | None = None
     itl: float | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    output_tokens: int = 0
+    remote: bool | None = None
 
     def __post_init__(self) -> None:
         for name, value in (("ttft", self.ttft), ("itl", self.itl)):

@@ -1,6 +1,7 @@
 """The built-in policy types, registered on a routing registry as kind ``policy``.
 
-Leaf types: ``static``, ``min-uncached-tokens``, ``load-adaptive``, ``slo-feedback``.
+Leaf types: ``static``, ``min-uncached-tokens``, ``load-adaptive``, ``slo-feedback``, and
+the peers' rules ``dynamo`` and ``llm-d``, and the cost model ``goodput``.
 Types with child policies, built through the registry they are registered on:
 ``max``, ``min``, ``weighted``, ``overrides``.
 """
@@ -10,9 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 from pd_orchestrator.policies.compose import composite_types
+from pd_orchestrator.policies.goodput import GOODPUT
 from pd_orchestrator.policies.load_adaptive import LOAD_ADAPTIVE
 from pd_orchestrator.policies.min_uncached import MIN_UNCACHED_TOKENS
 from pd_orchestrator.policies.overrides import overrides_type
+from pd_orchestrator.policies.peers import DYNAMO, LLM_D
 from pd_orchestrator.policies.slo_feedback import SLO_FEEDBACK
 from pd_orchestrator.policies.static import STATIC
 from pd_orchestrator.routing.registry import PluginType, Registry
@@ -24,6 +27,9 @@ LEAF_POLICY_TYPES: tuple[PluginType[Any, Any], ...] = (
     MIN_UNCACHED_TOKENS,
     LOAD_ADAPTIVE,
     SLO_FEEDBACK,
+    DYNAMO,
+    LLM_D,
+    GOODPUT,
 )
 
 

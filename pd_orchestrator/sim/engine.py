@@ -567,16 +567,16 @@ class Engine:
         profile = self.config.profile
         context = 0
         decoding = 0
-        prefill = 0.0
+        prefill = load = 0.0
         for req, count in scheduled:
-            prefill += req.load_seconds
+            load += req.load_seconds
             req.load_seconds = 0.0
             if req.decoding:
                 decoding += 1
                 context += req.num_computed + 1
             else:
                 prefill += profile.prefill_seconds(count, req.num_computed)
-        return profile.step_seconds(context, decoding, prefill)
+        return profile.step_seconds(context, decoding, prefill, load)
 
     def _compute(self, req: _Req, count: int, finish_time: float) -> RequestOutput | None:
         was_decoding = req.decoding

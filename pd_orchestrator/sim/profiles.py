@@ -1,13 +1,21 @@
 """Latency profiles of the simulator (constants from the project's calibration notes).
 
-Time of one engine step, in seconds (``LatencyProfile.step_seconds``)::
+Time of one engine step, in seconds (``LatencyProfile.step_seconds``), a roofline::
 
-    base    = a_dec + weights        if any request decodes in the step
-            = a_pf                   if the step only prefills
-    decode  = ctx_read * (sum of the context lengths of the decoding requests)
+    step    = a_dec + max(memory, compute) + load   if any request decodes in the step
+            = a_pf + prefill + load                  if the step only prefills
+    memory  = weights + ctx_read * (sum of the context lengths of the decoding requests)
+    compute = B * lin + prefill                      for B decoding requests
     prefill = sum over prefill chunks of  n * lin + attn * n * (c + n / 2)
 
-for a chunk of ``n`` new tokens after ``c`` already computed ones. ``weights`` and
+for a chunk of ``n`` new tokens after ``c`` already computed ones; ``load`` is the
+time spent loading KV from elsewhere (a hand-over, an offload tier). A decode batch
+is memory-bound (it reads the weights and its KV once per step), so a prefill chunk
+small enough that ``compute`` stays below ``memory`` rides almost free on it, and a
+large one makes the step compute-bound: each of its tokens then adds ``lin``
+(Sarathi-Serve's observation; DistServe's stall of decodes behind a long prefill).
+At the ITL table's points ``compute`` is far below ``memory``, so the fit below
+still reproduces them. ``weights`` and
 ``ctx_read`` are fitted to the inter-token latency table (ITL at batch 1, 64 and
 256 with a 2k context): ``ctx_read = (ITL256 - ITL64) / (192 * 2048)`` and
 ``weights = ITL1 - a_dec - 2048 * ctx_read``. A KV transfer of ``u`` tokens takes
@@ -47,16 +55,35 @@ class LatencyProfile:
             return 0.0
         return new * self.lin + self.attn * new * (cached + new / 2)
 
-    def step_seconds(self, decode_context: int, num_decode: int, prefill: float) -> float:
-        """Duration of a step with ``num_decode`` decoding requests.
+    def step_seconds(
+        self, decode_context: int, num_decode: int, prefill: float, load: float = 0.0
+    ) -> float:
+        """Duration of a step with ``num_decode`` decoding requests (the roofline of the
+        module docstring; pure).
 
-        ``decode_context`` is the sum of their context lengths and ``prefill`` the
-        summed :meth:`prefill_seconds` of the step's prefill chunks.
+        ``decode_context`` is the sum of their context lengths, ``prefill`` the summed
+        :meth:`prefill_seconds` of the step's prefill chunks and ``load`` the seconds
+        spent loading external KV in the step.
         """
-        if num_decode == 0 and prefill == 0.0:
-            return 0.0
-        base = self.a_dec + self.weights if num_decode else self.a_pf
-        return base + self.ctx_read * decode_context + prefill
+        if num_decode == 0:
+            return 0.0 if prefill == 0.0 and load == 0.0 else self.a_pf + prefill + load
+        memory = self.weights + self.ctx_read * decode_context
+        compute = num_decode * self.lin + prefill
+        return self.a_dec + max(memory, compute) + load
+
+    def free_chunk_tokens(self, decode_context: int, num_decode: int) -> int:
+        """The largest prefill chunk (new tokens, no cached context) that leaves a step of
+        ``num_decode`` decodes memory-bound: it adds no time to their step."""
+        if num_decode == 0 or self.lin <= 0.0:
+            return 0
+        spare = self.weights + self.ctx_read * decode_context - num_decode * self.lin
+        tokens = 0
+        step = 1 << 16
+        while step:  # the largest n with prefill_seconds(n, 0) <= spare (monotone)
+            if self.prefill_seconds(tokens + step, 0) <= spare:
+                tokens += step
+            step >>= 1
+        return tokens
 
     def transfer_seconds(self, tokens: int) -> float:
         """Time to move the KV of ``tokens`` tokens between instances."""

@@ -1,4 +1,5 @@
-"""Virtual and live runs of one small workload agree.
+"""Virtual and live runs of one small workload agree, under a fixed threshold and
+under the ``goodput`` cost model (the same planner and policy in both).
 
 Tolerance: TTFT p50 and TPOT p50 within 25% (plus 5 ms), the decision mix within 2
 requests, prefill tokens within 10% and KV bytes within 20%. Live: simulators
@@ -29,12 +30,13 @@ def _close(live: float | None, virtual: float | None) -> bool:
 
 
 @pytest.mark.timeout(90)
-def test_virtual_and_live_agree_on_a_small_workload() -> None:
+@pytest.mark.parametrize("name", ["static-0.5", "goodput"])
+def test_virtual_and_live_agree_on_a_small_workload(name: str) -> None:
     workload = build_workload(
         "shared-prefix", WorkloadOptions(requests=12, rate=4.0, size_scale=0.5, seed=1)
     )
     fleet = preset_fleet("tiny")
-    (strategy,) = resolve_strategies(["static-0.5"])
+    (strategy,) = resolve_strategies([name])
     routing = build_profiles(
         RoutingConfig.model_validate(ROUTING_PRESETS["affinity"]), builtin_registry()
     )

@@ -101,15 +101,12 @@ def test_multi_turn_later_turns_hit_their_decoder() -> None:
 
 
 def test_dynamo_rule_prefills_remotely_only_long_uncached_prompts() -> None:
-    result = _run("dynamo", _workload((0.0, (Segment(5, 1500),)), (0.0, (Segment(6, 6000),))))
+    result = _run("dynamo", _workload((0.0, (Segment(5, 900),)), (0.0, (Segment(6, 6000),))))
     assert [r.decision for r in result.records] == ["decode", "pd"]
     short, long = result.records
     assert short.threshold == 0.0
-    assert long.threshold == pytest.approx(1 - 2047.5 / 6000)
-    assert result.reasons == {
-        "min-uncached-tokens:short-prompt": 1,
-        "min-uncached-tokens:uncached-tokens": 1,
-    }
+    assert long.threshold == pytest.approx(1 - 1000.5 / 6000)
+    assert result.reasons == {"dynamo:short-prompt": 1, "dynamo:uncached-length": 1}
 
 
 def test_every_default_strategy_runs_with_the_gateway_policies() -> None:

@@ -1,0 +1,246 @@
+"""``goodput``: a cost model in seconds -- prefill where the request meets its SLO at
+the least cost to everyone else.
+
+For the chosen decoder and a prompt of ``L`` tokens, ``u`` of them uncached there:
+
+* **remote** (P/D): the best compatible prefiller's wait plus the prompt's prefill
+  there, the KV transfer and the extra legs::
+
+      remote = min over prefillers p of  queued_p * L_mean / rate_p + L / rate_p
+               + L / transfer_rate + 3 * hop
+
+  ``queued_p`` counts the requests at ``p`` (the larger of the gateway's own
+  in-flight count, the freshest, and a scraped ``running + waiting``, which carries
+  what other gateways sent); ``L_mean`` is the mean prompt the policy has seen.
+* **local**: the decoder's wait plus ``u`` of its own prefill::
+
+      local(u) = waiting_d * L_mean * (1 - hit_d) / rate_d + u / rate_d + hop
+
+* **stall**: what a local prefill of ``u`` tokens costs the ``B`` streams decoding
+  there. Steps are memory-bound until compute catches up (a roofline), so the first
+  ``free`` tokens of each step ride free; beyond, the prefill's time lands on every
+  stream in those steps. Spread over a stream's ``out_mean`` output tokens it raises
+  its time per output token by ``stall(u) / out_mean``, against the room
+  ``tpot - itl_d`` left under the TPOT target (``itl_d``: the pool's observed ITL).
+
+The decoder should keep the prompt iff ``local(u)`` is within ``max(remote, ttft *
+slack)`` (local is cheaper for the fleet whenever it still meets the target, even
+when remote would be a little faster) and -- when remote would meet the TTFT target,
+so that there is a real alternative -- the stall fits. The largest such ``u`` is
+``u*``, and the policy sends ``t = 1 - (u* + 1/2) / L``: the decoder admits iff
+``u <= u*``. No compatible prefiller: 0 (local is the only choice).
+
+Learning (``observe``): per decoder pool, the ITL (an EWMA) and two prefill rates
+from the requests the gateway served, each sample ``tokens / (ttft - overhead)``:
+``rate_d`` from requests decoded where they were prefilled (``u`` from the usage's
+cached tokens), ``rate_p`` from P/D requests (``L`` tokens). A rate estimate is a
+decaying maximum, ``r <- max(s, r + alpha * (s - r))``: a fast sample (an idle
+engine) lifts it at once, slow ones (queueing, which the wait terms already count)
+pull it down only at ``alpha`` per sample, so it follows a changed engine without
+chasing the load. Seeds: the hardware profile's rate for the endpoint's hardware and
+model when the simulator knows it, else ``prefill_tokens_per_s``; so it needs no
+profile on real vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Annotated, ClassVar
+
+from pydantic import Field
+
+from pd_orchestrator.fleet.endpoints import Endpoint
+from pd_orchestrator.policies.base import (
+    POLICY,
+    LatencyObservation,
+    ThresholdContext,
+    ThresholdDecision,
+    clamp_ratio,
+)
+from pd_orchestrator.routing.interfaces import PluginContext
+from pd_orchestrator.routing.registry import NoParams, PluginType
+from pd_orchestrator.routing.types import Candidate
+
+__all__ = ["GOODPUT", "GoodputParams", "GoodputPolicy", "PoolModel", "seed_rate"]
+
+_Positive = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
+
+
+class GoodputParams(NoParams):
+    """SLO targets ``ttft`` and ``tpot`` (seconds); ``slack``: the share of the TTFT
+    target a local prefill may use when remote would be faster; the seeds
+    ``prefill_tokens_per_s`` (when no hardware profile is known) and
+    ``transfer_tokens_per_s`` (KV moved per second: 40 GB/s at 128 KiB a token);
+    ``hop`` (one leg's one-way latency), ``out_mean`` (the seed of the mean output,
+    tokens), ``alpha`` (learning rate)."""
+
+    ttft: _Positive = 1.0
+    tpot: _Positive = 0.03
+    slack: Annotated[float, Field(ge=0.0, le=1.0)] = 0.8
+    prefill_tokens_per_s: _Positive = 20_000.0
+    transfer_tokens_per_s: _Positive = 300_000.0
+    hop: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.002
+    out_mean: _Positive = 256.0
+    alpha: Annotated[float, Field(gt=0.0, le=1.0)] = 0.05
+
+
+def seed_rate(endpoint: Endpoint, default: float) -> float:
+    """Prefill tokens per second of ``endpoint`` by its hardware profile (the
+    simulator's calibration) when one matches its hardware and model, else ``default``."""
+    from pd_orchestrator.sim.profiles import PROFILES  # data only; kept off import time
+
+    for profile in PROFILES.values():
+        if (profile.hardware, profile.model) == (endpoint.hardware, endpoint.model):
+            return 1.0 / profile.lin if profile.lin > 0 else default
+    return default
+
+
+def _mean(mean: float, sample: float, alpha: float) -> float:
+    """An exponentially weighted mean; the first sample (``mean`` 0) is taken whole."""
+    return sample if not mean else mean + alpha * (sample - mean)
+
+
+def _learn_rate(rate: float, sample: float, alpha: float) -> float:
+    """The decaying maximum of the module docstring."""
+    return max(sample, rate + alpha * (sample - rate))
+
+
+@dataclass(slots=True)
+class PoolModel:
+    """What the policy knows of one decoder pool: the local and remote prefill rates
+    (tokens/s), the ITL observed there (seconds, None before any) and the free chunk
+    of its steps (tokens a step carries at no cost)."""
+
+    rate_local: float
+    rate_remote: float
+    itl: float | None = None
+    free_tokens: float = 150.0
+
+
+@dataclass(slots=True)
+class GoodputPolicy:
+    """See the module docstring. Reasons: ``no-prefiller``, ``local-meets-slo``
+    (u* covers the whole prompt), ``cost-model`` (u* < L), ``stall`` (the stall bound
+    set u*)."""
+
+    params: GoodputParams = field(default_factory=GoodputParams)
+    name: str = "goodput"
+    reads_prefillers: ClassVar[bool] = True
+    bounds: ClassVar[tuple[float, float]] = (0.0, 1.0)
+    pools: dict[str, PoolModel] = field(default_factory=dict)
+    prompt_mean: float = 0.0
+    out_mean: float = 0.0
+
+    def _pool(self, decoder: Endpoint) -> PoolModel:
+        model = self.pools.get(decoder.pool)
+        if model is None:
+            rate = seed_rate(decoder, self.params.prefill_tokens_per_s)
+            model = self.pools[decoder.pool] = PoolModel(rate, rate)
+        return model
+
+    # -- the estimates (seconds) -------------------------------------------------------------
+    def remote_ttft(self, context: ThresholdContext, model: PoolModel) -> float | None:
+        """The expected TTFT through the best compatible prefiller (None: none)."""
+        if not context.prefillers:
+            return None
+        tokens, p = context.prompt_tokens, self.params
+        mean = self.prompt_mean or tokens
+        wait = min(_outstanding(c) for c in context.prefillers) * mean / model.rate_remote
+        return wait + tokens / model.rate_remote + tokens / p.transfer_tokens_per_s + 3 * p.hop
+
+    def local_wait(self, context: ThresholdContext, model: PoolModel) -> float:
+        """Seconds of prefill queued at the decoder before this request's own."""
+        load = context.decoder_load
+        if load is None or not load.waiting:
+            return 0.0
+        hit = load.prefix_hit_rate or 0.0
+        mean = self.prompt_mean or context.prompt_tokens
+        return load.waiting * mean * (1.0 - hit) / model.rate_local
+
+    def stall_limit(self, context: ThresholdContext, model: PoolModel) -> float:
+        """The most uncached tokens a local prefill may have before the streams
+        decoding on the decoder miss the TPOT target (inf: nothing decodes there)."""
+        load = context.decoder_load
+        streams = max(context.decoder_in_flight, load.running if load is not None else 0)
+        if streams == 0:
+            return math.inf
+        room = self.params.tpot - (model.itl or 0.0)
+        if room <= 0.0:
+            return 0.0
+        out = self.out_mean or self.params.out_mean
+        return room * out * model.rate_local + model.free_tokens
+
+    def decide(self, context: ThresholdContext) -> ThresholdDecision:
+        tokens = context.prompt_tokens
+        if tokens <= 0:
+            return ThresholdDecision(0.0, self.name, "local")
+        model = self._pool(context.decoder.endpoint)
+        remote = self.remote_ttft(context, model)
+        if remote is None:
+            return ThresholdDecision(0.0, self.name, "no-prefiller")
+        p = self.params
+        budget = max(remote, p.ttft * p.slack) - self.local_wait(context, model) - p.hop
+        by_ttft = max(0.0, budget) * model.rate_local
+        by_stall = self.stall_limit(context, model) if remote <= p.ttft else math.inf
+        keep = min(by_ttft, by_stall)
+        if keep >= tokens:
+            return ThresholdDecision(0.0, self.name, "local")
+        reason = "stall" if by_stall < by_ttft else "cost-model"
+        return ThresholdDecision(clamp_ratio(1.0 - (keep + 0.5) / tokens), self.name, reason)
+
+    # -- learning ----------------------------------------------------------------------------
+    def observe(self, observation: LatencyObservation) -> None:
+        model = self.pools.get(observation.pool)
+        if model is None:
+            return
+        alpha = self.params.alpha
+        if observation.itl is not None:
+            model.itl = _mean(model.itl or 0.0, observation.itl, alpha)
+        tokens = observation.prompt_tokens
+        if tokens:
+            self.prompt_mean = tokens if not self.prompt_mean else (
+                self.prompt_mean + alpha * (tokens - self.prompt_mean)
+            )  # fmt: skip
+        if observation.output_tokens:
+            out = observation.output_tokens
+            self.out_mean = (
+                out if not self.out_mean else self.out_mean + alpha * (out - self.out_mean)
+            )
+        self._learn_rates(observation, model)
+
+    def _learn_rates(self, observation: LatencyObservation, model: PoolModel) -> None:
+        ttft, tokens = observation.ttft, observation.prompt_tokens
+        if ttft is None or not tokens or observation.remote is None:
+            return
+        p = self.params
+        if observation.remote:
+            spent = ttft - tokens / p.transfer_tokens_per_s - 4 * p.hop
+            if tokens >= _MIN_SAMPLE and spent > 0:
+                model.rate_remote = _learn_rate(model.rate_remote, tokens / spent, p.alpha)
+            return
+        if observation.cached_tokens is None:
+            return
+        uncached = tokens - observation.cached_tokens
+        spent = ttft - 2 * p.hop
+        if uncached >= _MIN_SAMPLE and spent > 0:
+            model.rate_local = _learn_rate(model.rate_local, uncached / spent, p.alpha)
+
+
+_MIN_SAMPLE = 512
+"""Prompt tokens below which a TTFT says more about fixed costs than about a rate."""
+
+
+def _outstanding(candidate: Candidate) -> int:
+    """Requests at a prefiller: the gateway's own count or a reading, the larger."""
+    load = candidate.load
+    if load is None:
+        return candidate.in_flight
+    return max(candidate.in_flight, load.running + load.waiting)
+
+
+def _goodput(params: GoodputParams, context: PluginContext) -> GoodputPolicy:
+    return GoodputPolicy(params, context.name)
+
+
+GOODPUT = PluginType("goodput", POLICY, GoodputParams, _goodput)

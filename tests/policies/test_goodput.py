@@ -1,0 +1,134 @@
+"""The ``goodput`` cost model: its estimates against hand-computed cases, the
+decisions it flips, and what it learns."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pd_orchestrator.fleet.endpoints import Endpoint, Role
+from pd_orchestrator.policies import LatencyObservation
+from pd_orchestrator.policies.goodput import GoodputParams, GoodputPolicy, PoolModel, seed_rate
+from pd_orchestrator.routing import Candidate
+from tests.policies.helpers import build, context, decoder, load, prefiller
+
+RATE = 10_000.0  # tokens/s, local and remote
+PARAMS = GoodputParams(ttft=1.0, tpot=0.03, slack=0.8, transfer_tokens_per_s=100_000.0, hop=0.0)
+
+
+def _policy(**params: float) -> GoodputPolicy:
+    policy = GoodputPolicy(PARAMS.model_copy(update=params))
+    policy.pools["decode"] = PoolModel(RATE, RATE, itl=0.01, free_tokens=0.0)
+    return policy
+
+
+def _admits(threshold: float, tokens: int, uncached: int) -> bool:
+    return (tokens - uncached) / tokens >= threshold
+
+
+def test_remote_ttft_is_the_best_prefiller_s_wait_prefill_and_transfer() -> None:
+    policy = _policy()
+    busy = prefiller("p0", in_flight=3)
+    idle = prefiller("p1", reading=load(running=1))
+    ctx = context(tokens=20_000, prefillers=(busy, idle))
+    # p1: 1 request of the 20k mean ahead (2 s), 20k tokens (2 s), transfer 0.2 s
+    assert policy.remote_ttft(ctx, policy.pools["decode"]) == pytest.approx(2.0 + 2.0 + 0.2)
+    assert policy.remote_ttft(context(prefillers=()), policy.pools["decode"]) is None
+
+
+def test_local_wait_counts_the_uncached_work_queued_at_the_decoder() -> None:
+    policy = _policy()
+    policy.prompt_mean = 4000
+    reading = load(running=2, waiting=3)
+    reading = type(reading)(2, 3, 0.0, 0.0, prefix_hit_rate=0.5)
+    ctx = context(tokens=4000, dec=decoder(reading=reading))
+    assert policy.local_wait(ctx, policy.pools["decode"]) == pytest.approx(3 * 2000 / RATE)
+
+
+def test_the_stall_limit_is_the_tpot_room_over_a_stream_s_output() -> None:
+    policy = _policy()
+    policy.out_mean = 100
+    model = policy.pools["decode"]
+    assert policy.stall_limit(context(dec=decoder()), model) == math.inf  # nothing decodes
+    busy = context(dec=decoder(in_flight=8))
+    assert policy.stall_limit(busy, model) == pytest.approx((0.03 - 0.01) * 100 * RATE)
+    model.itl = 0.05  # over the target already
+    assert policy.stall_limit(busy, model) == 0.0
+
+
+def test_an_idle_prefill_pool_takes_what_would_stall_a_saturated_one_leaves_it_local() -> None:
+    policy = _policy()
+    policy.out_mean = 10
+    busy_decoder = decoder(in_flight=30)  # a local prefill would stall 30 streams
+    idle = context(tokens=8_000, dec=busy_decoder, prefillers=(prefiller(reading=load()),))
+    decision = policy.decide(idle)  # remote 0.88 s meets the target; the stall bound: 2000
+    assert decision.reason == "stall"
+    assert decision.value == pytest.approx(1 - 2000.5 / 8000)
+    queue = (prefiller(reading=load(running=1, waiting=40)),)
+    saturated = policy.decide(context(tokens=8_000, dec=busy_decoder, prefillers=queue))
+    assert saturated.value == 0.0 and saturated.reason == "local"  # remote: 33 s
+
+
+def test_a_long_prompt_that_misses_either_way_stays_where_it_is_cheaper() -> None:
+    policy = _policy()
+    decision = policy.decide(context(tokens=30_000, prefillers=(prefiller(reading=load()),)))
+    assert decision.value == 0.0  # local 3 s, remote 3.3 s: no transfer for nothing
+
+
+def test_an_idle_decoder_keeps_what_meets_the_target_a_queued_one_sends_it_away() -> None:
+    policy = _policy()
+    prefillers = (prefiller(reading=load()),)
+    idle = policy.decide(context(tokens=5_000, prefillers=prefillers))
+    assert idle.value == 0.0 and idle.reason == "local"  # 0.5 s locally
+    policy.prompt_mean = 5_000
+    queued = load(running=0, waiting=4)  # 2 s of prefill ahead on the decoder
+    decision = policy.decide(
+        context(tokens=5_000, dec=decoder(reading=queued), prefillers=prefillers)
+    )
+    assert decision.reason == "cost-model"
+    assert not _admits(decision.value, 5_000, 5_000)  # cold: remote (1.05 s) beats 2.5 s
+    assert _admits(decision.value, 5_000, 0)
+
+
+def test_no_compatible_prefiller_means_local() -> None:
+    assert _policy().decide(context(tokens=50_000, prefillers=())).reason == "no-prefiller"
+
+
+def test_learning_converges_to_a_changed_rate_and_ignores_unknown_caches() -> None:
+    policy = _policy(alpha=0.2)
+    model = policy.pools["decode"]
+
+    def served(uncached: int, seconds: float, remote: bool = False, cached: int | None = 0) -> None:
+        policy.observe(
+            LatencyObservation(
+                "m", "decode", 0.0, ttft=seconds, itl=0.012,
+                prompt_tokens=uncached + (cached or 0), cached_tokens=cached, remote=remote,
+            )
+        )  # fmt: skip
+
+    for _ in range(40):  # the engine got twice as slow
+        served(5000, 1.0)
+    assert model.rate_local == pytest.approx(5000.0, rel=0.01)
+    served(5000, 0.25)  # an idle engine's fast answer lifts it at once
+    assert model.rate_local == pytest.approx(20_000.0)
+    before = model.rate_local
+    served(5000, 0.1, cached=None)  # no cached count: no sample
+    assert model.rate_local == before
+    for _ in range(40):
+        served(10_000, 1.0 + 0.1, remote=True, cached=None)  # 0.1 s of transfer
+    assert model.rate_remote == pytest.approx(10_000.0, rel=0.01)
+    assert model.itl == pytest.approx(0.012)
+
+
+def test_seeds_come_from_the_hardware_profile_else_the_parameter() -> None:
+    h200 = Endpoint(
+        "d", "http://d:1", Role.DECODE, "h200", model="meta-llama/Llama-3.1-8B-Instruct"
+    )
+    assert seed_rate(h200, 1.0) == pytest.approx(1 / 29.5e-6)
+    other = Endpoint("d", "http://d:1", Role.DECODE, "h200", model="some/other-model")
+    assert seed_rate(other, 1234.0) == 1234.0
+    policy = build({"type": "goodput", "params": {"ttft": 2.0}})
+    assert isinstance(policy, GoodputPolicy) and policy.params.ttft == 2.0
+    policy.decide(context(dec=Candidate(h200, True, 0, None)))
+    assert policy.pools[h200.pool].rate_local == pytest.approx(1 / 29.5e-6)
