@@ -174,7 +174,12 @@ def _cdf(
     axes.set_xscale("log")
     axes.set_xlabel("seconds" if unit == 1.0 else "milliseconds")
     axes.set_ylabel("cumulative share")
-    axes.set_title(f"{title} CDF", fontsize=10)
+    return _save(figure, axes, path, f"{title} CDF")
+
+
+def _save(figure: Any, axes: Any, path: Path, title: str) -> Path:
+    """Title, grid and legend on ``axes``; ``figure`` written to ``path``."""
+    axes.set_title(title, fontsize=10)
     axes.grid(True, alpha=0.3)
     axes.legend(fontsize=8)
     figure.savefig(path, dpi=110)
@@ -285,8 +290,4 @@ def plot_attainment(
     axes.set_xscale("log", base=2)
     axes.set_xlabel("arrival rate (x the workload's)")
     axes.set_ylabel("share of requests meeting the SLO")
-    axes.set_title(f"{title}: SLO attainment", fontsize=10)
-    axes.grid(True, alpha=0.3)
-    axes.legend(fontsize=8)
-    figure.savefig(path, dpi=110)
-    return path
+    return _save(figure, axes, path, f"{title}: SLO attainment")

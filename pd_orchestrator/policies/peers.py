@@ -45,8 +45,8 @@ from pd_orchestrator.policies.base import (
     LatencyObservation,
     ThresholdContext,
     ThresholdDecision,
-    clamp_ratio,
 )
+from pd_orchestrator.policies.min_uncached import uncached_budget_threshold
 from pd_orchestrator.routing.interfaces import PluginContext
 from pd_orchestrator.routing.registry import NoParams, PluginType
 from pd_orchestrator.routing.types import Candidate
@@ -75,13 +75,6 @@ def prefill_queue(prefillers: tuple[Candidate, ...]) -> int:
     return queued
 
 
-def _keep_up_to(prompt_tokens: int, uncached: float) -> float:
-    """The threshold admitting iff at most ``uncached`` tokens are uncached."""
-    if prompt_tokens <= 0:
-        return 0.0
-    return clamp_ratio(1.0 - uncached / prompt_tokens)
-
-
 class DynamoParams(NoParams):
     """``max_local_prefill_length`` (default 1000): uncached tokens above which Dynamo
     prefills remotely; ``max_prefill_queue_size`` (default 2): ...unless this many
@@ -108,7 +101,7 @@ class DynamoPolicy:
             return ThresholdDecision(0.0, self.name, "short-prompt")
         if prefill_queue(context.prefillers) >= self.max_prefill_queue_size:
             return ThresholdDecision(0.0, self.name, "prefill-queue-full")
-        threshold = _keep_up_to(context.prompt_tokens, limit + 0.5)
+        threshold = uncached_budget_threshold(context.prompt_tokens, limit + 1)
         return ThresholdDecision(threshold, self.name, "uncached-length")
 
     def observe(self, observation: LatencyObservation) -> None:
@@ -137,7 +130,7 @@ class LlmdPolicy:
             return ThresholdDecision(0.0, self.name, "disabled")
         if context.prompt_tokens < limit:
             return ThresholdDecision(0.0, self.name, "short-prompt")
-        threshold = _keep_up_to(context.prompt_tokens, limit - 0.5)
+        threshold = uncached_budget_threshold(context.prompt_tokens, limit)
         return ThresholdDecision(threshold, self.name, "non-cached-tokens")
 
     def observe(self, observation: LatencyObservation) -> None:

@@ -43,6 +43,15 @@ def test_virtual_bench_writes_table_json_and_plots(tmp_path: Path) -> None:
     assert rows["decode-only"]["kv_bytes"] == 0
     assert len(rows["static-0.5"]["quantiles"]["ttft"]) == 101
     assert all((out / name).stat().st_size > 1000 for name in PLOTS)
+    assert (out / "attainment.png").stat().st_size > 1000
+    goodput = document["goodput"]
+    assert goodput["attainment_goal"] == 0.9 and set(goodput["strategies"]) == set(rows)
+    for found in goodput["strategies"].values():
+        probes = found["probes"]
+        assert 2 <= len(probes) <= 12 and found["multiplier"] >= 0.0
+        passing = [p["multiplier"] for p in probes if p["attainment"] >= 0.9]
+        assert found["multiplier"] == max(passing, default=0.0)
+    assert "vs best other" in result.stdout
 
 
 def test_bench_rejects_bad_arguments(tmp_path: Path) -> None:
