@@ -338,8 +338,8 @@ class TimeoutConfig(_Strict):
     per_1k_prompt_tokens: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = Field(
         default=0.5,
         description="added to each read timeout of a request's legs per 1,000 tokens of its "
-        "prompt (estimated): prefilling a long prompt takes time, and a timeout that its "
-        "size causes is not the endpoint's fault",
+        "prompt (estimated; rounded up to a whole second): prefilling a long prompt takes "
+        "time, and a timeout that its size causes is not the endpoint's fault",
     )
 
 

@@ -157,7 +157,13 @@ def view_chunk(chunk: Json, kind: Kind) -> ChunkView:
         prompt = _ids(chunk.get("prompt_token_ids"), "prompt_token_ids")
         return ChunkView(False, "", None, None, prompt, usage)
     ids = choice.get("token_ids")
-    token_ids = None if ids is None else _ids(ids, "token_ids")
+    token_ids: tuple[int, ...] | None
+    if ids is None:
+        token_ids = None
+    elif type(ids) is list and len(ids) == 1 and type(ids[0]) is int:
+        token_ids = (ids[0],)  # a decode step's one token: the common case, inline
+    else:
+        token_ids = _ids(ids, "token_ids")
     if kind == "completion":
         text = choice.get("text")
         raw_prompt = choice.get("prompt_token_ids")

@@ -345,7 +345,9 @@ class Flow:
             if view.rejected and leg.threshold <= 0.0:
                 raise leg.fault("cache_threshold at threshold 0")
             self._take(leg, chunk, view, renderer)
-            await renderer.flush()
+            if view.rejected:  # the continuation may take a prefill: send what came now
+                await renderer.flush()
+            # else the finish chunk goes out with the answer's end, in one write
             complete = True
         finally:
             await self.legs.close(leg)

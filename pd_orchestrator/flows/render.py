@@ -165,14 +165,17 @@ class StreamRenderer(_Rendering):
         else:
             out["choices"][0]["prompt_token_ids"] = list(ids)
 
-    async def flush(self) -> None:
-        if not self._out:
-            return
+    def _written(self) -> bytes:
+        """Everything pending, as one write; the content chunks in it count as sent now."""
         out, self._out = self._out, []
-        await self.sink.send(out[0] if len(out) == 1 else b"".join(out))
         if self._contents:
             self.timing.content(self._contents)
             self._contents = 0
+        return out[0] if len(out) == 1 else b"".join(out)
+
+    async def flush(self) -> None:
+        if self._out:
+            await self.sink.send(self._written())
 
     async def end(self, headers: Mapping[str, str]) -> None:
         if not self.final:
@@ -184,8 +187,7 @@ class StreamRenderer(_Rendering):
             usage = transcript.usage().as_dict()
             self._out.append(encode_event({**identity, "choices": [], "usage": usage}))
         self._out.append(DONE)
-        out, self._out = self._out, []
-        self.sink.end(b"".join(out))
+        self.sink.end(self._written())  # with the finish chunk, held for this one write
 
 
 class WholeRenderer(_Rendering):

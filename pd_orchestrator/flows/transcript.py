@@ -37,11 +37,16 @@ class Transcript:
     handbacks: int = 0
     template: Json | None = None
     keep_text: bool = True
+    limit: int | None = field(init=False)
+    """The client's output token limit (None: none), read once: it is asked per chunk."""
+
+    def __post_init__(self) -> None:
+        self.limit = self.request.max_tokens
 
     @property
     def remaining(self) -> int | None:
         """Tokens the client still allows (None: no limit)."""
-        limit = self.request.max_tokens
+        limit = self.limit
         return None if limit is None else limit - len(self.generated)
 
     def continuation_prompt(self) -> list[int]:

@@ -17,6 +17,7 @@ which is how vLLM learns to abort the request.
 from __future__ import annotations
 
 import enum
+import math
 import socket
 import time
 from collections.abc import Iterator, Mapping
@@ -238,6 +239,7 @@ class Upstream:
         )
         self._targets: dict[str, tuple[Origin, str]] = {}
         self._timeouts = {phase: self._timeout(phase) for phase in Phase}
+        self._grown: dict[tuple[Phase, int], Timeouts] = {}
         self._resolutions: dict[str, tuple[float, frozenset[str]]] = {}
 
     async def aclose(self) -> None:
@@ -294,9 +296,19 @@ class Upstream:
         return addresses
 
     def _timeouts_for(self, phase: Phase, prompt_tokens: int) -> Timeouts:
-        timeouts = self._timeouts[phase]
-        extra = self.allowance(prompt_tokens)
-        return replace(timeouts, read=timeouts.read + extra) if extra > 0 else timeouts
+        """The phase's timeouts, the read timeout grown by :meth:`allowance` rounded up
+        to a whole second (so a handful of variants serve every prompt)."""
+        extra = math.ceil(self.allowance(prompt_tokens))
+        if extra <= 0:
+            return self._timeouts[phase]
+        key = (phase, extra)
+        found = self._grown.get(key)
+        if found is None:
+            if len(self._grown) >= 1024:
+                self._grown.clear()
+            timeouts = self._timeouts[phase]
+            found = self._grown[key] = replace(timeouts, read=timeouts.read + extra)
+        return found
 
     def _request(
         self, endpoint: Endpoint, method: str, path: str, content: bytes, headers: Any
