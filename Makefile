@@ -33,11 +33,12 @@ CHAOS_ARGS ?=
 chaos: $(STAMP)
 	PDO_CHAOS_LOAD_REQUESTS=2000 PDO_CHAOS_LOAD_CONCURRENCY=200 $(BIN)/pytest tests/chaos -q $(CHAOS_ARGS)
 
-## lint: ruff check + format check, mypy --strict on both packages
+## lint: ruff check + format check, mypy --strict on both packages, the layer contract (import-linter)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 ## unit: the unit and integration tests (simulator processes on loopback)
 unit: $(STAMP)

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import console, ms, sim, summary_table
 
 from pd_orchestrator.bench.loadgen import run_closed_loop, send, summarize
-from pd_orchestrator.sim.profiles import get_profile
+from pd_orchestrator.model.hardware import get_profile
 
 MODEL = "sim-model"
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from pd_orchestrator.config.settings import GatewayConfig
-from pd_orchestrator.fleet.endpoints import Endpoint, Role
-from pd_orchestrator.sim.profiles import LatencyProfile, get_profile
+from pd_orchestrator.model.endpoints import Endpoint, Role
+from pd_orchestrator.model.hardware import LatencyProfile, get_profile
 
 __all__ = ["FLEETS", "FleetSpec", "InstanceSpec", "preset_fleet"]
 

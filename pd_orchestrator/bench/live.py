@@ -45,7 +45,7 @@ from pd_orchestrator.bench.results import RequestRecord, RunResult
 from pd_orchestrator.bench.strategies import Mode, Strategy
 from pd_orchestrator.bench.workloads import BenchRequest, Workload, materialize
 from pd_orchestrator.children import Child, ChildStartError, python_command, start_child, stop_child
-from pd_orchestrator.fleet.endpoints import Role
+from pd_orchestrator.model.endpoints import Role
 from pd_orchestrator.sim.tokenizer import SimTokenizer
 
 __all__ = [

@@ -35,17 +35,18 @@ from pathlib import Path
 from typing import Any
 
 from pd_orchestrator.config.routing import RoutingConfig
-from pd_orchestrator.fleet.endpoints import Endpoint, Role
+from pd_orchestrator.model.endpoints import Endpoint, Role
+from pd_orchestrator.model.hardware import get_profile
+from pd_orchestrator.model.load import Candidate, LoadSnapshot
+from pd_orchestrator.policies.plugins import builtin_registry
 from pd_orchestrator.prefix.codec import EventBatch, decode_batch, encode_batch
 from pd_orchestrator.prefix.hashing import VllmBlockHasher
 from pd_orchestrator.prefix.index import PreciseIndex
-from pd_orchestrator.routing.builtins import builtin_registry
 from pd_orchestrator.routing.engine import Profile
 from pd_orchestrator.routing.profiles import build_profile
-from pd_orchestrator.routing.types import Candidate, LoadSnapshot, RoutingRequest
+from pd_orchestrator.routing.types import RoutingRequest
 from pd_orchestrator.sim.engine import Engine, EngineConfig, EngineRequest, SamplingSpec
 from pd_orchestrator.sim.kv_events import wire_events
-from pd_orchestrator.sim.profiles import get_profile
 from pd_orchestrator.sim.tokenizer import NUM_WORDS, WORD_BASE, SimTokenizer
 
 __all__ = [

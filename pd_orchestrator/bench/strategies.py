@@ -43,7 +43,7 @@ from pydantic import ValidationError
 from pd_orchestrator.bench.results import Slo
 from pd_orchestrator.config.policy import ThresholdConfig
 from pd_orchestrator.policies import PolicyConfigError, ThresholdResolver, build_threshold
-from pd_orchestrator.routing import builtin_registry
+from pd_orchestrator.policies.plugins import builtin_registry
 
 __all__ = [
     "DEFAULT_STRATEGIES",

@@ -62,8 +62,9 @@ from pd_orchestrator.bench.workloads import BenchRequest, Workload, digest_segme
 from pd_orchestrator.config.load import LoadConfig
 from pd_orchestrator.config.settings import HandbackConfig
 from pd_orchestrator.flows.request import TOKEN_ID_CHARS
+from pd_orchestrator.model.load import Candidate, LoadSnapshot
 from pd_orchestrator.planner.plan import NoCandidateError, Plan, Planner, RequestFacts, Served
-from pd_orchestrator.routing import Candidate, LoadSnapshot, RoutingProfiles
+from pd_orchestrator.routing import RoutingProfiles
 from pd_orchestrator.sim.blocks import BlockHasher
 from pd_orchestrator.sim.digest import PromptDigest
 from pd_orchestrator.sim.engine import (

@@ -57,7 +57,8 @@ from pd_orchestrator.bench.strategies import (
 from pd_orchestrator.bench.virtual import VirtualFleet, VirtualOptions
 from pd_orchestrator.bench.workloads import WORKLOADS, Workload, WorkloadOptions, build_workload
 from pd_orchestrator.config import ConfigError, load_config
-from pd_orchestrator.routing import RoutingConfig, RoutingProfiles, build_profiles, builtin_registry
+from pd_orchestrator.policies.plugins import builtin_registry
+from pd_orchestrator.routing import RoutingConfig, RoutingProfiles, build_profiles
 
 __all__ = ["ROUTING_PRESETS", "add_parser", "run"]
 

@@ -28,7 +28,7 @@ from pd_orchestrator.cli.logs import add_logging_arguments, logging_from_args
 from pd_orchestrator.cli.signals import exit_on_sigterm
 from pd_orchestrator.config import ConfigError, GatewayConfig, load_config
 from pd_orchestrator.config.settings import FleetEndpoint
-from pd_orchestrator.sim.profiles import get_profile
+from pd_orchestrator.model.hardware import get_profile
 from pd_orchestrator.sim.server import bind_socket
 
 if TYPE_CHECKING:

@@ -10,10 +10,10 @@ import anyio
 
 from pd_orchestrator.cli.logs import add_logging_arguments, setup_logging
 from pd_orchestrator.cli.signals import exit_on_sigterm
+from pd_orchestrator.model.hardware import PROFILES
 from pd_orchestrator.prefix.hashing import HASH_ALGOS
 from pd_orchestrator.sim.faults import PROTOCOL_FAULTS
 from pd_orchestrator.sim.options import SimOptions
-from pd_orchestrator.sim.profiles import PROFILES
 
 __all__ = ["add_parser", "options_from_args", "run"]
 

@@ -57,7 +57,7 @@ from pd_orchestrator.cli.logs import add_logging_arguments
 from pd_orchestrator.cli.signals import exit_on_sigterm
 from pd_orchestrator.config import ConfigError, EndpointConfig, GatewayConfig
 from pd_orchestrator.config.settings import FleetEndpoint, KvSettings, ListenConfig
-from pd_orchestrator.sim.profiles import get_profile
+from pd_orchestrator.model.hardware import get_profile
 from pd_orchestrator.sim.server import bind_socket
 
 if TYPE_CHECKING:

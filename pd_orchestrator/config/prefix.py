@@ -38,7 +38,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pd_orchestrator.prefix.hashing import HashAlgo
+from pd_orchestrator.model.hashing import HashAlgo
 
 __all__ = ["EventsConfig", "PreciseConfig", "PrefixConfig", "SourceConfig"]
 

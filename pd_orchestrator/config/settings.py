@@ -106,7 +106,7 @@ class SimSpec(_Strict):
     @field_validator("profile")
     @classmethod
     def _known_profile(cls, value: str) -> str:
-        from pd_orchestrator.sim.profiles import get_profile
+        from pd_orchestrator.model.hardware import get_profile
 
         try:
             get_profile(value)

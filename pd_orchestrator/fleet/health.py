@@ -14,8 +14,8 @@ import anyio
 from anyio.abc import TaskStatus
 
 from pd_orchestrator.config.settings import HealthConfig
-from pd_orchestrator.fleet.endpoints import Endpoint
 from pd_orchestrator.fleet.state import FleetState
+from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.upstream.client import Upstream
 from pd_orchestrator.upstream.errors import UpstreamError, UpstreamTimeout
 

@@ -32,9 +32,9 @@ from anyio.abc import TaskStatus
 from prometheus_client.parser import text_string_to_metric_families
 
 from pd_orchestrator.config.load import LoadConfig
-from pd_orchestrator.fleet.endpoints import Endpoint
-from pd_orchestrator.fleet.state import EndpointStatus, FleetState
-from pd_orchestrator.routing.types import Candidate, LoadSnapshot
+from pd_orchestrator.fleet.state import FleetState
+from pd_orchestrator.model.endpoints import Endpoint, EndpointStatus
+from pd_orchestrator.model.load import Candidate, LoadSnapshot
 from pd_orchestrator.upstream.client import Upstream
 from pd_orchestrator.upstream.errors import UpstreamError
 

@@ -25,28 +25,18 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 from connectors import PeerUpdate
 from pd_orchestrator.config.settings import OutlierConfig
-from pd_orchestrator.fleet.endpoints import Endpoint, Role
 from pd_orchestrator.fleet.outliers import Outlier, failure_kind, may_eject
+from pd_orchestrator.model.endpoints import Endpoint, EndpointStatus, Role
 from pd_orchestrator.upstream.errors import UpstreamError
 
-__all__ = ["EndpointStatus", "FleetState"]
+__all__ = ["FleetState"]
 
 logger = logging.getLogger("pd_orchestrator.fleet")
 OnEject = Callable[[str, str], None]
 """Told of each ejection: endpoint name and reason."""
-
-
-@dataclass(frozen=True, slots=True)
-class EndpointStatus:
-    """A snapshot of one endpoint."""
-
-    endpoint: Endpoint
-    healthy: bool
-    in_flight: int
 
 
 class FleetState:

@@ -31,13 +31,13 @@ import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
 from pd_orchestrator.config.settings import AskAllConfig, AskAllFallbackConfig
-from pd_orchestrator.fleet.endpoints import Endpoint
 from pd_orchestrator.flows.chunks import ChunkView, MalformedChunk, view_answer
 from pd_orchestrator.flows.legs import Leg, Legs
 from pd_orchestrator.flows.request import ClientRequest
+from pd_orchestrator.model.endpoints import Endpoint
+from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.openai.responses import Kind
 from pd_orchestrator.planner.plan import Plan
-from pd_orchestrator.routing.types import Candidate
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
 from pd_orchestrator.upstream.client import Phase
 from pd_orchestrator.upstream.errors import UpstreamError

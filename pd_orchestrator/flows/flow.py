@@ -79,7 +79,6 @@ from typing import Any
 
 from connectors import Connector
 from pd_orchestrator.config.settings import HandbackConfig, UpstreamConfig
-from pd_orchestrator.fleet.endpoints import Endpoint
 from pd_orchestrator.flows.attempts import Attempt
 from pd_orchestrator.flows.bodies import continuation_body, leg_body, with_threshold
 from pd_orchestrator.flows.chunks import ChunkView
@@ -89,6 +88,7 @@ from pd_orchestrator.flows.render import Renderer
 from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.flows.sink import GatewayError
 from pd_orchestrator.flows.transcript import Transcript
+from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.openai.responses import Kind
 from pd_orchestrator.planner.plan import Plan
 from pd_orchestrator.telemetry.metrics import GatewayMetrics

@@ -55,10 +55,10 @@ from connectors import (
 )
 from connectors import Leg as Side
 from pd_orchestrator.config.settings import UpstreamConfig
-from pd_orchestrator.fleet.endpoints import Endpoint
 from pd_orchestrator.flows.bodies import with_threshold
 from pd_orchestrator.flows.legs import Leg, Legs
 from pd_orchestrator.flows.sink import GatewayError
+from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.openai.responses import Kind
 from pd_orchestrator.upstream.client import Phase
 from pd_orchestrator.upstream.errors import (

@@ -51,9 +51,9 @@ from typing import Any
 import anyio
 from opentelemetry.trace import Span
 
-from pd_orchestrator.fleet.endpoints import Endpoint, Role
 from pd_orchestrator.fleet.state import FleetState
 from pd_orchestrator.flows.chunks import ChunkView, MalformedChunk, view_answer, view_chunk
+from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.openai.responses import Kind
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
 from pd_orchestrator.telemetry.tracing import RequestTrace

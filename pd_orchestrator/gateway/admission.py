@@ -29,15 +29,15 @@ import orjson
 from connectors import PeerInfo
 from pd_orchestrator.config.allowlist import split_host_port
 from pd_orchestrator.config.settings import KvSettings
-from pd_orchestrator.fleet.endpoints import Endpoint, Role
 from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.flows.sink import GatewayError
 from pd_orchestrator.gateway.limits import check_choices, check_json
 from pd_orchestrator.gateway.state import GatewayState
+from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.openai.protocol import RequestError, parse_for
 from pd_orchestrator.openai.responses import Kind
 from pd_orchestrator.planner.plan import RequestFacts
-from pd_orchestrator.prefix.runtime import PrefixFields
+from pd_orchestrator.routing.types import PrefixFields
 
 __all__ = [
     "TRANSFER_FIELDS",

@@ -85,11 +85,11 @@ from pd_orchestrator.gateway.state import (
     restart_notes,
 )
 from pd_orchestrator.gateway.status import models_document, ready_document, status_document
+from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.openai.errors import error_body
 from pd_orchestrator.openai.responses import Kind
 from pd_orchestrator.planner.plan import NoCandidateError, Plan, Served
 from pd_orchestrator.routing.registry import RoutingConfigError
-from pd_orchestrator.routing.types import Candidate
 from pd_orchestrator.telemetry.logs import REQUEST_ID
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
 from pd_orchestrator.telemetry.tracing import RequestTrace, Tracing

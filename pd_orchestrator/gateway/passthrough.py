@@ -20,9 +20,9 @@ import anyio
 import orjson
 
 from pd_orchestrator import __version__
-from pd_orchestrator.fleet.endpoints import Endpoint, Role
 from pd_orchestrator.flows.sink import GatewayError
 from pd_orchestrator.gateway.state import GatewayState
+from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.upstream.client import Upstream
 from pd_orchestrator.upstream.errors import UpstreamError
 

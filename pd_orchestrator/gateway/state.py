@@ -21,9 +21,9 @@ from pd_orchestrator.fleet.scraper import LoadScraper
 from pd_orchestrator.fleet.state import FleetState
 from pd_orchestrator.flows.attempts import Attempt, attempt_for
 from pd_orchestrator.flows.flow import FlowSettings
+from pd_orchestrator.gateway.prefix_runtime import PrefixRuntime
 from pd_orchestrator.planner.plan import Planner
 from pd_orchestrator.policies import build_threshold
-from pd_orchestrator.prefix.runtime import PrefixRuntime
 from pd_orchestrator.routing.profiles import build_profiles
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
 from pd_orchestrator.upstream.client import Upstream

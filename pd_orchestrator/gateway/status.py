@@ -10,8 +10,8 @@ import dataclasses
 import time
 from typing import Any
 
-from pd_orchestrator.fleet.endpoints import Role
 from pd_orchestrator.gateway.state import GatewayState
+from pd_orchestrator.model.endpoints import Role
 
 __all__ = ["models_document", "ready_document", "status_document"]
 

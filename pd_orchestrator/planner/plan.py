@@ -39,14 +39,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from pd_orchestrator.fleet.endpoints import Endpoint, Role
+from pd_orchestrator.model.endpoints import Endpoint, Role
+from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.policies.base import LatencyObservation, ThresholdContext, ThresholdDecision
 from pd_orchestrator.policies.estimator import PromptLengthEstimator
 from pd_orchestrator.policies.threshold import ThresholdResolver
-from pd_orchestrator.prefix.runtime import PrefixFields
 from pd_orchestrator.routing.engine import Profile
 from pd_orchestrator.routing.profiles import RoutingProfiles
-from pd_orchestrator.routing.types import Candidate, RoutingRequest, RoutingResult
+from pd_orchestrator.routing.types import PrefixFields, RoutingRequest, RoutingResult
 
 __all__ = [
     "DECODE_ONLY",

@@ -20,8 +20,8 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+from pd_orchestrator.model.load import Candidate, LoadSnapshot
 from pd_orchestrator.routing.registry import PluginKind
-from pd_orchestrator.routing.types import Candidate, LoadSnapshot
 
 __all__ = [
     "POLICY",

@@ -50,7 +50,8 @@ from typing import Annotated, ClassVar
 
 from pydantic import Field
 
-from pd_orchestrator.fleet.endpoints import Endpoint
+from pd_orchestrator.model.endpoints import Endpoint
+from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.policies.base import (
     POLICY,
     LatencyObservation,
@@ -60,7 +61,6 @@ from pd_orchestrator.policies.base import (
 )
 from pd_orchestrator.routing.interfaces import PluginContext
 from pd_orchestrator.routing.registry import NoParams, PluginType
-from pd_orchestrator.routing.types import Candidate
 
 __all__ = ["GOODPUT", "GoodputParams", "GoodputPolicy", "PoolModel", "seed_rate"]
 
@@ -88,7 +88,7 @@ class GoodputParams(NoParams):
 def seed_rate(endpoint: Endpoint, default: float) -> float:
     """Prefill tokens per second of ``endpoint`` by its hardware profile (the
     simulator's calibration) when one matches its hardware and model, else ``default``."""
-    from pd_orchestrator.sim.profiles import PROFILES  # data only; kept off import time
+    from pd_orchestrator.model.hardware import PROFILES
 
     for profile in PROFILES.values():
         if (profile.hardware, profile.model) == (endpoint.hardware, endpoint.model):

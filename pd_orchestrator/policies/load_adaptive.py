@@ -43,6 +43,7 @@ from typing import Annotated, ClassVar, Self
 
 from pydantic import Field, model_validator
 
+from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.policies.base import (
     POLICY,
     LatencyObservation,
@@ -54,7 +55,6 @@ from pd_orchestrator.policies.base import (
 from pd_orchestrator.routing.interfaces import PluginContext
 from pd_orchestrator.routing.registry import NoParams, PluginType
 from pd_orchestrator.routing.scorers import queue_depth
-from pd_orchestrator.routing.types import Candidate
 
 __all__ = [
     "LOAD_ADAPTIVE",

@@ -40,6 +40,7 @@ from typing import Annotated, ClassVar
 
 from pydantic import Field
 
+from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.policies.base import (
     POLICY,
     LatencyObservation,
@@ -49,7 +50,6 @@ from pd_orchestrator.policies.base import (
 from pd_orchestrator.policies.min_uncached import uncached_budget_threshold
 from pd_orchestrator.routing.interfaces import PluginContext
 from pd_orchestrator.routing.registry import NoParams, PluginType
-from pd_orchestrator.routing.types import Candidate
 
 __all__ = [
     "DYNAMO",

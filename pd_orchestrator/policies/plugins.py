@@ -18,9 +18,11 @@ from pd_orchestrator.policies.overrides import overrides_type
 from pd_orchestrator.policies.peers import DYNAMO, LLM_D
 from pd_orchestrator.policies.slo_feedback import SLO_FEEDBACK
 from pd_orchestrator.policies.static import STATIC
+from pd_orchestrator.prefix.index import PreciseIndex
+from pd_orchestrator.routing.builtins import routing_registry
 from pd_orchestrator.routing.registry import PluginType, Registry
 
-__all__ = ["LEAF_POLICY_TYPES", "register_policies"]
+__all__ = ["LEAF_POLICY_TYPES", "builtin_registry", "register_policies"]
 
 LEAF_POLICY_TYPES: tuple[PluginType[Any, Any], ...] = (
     STATIC,
@@ -38,3 +40,10 @@ def register_policies(registry: Registry) -> Registry:
     for plugin_type in (*LEAF_POLICY_TYPES, *composite_types(registry), overrides_type(registry)):
         registry.register(plugin_type)
     return registry
+
+
+def builtin_registry(precise_index: PreciseIndex | None = None) -> Registry:
+    """A new registry holding every built-in type: the routing plugins (``precise-prefix``
+    bound to ``precise_index``) and the threshold policies (kind ``policy``). Register
+    more types on it as needed."""
+    return register_policies(routing_registry(precise_index))

@@ -28,13 +28,14 @@ import pickle
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, get_args
+
+from pd_orchestrator.model.hashing import HashAlgo
 
 __all__ = [
     "DEFAULT_NONE_HASH_SEED",
     "HASH_ALGOS",
     "BlockExtras",
-    "HashAlgo",
     "LoraKey",
     "VllmBlockHasher",
     "cbor_dumps",
@@ -43,7 +44,6 @@ __all__ = [
     "resolve_seed",
 ]
 
-HashAlgo = Literal["sha256", "sha256_cbor"]
 HASH_ALGOS: tuple[str, ...] = get_args(HashAlgo)
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 _U64 = (1 << 64) - 1

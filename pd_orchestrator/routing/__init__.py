@@ -3,7 +3,7 @@ configuration through a registry of plugin types.
 
 Typical use::
 
-    profiles = build_profiles(config.routing, builtin_registry())
+    profiles = build_profiles(config.routing, routing_registry())
     result = profiles.decode.run(request, candidates)
     if result.empty:
         ...  # 503: result.describe_drops() says which filters removed whom
@@ -19,7 +19,8 @@ from pd_orchestrator.config.routing import (
     RoutingConfig,
     ScorerSpec,
 )
-from pd_orchestrator.routing.builtins import BUILTIN_TYPES, builtin_registry
+from pd_orchestrator.model.load import Candidate, LoadSnapshot
+from pd_orchestrator.routing.builtins import BUILTIN_TYPES, routing_registry
 from pd_orchestrator.routing.engine import (
     PluginContractError,
     Profile,
@@ -39,13 +40,7 @@ from pd_orchestrator.routing.registry import (
     Registry,
     RoutingConfigError,
 )
-from pd_orchestrator.routing.types import (
-    Candidate,
-    LoadSnapshot,
-    RoutingRequest,
-    RoutingResult,
-    ScoredCandidate,
-)
+from pd_orchestrator.routing.types import RoutingRequest, RoutingResult, ScoredCandidate
 
 __all__ = [
     "BUILTIN_TYPES",
@@ -80,6 +75,6 @@ __all__ = [
     "WeightedScorer",
     "build_profile",
     "build_profiles",
-    "builtin_registry",
     "clamp",
+    "routing_registry",
 ]

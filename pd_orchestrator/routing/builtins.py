@@ -1,6 +1,6 @@
-"""The built-in plugin types and a registry holding them (threshold policies included).
+"""The built-in routing plugin types and a registry holding them.
 
-``builtin_registry(precise_index)`` binds the ``precise-prefix`` scorer to the
+``routing_registry(precise_index)`` binds the ``precise-prefix`` scorer to the
 shared index the KV-event subscriber feeds; without an index the type is still
 known, and building it is an error that says what to configure.
 """
@@ -20,7 +20,7 @@ from pd_orchestrator.routing.prefix_scorers import (
 from pd_orchestrator.routing.registry import PluginType, Registry
 from pd_orchestrator.routing.scorers import HARDWARE_WEIGHT, KV_USAGE, QUEUE_DEPTH
 
-__all__ = ["BUILTIN_TYPES", "builtin_registry"]
+__all__ = ["BUILTIN_TYPES", "routing_registry"]
 
 BUILTIN_TYPES: tuple[PluginType[Any, Any], ...] = (
     HEALTHY,
@@ -37,12 +37,8 @@ BUILTIN_TYPES: tuple[PluginType[Any, Any], ...] = (
 )
 
 
-def builtin_registry(precise_index: PreciseIndex | None = None) -> Registry:
-    """A new registry holding the built-in types: the routing plugins, ``precise-prefix``
-    bound to ``precise_index``, and the threshold policies (kind ``policy``). Register
-    more types on it as needed."""
-    # Imported here: the policies build on this package's registry and types, so a
-    # module-level import would be circular.
-    from pd_orchestrator.policies.plugins import register_policies
-
-    return register_policies(Registry((*BUILTIN_TYPES, precise_prefix_type(precise_index))))
+def routing_registry(precise_index: PreciseIndex | None = None) -> Registry:
+    """A new registry holding the built-in routing plugin types, ``precise-prefix`` bound
+    to ``precise_index``. The threshold policies build on it
+    (:func:`pd_orchestrator.policies.plugins.builtin_registry`)."""
+    return Registry((*BUILTIN_TYPES, precise_prefix_type(precise_index)))

@@ -27,14 +27,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from pd_orchestrator.fleet.endpoints import Endpoint
+from pd_orchestrator.model.endpoints import Endpoint
+from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.routing.interfaces import Filter, Observer, Picker, Scorer
-from pd_orchestrator.routing.types import (
-    Candidate,
-    RoutingRequest,
-    RoutingResult,
-    ScoredCandidate,
-)
+from pd_orchestrator.routing.types import RoutingRequest, RoutingResult, ScoredCandidate
 
 __all__ = ["PluginContractError", "Profile", "Stage", "WeightedScorer", "clamp"]
 

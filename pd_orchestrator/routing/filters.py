@@ -11,10 +11,11 @@ from typing import Annotated, ClassVar
 
 from pydantic import Field
 
-from pd_orchestrator.fleet.endpoints import Role
+from pd_orchestrator.model.endpoints import Role
+from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.routing.interfaces import PluginContext
 from pd_orchestrator.routing.registry import FILTER, NoParams, PluginType
-from pd_orchestrator.routing.types import Candidate, RoutingRequest
+from pd_orchestrator.routing.types import RoutingRequest
 
 __all__ = [
     "COMPATIBILITY",

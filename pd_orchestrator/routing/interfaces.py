@@ -24,8 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from pd_orchestrator.fleet.endpoints import Endpoint
-from pd_orchestrator.routing.types import Candidate, RoutingRequest, ScoredCandidate
+from pd_orchestrator.model.endpoints import Endpoint
+from pd_orchestrator.model.load import Candidate
+from pd_orchestrator.routing.types import RoutingRequest, ScoredCandidate
 
 __all__ = ["Filter", "Observer", "Picker", "PluginContext", "Scorer"]
 

@@ -39,7 +39,8 @@ from typing import Annotated, Self
 
 from pydantic import Field, model_validator
 
-from pd_orchestrator.fleet.endpoints import Endpoint
+from pd_orchestrator.model.endpoints import Endpoint
+from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.prefix.affinity import AffinityParams, PrefixTree, affinity_choice
 from pd_orchestrator.prefix.approximate import ApproximatePrefixCache, namespace
 from pd_orchestrator.prefix.index import PreciseIndex
@@ -47,7 +48,7 @@ from pd_orchestrator.prefix.share import ShareGuard
 from pd_orchestrator.routing.interfaces import PluginContext, Scorer
 from pd_orchestrator.routing.registry import SCORER, NoParams, PluginType
 from pd_orchestrator.routing.scorers import queue_depth
-from pd_orchestrator.routing.types import Candidate, RoutingRequest
+from pd_orchestrator.routing.types import RoutingRequest
 
 __all__ = [
     "APPROXIMATE_PREFIX",

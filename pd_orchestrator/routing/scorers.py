@@ -12,9 +12,10 @@ from typing import Annotated
 
 from pydantic import Field
 
+from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.routing.interfaces import PluginContext
 from pd_orchestrator.routing.registry import SCORER, NoParams, PluginType
-from pd_orchestrator.routing.types import Candidate, RoutingRequest
+from pd_orchestrator.routing.types import RoutingRequest
 
 __all__ = [
     "HARDWARE_WEIGHT",

@@ -7,75 +7,13 @@ plugins.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from pd_orchestrator.fleet.endpoints import Endpoint, Role
-from pd_orchestrator.fleet.state import EndpointStatus
+from pd_orchestrator.model.endpoints import Endpoint, Role
+from pd_orchestrator.model.load import Candidate
 
-__all__ = ["Candidate", "LoadSnapshot", "RoutingRequest", "RoutingResult", "ScoredCandidate"]
-
-
-@dataclass(frozen=True, slots=True)
-class LoadSnapshot:
-    """One reading of an endpoint's load (from its ``/metrics``).
-
-    ``running`` and ``waiting`` are request counts, ``kv_usage`` the KV-cache
-    usage in [0, 1], ``prefix_hit_rate`` the share of queried prompt tokens served
-    from the prefix cache over the last poll window (None when unknown),
-    ``preemptions`` the preemptions over that window and ``observed_at`` the
-    time of the reading on the caller's clock (the one requests carry as ``now``).
-    """
-
-    running: int
-    waiting: int
-    kv_usage: float
-    observed_at: float
-    prefix_hit_rate: float | None = None
-    preemptions: int = 0
-
-    def __post_init__(self) -> None:
-        if self.running < 0 or self.waiting < 0 or self.preemptions < 0:
-            raise ValueError("request and preemption counts must be >= 0")
-        if not 0.0 <= self.kv_usage <= 1.0:
-            raise ValueError(f"kv_usage {self.kv_usage} is outside [0, 1]")
-        rate = self.prefix_hit_rate
-        if rate is not None and not 0.0 <= rate <= 1.0:
-            raise ValueError(f"prefix_hit_rate {rate} is outside [0, 1]")
-        if not math.isfinite(self.observed_at):
-            raise ValueError("observed_at must be finite")
-
-    @property
-    def queue_depth(self) -> int:
-        """Requests running plus waiting."""
-        return self.running + self.waiting
-
-    def age(self, now: float) -> float:
-        """Seconds since the reading at ``now`` (never negative)."""
-        return max(0.0, now - self.observed_at)
-
-
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """An endpoint a profile may choose.
-
-    ``healthy``: the caller's verdict (health checks and load polls).
-    ``in_flight``: requests the gateway itself has on the endpoint now.
-    ``load``: the latest fresh reading; None when stale or never read.
-    """
-
-    endpoint: Endpoint
-    healthy: bool = True
-    in_flight: int = 0
-    load: LoadSnapshot | None = None
-
-    @classmethod
-    def from_status(
-        cls, status: EndpointStatus, load: LoadSnapshot | None = None, *, responsive: bool = True
-    ) -> Candidate:
-        """A candidate from a fleet snapshot; ``responsive`` is the load poller's verdict."""
-        return cls(status.endpoint, status.healthy and responsive, status.in_flight, load)
+__all__ = ["PrefixFields", "RoutingRequest", "RoutingResult", "ScoredCandidate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,3 +92,23 @@ class RoutingResult:
     def describe_drops(self) -> str:
         """``healthy dropped 2, model dropped 1`` (for an error message); ``""`` when none."""
         return ", ".join(f"{name} dropped {n}" for name, n in self.dropped.items() if n)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixFields:
+    """The prefix-related fields of a :class:`RoutingRequest`."""
+
+    prompt: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    lora: str | None = None
+    cache_salt: str | None = None
+
+    def apply(self, request: RoutingRequest) -> RoutingRequest:
+        """``request`` with these fields set."""
+        return replace(
+            request,
+            prompt=self.prompt,
+            token_ids=self.token_ids,
+            lora=self.lora,
+            cache_salt=self.cache_salt,
+        )

@@ -20,7 +20,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pd_orchestrator.prefix.hashing import BlockExtras, HashAlgo, VllmBlockHasher
+from pd_orchestrator.model.hashing import HashAlgo
+from pd_orchestrator.prefix.hashing import BlockExtras, VllmBlockHasher
 
 __all__ = [
     "AllBlocksCleared",

@@ -52,11 +52,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pd_orchestrator.prefix.hashing import BlockExtras, HashAlgo
+from pd_orchestrator.model.hardware import LatencyProfile
+from pd_orchestrator.model.hashing import HashAlgo
+from pd_orchestrator.prefix.hashing import BlockExtras
 from pd_orchestrator.sim.blocks import BlockHasher, BlockPool
 from pd_orchestrator.sim.digest import PromptDigest
 from pd_orchestrator.sim.generation import advance, advance_all, initial_state, next_token
-from pd_orchestrator.sim.profiles import LatencyProfile
 from pd_orchestrator.sim.tokenizer import EOS_TOKEN_ID
 
 __all__ = [

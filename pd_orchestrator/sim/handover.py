@@ -56,16 +56,13 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
-from connectors import parse_spec
 from pd_orchestrator.sim.engine import ComposedKV, ExternalKV, HeldTransfer, PulledKV
 from pd_orchestrator.sim.kvstore import DirectoryKeys, LMCacheStore, SharedKVStore
-
-if TYPE_CHECKING:
-    from pd_orchestrator.sim.options import SimOptions
+from pd_orchestrator.sim.options import SimOptions, connector_names
 
 __all__ = [
     "STORES",
@@ -75,7 +72,6 @@ __all__ = [
     "Fetched",
     "TransferFailed",
     "base_request_id",
-    "connector_names",
     "external_kv",
     "fetch",
     "held_by",
@@ -92,11 +88,6 @@ _RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
 
 class TransferFailed(Exception):
     """The consumer could not get the producer's blocks (the message says why)."""
-
-
-def connector_names(spec: str) -> tuple[str, ...]:
-    """The connectors a ``--kv-connector`` spec stands for (none for ``none``)."""
-    return () if spec == "none" else parse_spec(spec)
 
 
 def base_request_id(request_id: str) -> str:

@@ -6,14 +6,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pd_orchestrator.prefix.hashing import HashAlgo, hash_function
+from connectors import parse_spec
+from pd_orchestrator.model.hardware import LatencyProfile, get_profile
+from pd_orchestrator.model.hashing import HashAlgo
+from pd_orchestrator.prefix.hashing import hash_function
 from pd_orchestrator.sim.faults import ProtocolFault
-from pd_orchestrator.sim.handover import connector_names
-from pd_orchestrator.sim.profiles import LatencyProfile, get_profile
 
-__all__ = ["LoadFailurePolicy", "SimOptions"]
+__all__ = ["LoadFailurePolicy", "SimOptions", "connector_names"]
 
 LoadFailurePolicy = Literal["fail", "recompute"]
+
+
+def connector_names(spec: str) -> tuple[str, ...]:
+    """The connectors a ``--kv-connector`` spec stands for (none for ``none``)."""
+    return () if spec == "none" else parse_spec(spec)
 
 
 @dataclass(frozen=True, slots=True)

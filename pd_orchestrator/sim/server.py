@@ -83,7 +83,6 @@ from pd_orchestrator.sim.handover import (
     Advertised,
     Fetched,
     TransferFailed,
-    connector_names,
     external_kv,
     fetch,
     hold_keys,
@@ -91,7 +90,7 @@ from pd_orchestrator.sim.handover import (
     producer_params,
 )
 from pd_orchestrator.sim.metrics import SimMetrics
-from pd_orchestrator.sim.options import SimOptions
+from pd_orchestrator.sim.options import SimOptions, connector_names
 from pd_orchestrator.sim.runner import EngineRunner
 from pd_orchestrator.sim.tokenizer import WORD_BASE, SimTokenizer
 

@@ -30,7 +30,7 @@ import anyio
 import orjson
 
 from pd_orchestrator.config.settings import TimeoutConfig, UpstreamConfig
-from pd_orchestrator.fleet.endpoints import Endpoint
+from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.openai.errors import error_message
 from pd_orchestrator.upstream.errors import (
     UpstreamProtocolError,

@@ -21,7 +21,8 @@ from pd_orchestrator.bench.strategies import resolve_strategies
 from pd_orchestrator.bench.virtual import VirtualFleet
 from pd_orchestrator.bench.workloads import WorkloadOptions, build_workload
 from pd_orchestrator.cli.bench import ROUTING_PRESETS
-from pd_orchestrator.routing import RoutingConfig, build_profiles, builtin_registry
+from pd_orchestrator.policies.plugins import builtin_registry
+from pd_orchestrator.routing import RoutingConfig, build_profiles
 
 
 def _close(live: float | None, virtual: float | None) -> bool:

@@ -23,8 +23,9 @@ from pd_orchestrator.bench.workloads import (
     build_workload,
 )
 from pd_orchestrator.cli.bench import ROUTING_PRESETS
-from pd_orchestrator.routing import RoutingConfig, build_profiles, builtin_registry
-from pd_orchestrator.sim.profiles import get_profile
+from pd_orchestrator.model.hardware import get_profile
+from pd_orchestrator.policies.plugins import builtin_registry
+from pd_orchestrator.routing import RoutingConfig, build_profiles
 
 AFFINITY = build_profiles(
     RoutingConfig.model_validate(ROUTING_PRESETS["affinity"]), builtin_registry()

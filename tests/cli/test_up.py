@@ -25,7 +25,7 @@ from pd_orchestrator.children import Child, python_command, start_child, stop_ch
 from pd_orchestrator.cli.gateway import endpoint_table
 from pd_orchestrator.cli.up_reload import Simulated, write_resolved
 from pd_orchestrator.config import ConfigError, load_config
-from pd_orchestrator.sim.profiles import get_profile
+from pd_orchestrator.model.hardware import get_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTANT = {"profile": "instant"}

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from pd_orchestrator.config.settings import OutlierConfig
-from pd_orchestrator.fleet.endpoints import Endpoint, Role
 from pd_orchestrator.fleet.outliers import may_eject
 from pd_orchestrator.fleet.state import FleetState
+from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.upstream.errors import (
     UpstreamProtocolError,
     UpstreamStatusError,

@@ -14,7 +14,6 @@ from pydantic import ValidationError
 
 from pd_orchestrator.children import Child, stop_child
 from pd_orchestrator.config.settings import TimeoutConfig, UpstreamConfig
-from pd_orchestrator.fleet.endpoints import Endpoint, Role
 from pd_orchestrator.fleet.scraper import (
     LoadConfig,
     LoadScraper,
@@ -24,7 +23,8 @@ from pd_orchestrator.fleet.scraper import (
     parse_metrics,
 )
 from pd_orchestrator.fleet.state import FleetState
-from pd_orchestrator.routing import LoadSnapshot
+from pd_orchestrator.model.endpoints import Endpoint, Role
+from pd_orchestrator.model.load import LoadSnapshot
 from pd_orchestrator.upstream.client import Upstream
 from pd_orchestrator.upstream.transport import (
     ConnectFailed,

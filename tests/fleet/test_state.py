@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from pd_orchestrator.config.settings import OutlierConfig
-from pd_orchestrator.fleet.endpoints import Endpoint, Role
 from pd_orchestrator.fleet.state import FleetState
+from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.upstream.client import Phase
 from pd_orchestrator.upstream.errors import UpstreamProtocolError, UpstreamUnavailable
 

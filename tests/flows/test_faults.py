@@ -16,11 +16,11 @@ from pd_orchestrator.config.settings import (
     TimeoutConfig,
     UpstreamConfig,
 )
-from pd_orchestrator.fleet.endpoints import Endpoint, Role
 from pd_orchestrator.fleet.state import FleetState
 from pd_orchestrator.flows import Flow, FlowSettings, GatewayError, Legs, Single, renderer_for
 from pd_orchestrator.flows.flow import leg_budget
 from pd_orchestrator.flows.legs import MAX_HELD
+from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
 from pd_orchestrator.upstream.client import Upstream
 from pd_orchestrator.upstream.errors import UpstreamStatusError, UpstreamUnavailable

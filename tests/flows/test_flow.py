@@ -19,15 +19,17 @@ import pytest
 from connectors import get_connector
 from pd_orchestrator.config.routing import RoutingConfig
 from pd_orchestrator.config.settings import HandbackConfig, TimeoutConfig, UpstreamConfig
-from pd_orchestrator.fleet.endpoints import Endpoint, Role
 from pd_orchestrator.fleet.state import FleetState
 from pd_orchestrator.flows import Flow, FlowSettings, Legs, Single, renderer_for
 from pd_orchestrator.flows.request import ClientRequest
+from pd_orchestrator.model.endpoints import Endpoint, Role
+from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.openai.protocol import parse_for
 from pd_orchestrator.planner.plan import Plan, Planner, RequestFacts
 from pd_orchestrator.policies.base import ThresholdContext, ThresholdDecision
+from pd_orchestrator.policies.plugins import builtin_registry
 from pd_orchestrator.policies.threshold import ThresholdResolver
-from pd_orchestrator.routing import Candidate, build_profiles, builtin_registry
+from pd_orchestrator.routing import build_profiles
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
 from pd_orchestrator.upstream.client import Upstream
 from pd_orchestrator.upstream.errors import UpstreamProtocolError, UpstreamStatusError

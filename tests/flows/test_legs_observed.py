@@ -23,13 +23,15 @@ from pd_orchestrator.config.settings import (
     TimeoutConfig,
     UpstreamConfig,
 )
-from pd_orchestrator.fleet.endpoints import Endpoint
 from pd_orchestrator.fleet.state import FleetState
 from pd_orchestrator.flows import Flow, FlowSettings, Legs, Probe, Race, Single, renderer_for
 from pd_orchestrator.flows.attempts import Attempt
+from pd_orchestrator.model.endpoints import Endpoint
+from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.planner.plan import Plan, Planner, RequestFacts
+from pd_orchestrator.policies.plugins import builtin_registry
 from pd_orchestrator.policies.threshold import ThresholdResolver
-from pd_orchestrator.routing import Candidate, build_profiles, builtin_registry
+from pd_orchestrator.routing import build_profiles
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
 from pd_orchestrator.telemetry.tracing import RequestTrace, Tracing
 from pd_orchestrator.upstream.client import Upstream

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pd_orchestrator.config.policy import PolicySpec
-from pd_orchestrator.fleet.endpoints import Endpoint, Role
+from pd_orchestrator.model.endpoints import Endpoint, Role
+from pd_orchestrator.model.load import Candidate, LoadSnapshot
 from pd_orchestrator.policies import ThresholdContext, ThresholdPolicy, build_policy
-from pd_orchestrator.routing import Candidate, LoadSnapshot, builtin_registry
+from pd_orchestrator.policies.plugins import builtin_registry
 
 
 def load(running: int = 0, waiting: int = 0, kv: float = 0.0, at: float = 0.0) -> LoadSnapshot:

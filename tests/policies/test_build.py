@@ -21,7 +21,8 @@ from pd_orchestrator.policies import (
     ThresholdResolver,
     build_threshold,
 )
-from pd_orchestrator.routing import RoutingConfigError, builtin_registry
+from pd_orchestrator.policies.plugins import builtin_registry
+from pd_orchestrator.routing import RoutingConfigError
 from tests.policies.helpers import context, decoder
 
 CONFIGS = sorted(Path(__file__).resolve().parents[2].joinpath("configs").glob("*.yaml"))

@@ -19,7 +19,8 @@ from pd_orchestrator.policies import (
     ThresholdDecision,
     build_policy,
 )
-from pd_orchestrator.routing import NoParams, PluginContext, PluginType, builtin_registry
+from pd_orchestrator.policies.plugins import builtin_registry
+from pd_orchestrator.routing import NoParams, PluginContext, PluginType
 from tests.policies.helpers import build, context, decoder
 
 MIN_UNCACHED = {"type": "min-uncached-tokens", "params": {"max_uncached_tokens": 1000}}

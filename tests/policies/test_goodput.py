@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from pd_orchestrator.fleet.endpoints import Endpoint, Role
+from pd_orchestrator.model.endpoints import Endpoint, Role
+from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.policies import LatencyObservation
 from pd_orchestrator.policies.goodput import GoodputParams, GoodputPolicy, PoolModel, seed_rate
-from pd_orchestrator.routing import Candidate
 from tests.policies.helpers import build, context, decoder, load, prefiller
 
 RATE = 10_000.0  # tokens/s, local and remote

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from pd_orchestrator.model.load import Candidate, LoadSnapshot
 from pd_orchestrator.policies import LoadAdaptiveParams, LoadAdaptivePolicy, ThresholdPolicy
-from pd_orchestrator.routing import Candidate, LoadSnapshot
 from tests.policies.helpers import IDLE_PREFILL, build, context, decoder, load, prefiller
 
 

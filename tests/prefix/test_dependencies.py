@@ -8,7 +8,7 @@ import sys
 
 CHECK = """
 import sys
-import pd_orchestrator.routing, pd_orchestrator.prefix.runtime, pd_orchestrator.sim.server
+import pd_orchestrator.routing, pd_orchestrator.gateway.prefix_runtime, pd_orchestrator.sim.server
 import pd_orchestrator.cli
 loaded = sorted(m for m in ("zmq", "msgpack") if m in sys.modules)
 assert not loaded, loaded

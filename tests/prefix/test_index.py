@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from pd_orchestrator.model.hardware import get_profile
 from pd_orchestrator.prefix.codec import (
     AllBlocksCleared,
     BlockRemoved,
@@ -19,7 +20,6 @@ from pd_orchestrator.prefix.hashing import BlockExtras, LoraKey, VllmBlockHasher
 from pd_orchestrator.prefix.index import PreciseIndex
 from pd_orchestrator.sim.engine import Engine, EngineConfig, EngineRequest, SamplingSpec
 from pd_orchestrator.sim.kv_events import wire_events
-from pd_orchestrator.sim.profiles import get_profile
 
 TOKENS = list(range(100, 164))  # four blocks of 16
 

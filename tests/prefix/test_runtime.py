@@ -13,10 +13,12 @@ from pydantic import ValidationError
 
 from pd_orchestrator.config.prefix import PrefixConfig
 from pd_orchestrator.config.settings import TimeoutConfig, UpstreamConfig
-from pd_orchestrator.fleet.endpoints import Endpoint, Role
 from pd_orchestrator.fleet.kv_events import EventSource
-from pd_orchestrator.prefix.runtime import PrefixFields, PrefixRuntime, event_sources
-from pd_orchestrator.routing import Candidate, RoutingConfig, RoutingRequest, build_profiles
+from pd_orchestrator.gateway.prefix_runtime import PrefixRuntime, event_sources
+from pd_orchestrator.model.endpoints import Endpoint, Role
+from pd_orchestrator.model.load import Candidate
+from pd_orchestrator.routing import RoutingConfig, RoutingRequest, build_profiles
+from pd_orchestrator.routing.types import PrefixFields
 from pd_orchestrator.upstream.client import Phase, Upstream
 from pd_orchestrator.upstream.transport import MockResponse, MockTransport, Request
 from tests.conftest import SimFactory

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pd_orchestrator.fleet.endpoints import Endpoint, Role
-from pd_orchestrator.routing import Candidate, LoadSnapshot, RoutingRequest, ScoredCandidate
+from pd_orchestrator.model.endpoints import Endpoint, Role
+from pd_orchestrator.model.load import Candidate, LoadSnapshot
+from pd_orchestrator.routing import RoutingRequest, ScoredCandidate
 
 
 def endpoint(

@@ -11,9 +11,10 @@ import pytest
 import yaml
 
 import pd_orchestrator.config.routing as routing_config
-from pd_orchestrator.fleet.endpoints import Role
+from pd_orchestrator.model.endpoints import Role
+from pd_orchestrator.model.load import Candidate
+from pd_orchestrator.policies.plugins import builtin_registry
 from pd_orchestrator.routing import (
-    Candidate,
     Filter,
     Picker,
     PluginContractError,
@@ -24,7 +25,6 @@ from pd_orchestrator.routing import (
     Stage,
     WeightedScorer,
     build_profiles,
-    builtin_registry,
 )
 from pd_orchestrator.routing.filters import HealthyFilter, HealthyParams, RoleFilter
 from pd_orchestrator.routing.pickers import MaxScorePicker

@@ -6,8 +6,10 @@ import dataclasses
 
 import pytest
 
-from pd_orchestrator.fleet.endpoints import Role
-from pd_orchestrator.routing import Candidate, PluginSpec, RoutingRequest, builtin_registry
+from pd_orchestrator.model.endpoints import Role
+from pd_orchestrator.model.load import Candidate
+from pd_orchestrator.policies.plugins import builtin_registry
+from pd_orchestrator.routing import PluginSpec, RoutingRequest
 from pd_orchestrator.routing.registry import FILTER
 from tests.routing.helpers import candidate, endpoint, load, names, request
 

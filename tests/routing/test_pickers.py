@@ -7,7 +7,8 @@ from collections.abc import Mapping
 
 import pytest
 
-from pd_orchestrator.routing import PluginSpec, RoutingRequest, builtin_registry
+from pd_orchestrator.policies.plugins import builtin_registry
+from pd_orchestrator.routing import PluginSpec, RoutingRequest
 from pd_orchestrator.routing.interfaces import Picker
 from pd_orchestrator.routing.registry import PICKER
 from tests.routing.helpers import request, scored

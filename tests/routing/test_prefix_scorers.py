@@ -6,15 +6,11 @@ from typing import Any
 
 import pytest
 
+from pd_orchestrator.policies.plugins import builtin_registry
 from pd_orchestrator.prefix.codec import BlockStored, EventBatch
 from pd_orchestrator.prefix.hashing import VllmBlockHasher
 from pd_orchestrator.prefix.index import PreciseIndex
-from pd_orchestrator.routing import (
-    RoutingConfig,
-    RoutingConfigError,
-    build_profiles,
-    builtin_registry,
-)
+from pd_orchestrator.routing import RoutingConfig, RoutingConfigError, build_profiles
 from pd_orchestrator.routing.prefix_scorers import (
     AffinityScorerParams,
     ApproximatePrefixParams,

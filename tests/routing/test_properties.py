@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pd_orchestrator.fleet.endpoints import Endpoint, Role
+from pd_orchestrator.model.endpoints import Endpoint, Role
+from pd_orchestrator.model.load import Candidate, LoadSnapshot
+from pd_orchestrator.policies.plugins import builtin_registry
 from pd_orchestrator.routing import (
-    Candidate,
-    LoadSnapshot,
     PluginSpec,
     Profile,
     RoutingConfig,
@@ -19,7 +19,6 @@ from pd_orchestrator.routing import (
     Stage,
     WeightedScorer,
     build_profiles,
-    builtin_registry,
 )
 from pd_orchestrator.routing.pickers import MaxScorePicker
 from pd_orchestrator.routing.registry import FILTER, SCORER

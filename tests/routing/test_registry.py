@@ -9,11 +9,12 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
+from pd_orchestrator.model.load import Candidate
+from pd_orchestrator.policies.plugins import builtin_registry
 from pd_orchestrator.routing import (
     FILTER,
     PICKER,
     SCORER,
-    Candidate,
     NoParams,
     PluginContext,
     PluginKind,
@@ -27,7 +28,6 @@ from pd_orchestrator.routing import (
     Scorer,
     build_profile,
     build_profiles,
-    builtin_registry,
 )
 from pd_orchestrator.routing.filters import HEALTHY
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pd_orchestrator.routing import Candidate, LoadSnapshot, PluginSpec, builtin_registry
+from pd_orchestrator.model.load import Candidate, LoadSnapshot
+from pd_orchestrator.policies.plugins import builtin_registry
+from pd_orchestrator.routing import PluginSpec
 from pd_orchestrator.routing.registry import SCORER
 from pd_orchestrator.routing.scorers import queue_depth
 from tests.routing.helpers import candidate, load, request

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from pd_orchestrator.model.hardware import get_profile
 from pd_orchestrator.sim.engine import (
     Engine,
     EngineConfig,
@@ -13,7 +14,6 @@ from pd_orchestrator.sim.engine import (
     HeldTransfer,
     SamplingSpec,
 )
-from pd_orchestrator.sim.profiles import get_profile
 from pd_orchestrator.sim.tokenizer import SimTokenizer
 
 TOK = SimTokenizer()

@@ -8,14 +8,14 @@ import pytest
 
 from pd_orchestrator.config.routing import RoutingConfig
 from pd_orchestrator.config.settings import AskAllFallbackConfig
-from pd_orchestrator.fleet.endpoints import Endpoint, Role
 from pd_orchestrator.flows.attempts import pick_fallback
+from pd_orchestrator.model.endpoints import Endpoint, Role
+from pd_orchestrator.model.load import Candidate, LoadSnapshot
 from pd_orchestrator.planner.plan import NoCandidateError, Planner, RequestFacts
 from pd_orchestrator.policies.base import ThresholdContext, ThresholdDecision
+from pd_orchestrator.policies.plugins import builtin_registry
 from pd_orchestrator.policies.threshold import ThresholdResolver
-from pd_orchestrator.routing.builtins import builtin_registry
 from pd_orchestrator.routing.profiles import build_profiles
-from pd_orchestrator.routing.types import Candidate, LoadSnapshot
 
 
 def _endpoint(name: str, role: Role, group: str, hardware: str = "h200", **kw: Any) -> Endpoint:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pd_orchestrator.sim.profiles import get_profile
+from pd_orchestrator.model.hardware import get_profile
 
 H200 = get_profile("h200-llama3-8b")
 CTX = 2048

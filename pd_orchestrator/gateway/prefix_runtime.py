@@ -41,7 +41,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from pd_orchestrator.config.prefix import EventsConfig, PreciseConfig, PrefixConfig
-from pd_orchestrator.fleet.endpoints import Endpoint
+from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.openai.protocol import (
     ChatCompletionRequest,
     OpenAIRequest,
@@ -49,19 +49,19 @@ from pd_orchestrator.openai.protocol import (
     parse_for,
     render_chat,
 )
+from pd_orchestrator.policies.plugins import builtin_registry
 from pd_orchestrator.prefix.hashing import VllmBlockHasher
 from pd_orchestrator.prefix.index import IndexStats, PreciseIndex
-from pd_orchestrator.routing.builtins import builtin_registry
 from pd_orchestrator.routing.engine import Profile
 from pd_orchestrator.routing.registry import Registry
-from pd_orchestrator.routing.types import RoutingRequest
+from pd_orchestrator.routing.types import PrefixFields, RoutingRequest
 from pd_orchestrator.upstream.client import Phase, Upstream
 from pd_orchestrator.upstream.errors import UpstreamError
 
 if TYPE_CHECKING:  # pyzmq is an optional dependency ("events"), imported when used
     from pd_orchestrator.fleet.kv_events import EventSource, KvEventSubscriber
 
-__all__ = ["PrefixFields", "PrefixReport", "PrefixRuntime", "event_sources"]
+__all__ = ["PrefixReport", "PrefixRuntime", "event_sources"]
 
 logger = logging.getLogger("pd_orchestrator.prefix")
 
@@ -69,26 +69,6 @@ logger = logging.getLogger("pd_orchestrator.prefix")
 @runtime_checkable
 class _Sized(Protocol):
     def memory_bytes(self) -> int: ...
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixFields:
-    """The prefix-related fields of a :class:`RoutingRequest`."""
-
-    prompt: str | None = None
-    token_ids: tuple[int, ...] | None = None
-    lora: str | None = None
-    cache_salt: str | None = None
-
-    def apply(self, request: RoutingRequest) -> RoutingRequest:
-        """``request`` with these fields set."""
-        return replace(
-            request,
-            prompt=self.prompt,
-            token_ids=self.token_ids,
-            lora=self.lora,
-            cache_salt=self.cache_salt,
-        )
 
 
 @dataclass(frozen=True, slots=True)

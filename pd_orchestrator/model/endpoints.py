@@ -1,0 +1,73 @@
+"""Endpoints: immutable descriptions of the vLLM instances the gateway talks to, and
+a snapshot of one endpoint's state (ground floor: imports nothing of the project but
+the connectors' address type)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from connectors import PeerInfo
+
+__all__ = ["Endpoint", "EndpointStatus", "Role"]
+
+
+class Role(enum.StrEnum):
+    """What an endpoint serves; ``BOTH`` serves decode and prefill requests."""
+
+    DECODE = "decode"
+    PREFILL = "prefill"
+    BOTH = "both"
+
+    @property
+    def decodes(self) -> bool:
+        return self is not Role.PREFILL
+
+    @property
+    def prefills(self) -> bool:
+        return self is not Role.DECODE
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """A vLLM instance: config name, base URL, role, hardware label, model, pool,
+    compatibility group (KV moves only between endpoints of one group), connector
+    spec and ``kv``: its connector-relevant addresses (None: the defaults).
+    ``authorization``: the ``Authorization`` value its legs carry instead of the
+    client's (from the pool's ``api_key``), never printed."""
+
+    name: str
+    url: str
+    role: Role
+    hardware: str = "unknown"
+    model: str | None = None
+    pool: str = "default"
+    group: str = "default"
+    connector: str = "nixl"
+    kv: PeerInfo | None = None
+    authorization: str | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def peer(self) -> PeerInfo:
+        """The addresses the connectors need: ``kv``, else the URL's host and vLLM's
+        default side-channel ports."""
+        if self.kv is not None:
+            return self.kv
+        return PeerInfo(host=urlsplit(self.url).hostname or "127.0.0.1")
+
+    @property
+    def host_port(self) -> str:
+        """``host:port`` of the URL (the form llm-d's prefiller header uses)."""
+        parts = urlsplit(self.url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        return f"{parts.hostname}:{port}"
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointStatus:
+    """A snapshot of one endpoint."""
+
+    endpoint: Endpoint
+    healthy: bool
+    in_flight: int

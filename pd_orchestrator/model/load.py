@@ -1,0 +1,72 @@
+"""What routing and the policies know of an endpoint: a load reading and a candidate
+(ground floor)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pd_orchestrator.model.endpoints import Endpoint, EndpointStatus
+
+__all__ = ["Candidate", "LoadSnapshot"]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    """One reading of an endpoint's load (from its ``/metrics``).
+
+    ``running`` and ``waiting`` are request counts, ``kv_usage`` the KV-cache
+    usage in [0, 1], ``prefix_hit_rate`` the share of queried prompt tokens served
+    from the prefix cache over the last poll window (None when unknown),
+    ``preemptions`` the preemptions over that window and ``observed_at`` the
+    time of the reading on the caller's clock (the one requests carry as ``now``).
+    """
+
+    running: int
+    waiting: int
+    kv_usage: float
+    observed_at: float
+    prefix_hit_rate: float | None = None
+    preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if self.running < 0 or self.waiting < 0 or self.preemptions < 0:
+            raise ValueError("request and preemption counts must be >= 0")
+        if not 0.0 <= self.kv_usage <= 1.0:
+            raise ValueError(f"kv_usage {self.kv_usage} is outside [0, 1]")
+        rate = self.prefix_hit_rate
+        if rate is not None and not 0.0 <= rate <= 1.0:
+            raise ValueError(f"prefix_hit_rate {rate} is outside [0, 1]")
+        if not math.isfinite(self.observed_at):
+            raise ValueError("observed_at must be finite")
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests running plus waiting."""
+        return self.running + self.waiting
+
+    def age(self, now: float) -> float:
+        """Seconds since the reading at ``now`` (never negative)."""
+        return max(0.0, now - self.observed_at)
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """An endpoint a profile may choose.
+
+    ``healthy``: the caller's verdict (health checks and load polls).
+    ``in_flight``: requests the gateway itself has on the endpoint now.
+    ``load``: the latest fresh reading; None when stale or never read.
+    """
+
+    endpoint: Endpoint
+    healthy: bool = True
+    in_flight: int = 0
+    load: LoadSnapshot | None = None
+
+    @classmethod
+    def from_status(
+        cls, status: EndpointStatus, load: LoadSnapshot | None = None, *, responsive: bool = True
+    ) -> Candidate:
+        """A candidate from a fleet snapshot; ``responsive`` is the load poller's verdict."""
+        return cls(status.endpoint, status.healthy and responsive, status.in_flight, load)

@@ -1,0 +1,51 @@
+"""The pure packages stay pure when loaded: importing the planner, the policies,
+routing, the ground floor or the simulator's engine loads no HTTP stack, event loop
+library or message queue (the static contract is ``make lint``'s import-linter run;
+this checks what an import really pulls in, ``__init__`` modules included)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("httpx", "httptools", "h11", "uvicorn", "uvloop", "starlette", "anyio", "zmq")
+
+CHECK = """
+import importlib, sys
+importlib.import_module({module!r})
+loaded = sorted(m for m in {heavy!r} if m in sys.modules)
+assert not loaded, loaded
+"""
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "pd_orchestrator.model",
+        "pd_orchestrator.model.load",
+        "pd_orchestrator.config",
+        "pd_orchestrator.routing",
+        "pd_orchestrator.policies",
+        "pd_orchestrator.policies.plugins",
+        "pd_orchestrator.planner",
+        "pd_orchestrator.sim.engine",
+        "connectors",
+    ],
+)
+def test_a_pure_package_loads_no_http_stack(module: str) -> None:
+    code = CHECK.format(module=module, heavy=HEAVY)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_gateway_does_load_it() -> None:
+    """The check can fail: the gateway is where the HTTP stack lives."""
+    code = CHECK.format(module="pd_orchestrator.gateway.app", heavy=HEAVY)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode != 0 and "AssertionError" in result.stderr
