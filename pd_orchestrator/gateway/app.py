@@ -388,13 +388,12 @@ class Gateway:
         if not decoders:
             return admitted
         request = admitted.request
+        rid = f"{request.request_id}-tokenize"  # its own leg ids: the flow counts from -1
+        legs = Legs(self.upstream, state.fleet, self.metrics, rid, self.clock)
         fields = await state.prefix.tokenized(
-            facts.fields,
-            request.body,
-            chat=request.kind == "chat",
-            upstream=self.upstream,
+            facts.fields, request.body, chat=request.kind == "chat", legs=legs,
             endpoint=decoders[0],
-        )
+        )  # fmt: skip
         return Admitted(request, replace(facts, fields=fields))
 
     def _flows(

@@ -11,7 +11,7 @@ subscriber, and offers what the request path needs::
         ...
     # per request, before routing:
     fields = runtime.view_fields(parsed_request)
-    fields = await runtime.tokenized(fields, body, chat=is_chat, upstream=upstream,
+    fields = await runtime.tokenized(fields, body, chat=is_chat, legs=legs,
                                      endpoint=any_healthy_endpoint_of_the_model)
     request = fields.apply(RoutingRequest(role=Role.DECODE, now=now, ...))
     result = profiles.decode.run(request, candidates)
@@ -41,6 +41,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from pd_orchestrator.config.prefix import EventsConfig, PreciseConfig, PrefixConfig
+from pd_orchestrator.flows.legs import Legs
 from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.openai.protocol import (
     ChatCompletionRequest,
@@ -55,7 +56,7 @@ from pd_orchestrator.prefix.index import IndexStats, PreciseIndex
 from pd_orchestrator.routing.engine import Profile
 from pd_orchestrator.routing.registry import Registry
 from pd_orchestrator.routing.types import PrefixFields, RoutingRequest
-from pd_orchestrator.upstream.client import Phase, Upstream
+from pd_orchestrator.upstream.client import Phase
 from pd_orchestrator.upstream.errors import UpstreamError
 
 if TYPE_CHECKING:  # pyzmq is an optional dependency ("events"), imported when used
@@ -203,11 +204,12 @@ class PrefixRuntime:
         body: Mapping[str, Any],
         *,
         chat: bool,
-        upstream: Upstream,
+        legs: Legs,
         endpoint: Endpoint,
     ) -> PrefixFields:
         """``fields`` with token ids from ``endpoint``'s ``/tokenize`` when configured
-        (``prefix.precise.tokenize``) and missing; unchanged on any failure."""
+        (``prefix.precise.tokenize``) and missing; unchanged on any failure. The call is
+        one of the request's legs (in-flight count, health, metrics, span)."""
         precise = self.config.precise
         if precise is None or not self.needs_tokens(fields):
             return fields
@@ -216,7 +218,7 @@ class PrefixRuntime:
             return fields
         with anyio.move_on_after(precise.tokenize_timeout):
             try:
-                answer = await upstream.post_json(endpoint, "/tokenize", request, phase=Phase.PROBE)
+                answer = await legs.post(endpoint, "/tokenize", request, Phase.TOKENIZE)
             except UpstreamError as exc:
                 logger.debug("tokenize on %s failed: %s", endpoint.name, exc)
                 return fields

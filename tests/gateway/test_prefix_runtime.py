@@ -14,11 +14,14 @@ from pydantic import ValidationError
 from pd_orchestrator.config.prefix import PrefixConfig
 from pd_orchestrator.config.settings import TimeoutConfig, UpstreamConfig
 from pd_orchestrator.fleet.kv_events import EventSource
+from pd_orchestrator.fleet.state import FleetState
+from pd_orchestrator.flows.legs import Legs
 from pd_orchestrator.gateway.prefix_runtime import PrefixRuntime, event_sources
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.routing import RoutingConfig, RoutingRequest, build_profiles
 from pd_orchestrator.routing.types import PrefixFields
+from pd_orchestrator.telemetry.metrics import GatewayMetrics
 from pd_orchestrator.upstream.client import Phase, Upstream
 from pd_orchestrator.upstream.transport import MockResponse, MockTransport, Request
 from tests.conftest import SimFactory
@@ -117,6 +120,11 @@ async def failing(request: Request) -> MockResponse:
     return MockResponse(500, json={"object": "error", "message": "boom"})
 
 
+def legs_of(client: Upstream, *endpoints: Endpoint) -> Legs:
+    """The legs of one request, as the gateway builds them before planning."""
+    return Legs(client, FleetState(endpoints), GatewayMetrics(), "rid-tokenize", anyio.current_time)
+
+
 async def slow(request: Request) -> MockResponse:
     await anyio.sleep(5)
     return MockResponse(200, json={"tokens": [1]})
@@ -136,13 +144,15 @@ async def slow(request: Request) -> MockResponse:
 async def test_tokenized(handler: Any, tokenize: bool, expected: tuple[int, ...] | None) -> None:
     prefix = runtime(precise={"tokenize": tokenize, "tokenize_timeout": 0.2})
     fields = prefix.request_fields(SALTED, chat=False)
+    decoder = endpoint("d0")
     async with upstream(handler) as client:
+        legs = legs_of(client, decoder)
         with anyio.fail_after(3):
-            done = await prefix.tokenized(
-                fields, SALTED, chat=False, upstream=client, endpoint=endpoint("d0")
-            )
+            done = await prefix.tokenized(fields, SALTED, chat=False, legs=legs, endpoint=decoder)
     assert done.token_ids == expected
     assert done.prompt == "hello"
+    assert legs.sent == (1 if tokenize else 0)  # one of the request's legs
+    assert legs.fleet.snapshot()[0].in_flight == 0
 
 
 @pytest.mark.anyio
@@ -195,7 +205,7 @@ async def test_precise_routing_end_to_end(sim_factory: SimFactory) -> None:
             prefix.request_fields(follow_up, chat=False),
             follow_up,
             chat=False,
-            upstream=client,
+            legs=legs_of(client, *endpoints),
             endpoint=endpoints[0],
         )
         assert fields.token_ids is not None
