@@ -42,6 +42,7 @@ from pd_orchestrator.config.observability import AuthConfig, LoggingConfig, Trac
 from pd_orchestrator.config.policy import ThresholdConfig
 from pd_orchestrator.config.prefix import PrefixConfig
 from pd_orchestrator.config.routing import RoutingConfig
+from pd_orchestrator.model.compatibility import kv_may_move
 
 __all__ = [
     "AdminConfig",
@@ -264,19 +265,9 @@ class CompatibilityConfig(_Strict):
     host_staged: list[HostStagedPair] = Field(default_factory=list)
     connector_bridges: list[ConnectorBridge] = Field(default_factory=list)
 
-    def allows(self, prefill_group: str, decode_group: str) -> bool:
-        """Whether KV may move from a prefiller of one group to a decoder of another."""
-        return prefill_group == decode_group or any(
-            p.prefill_group == prefill_group and p.decode_group == decode_group
-            for p in self.host_staged
-        )
-
-    def connectors_allow(self, prefill_connector: str, decode_connector: str) -> bool:
-        """Whether a prefiller's connector may hand KV to a decoder's: the same
-        connector, or a declared bridge."""
-        return prefill_connector == decode_connector or (
-            (prefill_connector, decode_connector) in self.connector_pairs()
-        )
+    def group_pairs(self) -> frozenset[tuple[str, str]]:
+        """The host-staged ``(prefill group, decode group)`` pairs."""
+        return frozenset((p.prefill_group, p.decode_group) for p in self.host_staged)
 
     def connector_pairs(self) -> frozenset[tuple[str, str]]:
         """The bridged ``(prefill connector, decode connector)`` pairs."""
@@ -691,13 +682,10 @@ class GatewayConfig(BaseSettings):
     def compatible_prefillers(self, decoder: FleetEndpoint) -> list[FleetEndpoint]:
         """Prefillers whose KV may reach ``decoder``: group rules (same group or
         host-staged) and connector rules (same connector or a declared bridge)."""
+        groups = self.compatibility.group_pairs()
+        connectors = self.compatibility.connector_pairs()
         return [
-            p
-            for p in self.fleet()
-            if p.prefills
-            and p.name != decoder.name
-            and self.compatibility.connectors_allow(p.connector, decoder.connector)
-            and self.compatibility.allows(p.group, decoder.group)
+            p for p in self.fleet() if p.prefills and kv_may_move(p, decoder, groups, connectors)
         ]
 
     def endpoints(self) -> list[FleetEndpoint]:

@@ -43,9 +43,9 @@ CONSECUTIVE_FAILURES = "consecutive_failures"
 def failure_kind(exc: UpstreamError) -> str | None:
     """What ``exc`` counts as: ``CONSECUTIVE_5XX``, ``CONSECUTIVE_FAILURES``, or None
     (the endpoint answered: a 4xx is the request's fault, not the endpoint's)."""
-    if isinstance(exc, UpstreamStatusError):
-        return CONSECUTIVE_5XX if exc.status >= 500 else None
-    return CONSECUTIVE_FAILURES
+    if not exc.endpoint_at_fault:
+        return None
+    return CONSECUTIVE_5XX if isinstance(exc, UpstreamStatusError) else CONSECUTIVE_FAILURES
 
 
 def may_eject(config: OutlierConfig, members: int, ejected: int, in_routing: int) -> bool:

@@ -64,9 +64,7 @@ from pd_orchestrator.upstream.client import Phase
 from pd_orchestrator.upstream.errors import (
     UpstreamError,
     UpstreamProtocolError,
-    UpstreamStatusError,
     UpstreamTimeout,
-    UpstreamUnavailable,
 )
 
 __all__ = ["Handover", "HandoverResult", "retryable"]
@@ -75,10 +73,9 @@ Json = dict[str, Any]
 
 
 def retryable(exc: BaseException) -> bool:
-    """Whether another prefiller may succeed where this failure happened."""
-    if isinstance(exc, UpstreamStatusError):
-        return exc.status >= 500
-    return isinstance(exc, UpstreamUnavailable | UpstreamTimeout | UpstreamProtocolError)
+    """Whether another endpoint may succeed where this failure happened (the error's
+    own :attr:`~pd_orchestrator.upstream.errors.UpstreamError.retryable`)."""
+    return isinstance(exc, UpstreamError) and exc.retryable
 
 
 @dataclass(frozen=True, slots=True)

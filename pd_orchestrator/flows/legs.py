@@ -61,9 +61,6 @@ from pd_orchestrator.upstream.client import ChunkStream, Phase, Upstream, role_l
 from pd_orchestrator.upstream.errors import (
     UpstreamError,
     UpstreamProtocolError,
-    UpstreamStatusError,
-    UpstreamTimeout,
-    UpstreamUnavailable,
 )
 
 __all__ = ["CLOSE_SECONDS", "MAX_HELD", "Leg", "Legs"]
@@ -75,17 +72,6 @@ MAX_HELD = 64
 """Chunks a leg may send before its first decisive one (vLLM sends at most a role
 chunk first: every generated token comes with its id)."""
 logger = logging.getLogger("pd_orchestrator.upstream")
-
-
-def outcome_of(exc: UpstreamError) -> str:
-    """The ``outcome`` label of a failed leg."""
-    if isinstance(exc, UpstreamStatusError):
-        return "http_4xx" if 400 <= exc.status < 500 else "http_5xx"
-    if isinstance(exc, UpstreamUnavailable):
-        return "unavailable"
-    if isinstance(exc, UpstreamTimeout):
-        return "timeout"
-    return "protocol"
 
 
 class _Whole:
@@ -270,9 +256,8 @@ class Legs:
         self.fleet.record_error(endpoint.name, exc)
         if phase == "prefill":
             self._prefill_failed = True
-        client_side = isinstance(exc, UpstreamStatusError) and 400 <= exc.status < 500
         logger.log(
-            logging.INFO if client_side else logging.WARNING,
+            logging.WARNING if exc.endpoint_at_fault else logging.INFO,
             "upstream %s failed during %s (%s): %s",
             endpoint.name,
             phase,
@@ -342,7 +327,7 @@ class Legs:
     def _failed_leg(
         self, endpoint: Endpoint, exc: UpstreamError, phase: str, span: Span | None
     ) -> None:
-        outcome = outcome_of(exc)
+        outcome = exc.outcome
         self._failure(endpoint, exc, phase)
         self.metrics.count_leg(endpoint.name, phase, outcome, None)
         if span is not None:

@@ -24,8 +24,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from connectors import PeerInfo
 from pd_orchestrator.config.allowlist import split_host_port
 from pd_orchestrator.config.settings import KvSettings
@@ -34,7 +32,7 @@ from pd_orchestrator.flows.sink import GatewayError
 from pd_orchestrator.gateway.limits import check_choices, check_json
 from pd_orchestrator.gateway.state import GatewayState
 from pd_orchestrator.model.endpoints import Endpoint, Role
-from pd_orchestrator.openai.protocol import RequestError, parse_for
+from pd_orchestrator.openai.protocol import RequestError, decode_json_object, parse_for
 from pd_orchestrator.openai.responses import Kind
 from pd_orchestrator.planner.plan import RequestFacts
 from pd_orchestrator.routing.types import PrefixFields
@@ -92,12 +90,9 @@ def request_id_of(value: str | None, ids: RequestIds) -> str:
 def json_object(raw: bytes) -> dict[str, Any]:
     """A request body as a JSON object; GatewayError 400 otherwise."""
     try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise GatewayError(400, f"malformed JSON body: {exc}") from None
-    if not isinstance(body, dict):
-        raise GatewayError(400, "the request body must be a JSON object")
-    return body
+        return decode_json_object(raw)
+    except RequestError as exc:
+        raise GatewayError(400, str(exc)) from None
 
 
 def refuse_transfer_fields(body: dict[str, Any]) -> None:

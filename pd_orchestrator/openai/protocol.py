@@ -8,9 +8,9 @@ fields. :func:`parse_request` turns a JSON body into a model or a
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal, TypeVar
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 __all__ = [
@@ -113,10 +113,11 @@ _R = TypeVar("_R", CompletionRequest, ChatCompletionRequest)
 
 
 def decode_json_object(raw: bytes) -> dict[str, Any]:
-    """Decode a request body that must be a JSON object; raise :class:`RequestError`."""
+    """Decode a request body that must be a JSON object; raise :class:`RequestError`
+    (the one decoder of client bodies: the gateway's and the simulator's)."""
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
         raise RequestError(f"malformed JSON body: {exc}") from None
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")

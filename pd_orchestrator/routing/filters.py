@@ -11,6 +11,7 @@ from typing import Annotated, ClassVar
 
 from pydantic import Field
 
+from pd_orchestrator.model.compatibility import kv_may_move
 from pd_orchestrator.model.endpoints import Role
 from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.routing.interfaces import PluginContext
@@ -147,16 +148,7 @@ class CompatibilityFilter:
             return list(candidates)
         allowed = self.pairs | request.allowed_pairs
         bridges = request.allowed_connector_pairs
-        return [
-            c
-            for c in candidates
-            if c.endpoint.name != decoder.name
-            and (
-                c.endpoint.connector == decoder.connector
-                or (c.endpoint.connector, decoder.connector) in bridges
-            )
-            and (c.endpoint.group == decoder.group or (c.endpoint.group, decoder.group) in allowed)
-        ]
+        return [c for c in candidates if kv_may_move(c.endpoint, decoder, allowed, bridges)]
 
 
 def _healthy(params: HealthyParams, context: PluginContext) -> HealthyFilter:

@@ -45,7 +45,18 @@ __all__ = [
 
 class UpstreamError(Exception):
     """A failure talking to ``endpoint`` during ``phase``. ``logged``: it was logged
-    where it happened (the legs log every failed leg), so it is not logged again."""
+    where it happened (the legs log every failed leg), so it is not logged again.
+
+    Each class says what it means, the one classification every module uses:
+    :attr:`retryable` (another endpoint may succeed where this one failed),
+    :attr:`endpoint_at_fault` (it counts against the endpoint's health: outlier
+    detection, the log level), :attr:`outcome` (the ``outcome`` label of a failed
+    leg) and :meth:`client_error` (what the client is told).
+    """
+
+    retryable = True
+    endpoint_at_fault = True
+    outcome = "protocol"
 
     def __init__(self, endpoint: str, phase: str, message: str, *, role: str = "") -> None:
         super().__init__(f"{endpoint} ({phase}): {message}")
@@ -60,21 +71,42 @@ class UpstreamError(Exception):
         """No connection could be made (the endpoint looks down)."""
         return False
 
+    @property
+    def who(self) -> str:
+        """The endpoint as the client may read it: its part and config name."""
+        return f"{self.role} {self.endpoint}".strip()
+
+    def client_error(self) -> ClientError:
+        """What the client is told (see the module docstring)."""
+        return ClientError(502, f"{self.who} failed during {self.phase}")
+
 
 class UpstreamUnavailable(UpstreamError):
     """The endpoint could not be reached."""
+
+    outcome = "unavailable"
 
     @property
     def connection_failed(self) -> bool:
         return True
 
+    def client_error(self) -> ClientError:
+        status = 503 if self.role == "decoder" else 502
+        return ClientError(status, f"{self.who} is unavailable during {self.phase}")
+
 
 class UpstreamTimeout(UpstreamError):
     """The phase's timeout elapsed."""
 
+    outcome = "timeout"
+
+    def client_error(self) -> ClientError:
+        return ClientError(504, f"{self.who} timed out during {self.phase}")
+
 
 class UpstreamStatusError(UpstreamError):
-    """The endpoint answered ``status``."""
+    """The endpoint answered ``status``: a 5xx is the endpoint's fault and may succeed
+    elsewhere; a 4xx is about the request (or the gateway's access) and would not."""
 
     def __init__(
         self, endpoint: str, phase: str, status: int, message: str, *, role: str = ""
@@ -82,10 +114,16 @@ class UpstreamStatusError(UpstreamError):
         super().__init__(endpoint, phase, f"HTTP {status}: {message}", role=role)
         self.status = status
         self.upstream_message = message
+        self.retryable = self.endpoint_at_fault = status >= 500
+        self.outcome = "http_4xx" if 400 <= status < 500 else "http_5xx"
 
-    @property
-    def retryable(self) -> bool:
-        return self.status in (502, 503, 504)
+    def client_error(self) -> ClientError:
+        if self.status in PASSED_THROUGH:
+            message = known_refusal(self.upstream_message)
+            if message is None:
+                message = f"{self.who} refused the request during {self.phase} (HTTP {self.status})"
+            return ClientError(self.status, message)
+        return ClientError(502, f"{self.who} failed during {self.phase} (HTTP {self.status})")
 
 
 class UpstreamProtocolError(UpstreamError):
@@ -152,17 +190,4 @@ def known_refusal(message: str) -> str | None:
 
 def client_error(exc: UpstreamError) -> ClientError:
     """The client answer for an upstream failure (see the module docstring)."""
-    who = f"{exc.role} {exc.endpoint}".strip()
-    if isinstance(exc, UpstreamUnavailable):
-        status = 503 if exc.role == "decoder" else 502
-        return ClientError(status, f"{who} is unavailable during {exc.phase}")
-    if isinstance(exc, UpstreamTimeout):
-        return ClientError(504, f"{who} timed out during {exc.phase}")
-    if isinstance(exc, UpstreamStatusError):
-        if exc.status in PASSED_THROUGH:
-            message = known_refusal(exc.upstream_message)
-            if message is None:
-                message = f"{who} refused the request during {exc.phase} (HTTP {exc.status})"
-            return ClientError(exc.status, message)
-        return ClientError(502, f"{who} failed during {exc.phase} (HTTP {exc.status})")
-    return ClientError(502, f"{who} failed during {exc.phase}")
+    return exc.client_error()
