@@ -44,7 +44,8 @@ they are closed.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -304,24 +305,36 @@ class Legs:
         extra: Mapping[str, str] | None,
     ) -> Json:
         """The whole answer to ``body``; its failures accounted for, not its success."""
-        self.sent += 1
-        fleet = self.fleet
         if self._prefill_failed and name == "prefill":
             self._prefill_failed = False
             self.metrics.prefill_retries.inc()
-        fleet.enter(endpoint.name)
-        try:
+        with self._leg(endpoint, name, span, held=False):
             return await self.upstream.post_json(
                 endpoint, path, body, phase=phase,
                 headers=self._headers(endpoint, span, extra), prompt_tokens=self.prompt_tokens,
             )  # fmt: skip
+
+    @contextmanager
+    def _leg(
+        self, endpoint: Endpoint, name: str, span: Span | None, *, held: bool
+    ) -> Iterator[None]:
+        """One upstream request: counted in :attr:`sent`, in flight on ``endpoint``
+        while it runs (and after it succeeded when ``held``: a stream, until it is
+        closed); a failure or a cancellation accounted for here, the one place."""
+        self.sent += 1
+        fleet = self.fleet
+        fleet.enter(endpoint.name)
+        try:
+            yield
         except UpstreamError as exc:
+            fleet.leave(endpoint.name)
             self._failed_leg(endpoint, exc, name, span)
             raise
         except BaseException:
+            fleet.leave(endpoint.name)
             self._cancelled_leg(endpoint, name, span)
             raise
-        finally:
+        if not held:
             fleet.leave(endpoint.name)
 
     def _failed_leg(
@@ -384,22 +397,11 @@ class Legs:
         extra: Mapping[str, str] | None,
     ) -> ChunkStream:
         """The stream answering ``body``, in flight on ``endpoint`` until it is closed."""
-        self.sent += 1
-        name: str = phase
-        self.fleet.enter(endpoint.name)
-        try:
+        with self._leg(endpoint, phase, span, held=True):
             stream = await self.upstream.open_stream(
                 endpoint, path, body, phase=phase,
                 headers=self._headers(endpoint, span, extra), prompt_tokens=self.prompt_tokens,
             )  # fmt: skip
-        except UpstreamError as exc:
-            self.fleet.leave(endpoint.name)
-            self._failed_leg(endpoint, exc, name, span)
-            raise
-        except BaseException:
-            self.fleet.leave(endpoint.name)
-            self._cancelled_leg(endpoint, name, span)
-            raise
         self.fleet.record_accepted(endpoint.name)
         return stream
 

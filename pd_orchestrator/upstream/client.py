@@ -324,8 +324,14 @@ class Upstream:
         lines = tuple(headers.items()) if headers else ()
         return Request(method, origin, prefix + path, content, lines)
 
-    async def _send(self, request: Request, timeouts: Timeouts) -> Response:
-        return await self._transport.send(request, timeouts)
+    async def _exchange(
+        self, endpoint: Endpoint, request: Request, phase: Phase, timeouts: Timeouts
+    ) -> Reply:
+        """The one send path of a whole answer: send, read it all, close; transport
+        failures become :class:`UpstreamError` (any status is returned)."""
+        with _translate(endpoint, phase):
+            response = await self._transport.send(request, timeouts)
+            return Reply(response.status, await _read_all(response))
 
     async def post_json(
         self,
@@ -340,19 +346,10 @@ class Upstream:
         """POST ``body`` (its prompt ``prompt_tokens`` long) and return the decoded JSON
         answer (2xx only)."""
         request = self._request(endpoint, "POST", path, orjson.dumps(body), headers)
-        with _translate(endpoint, phase):
-            response = await self._send(request, self._timeouts_for(phase, prompt_tokens))
-            try:
-                content = await response.read()
-            finally:
-                await response.aclose()
-        _check_status(endpoint, phase, response.status, content)
-        try:
-            data = orjson.loads(content)
-        except orjson.JSONDecodeError as exc:
-            raise UpstreamProtocolError(
-                endpoint.name, phase, "answer is not JSON", role=role_label(endpoint)
-            ) from exc
+        reply = await self._exchange(
+            endpoint, request, phase, self._timeouts_for(phase, prompt_tokens)
+        )
+        data = _decoded(endpoint, phase, reply, "answer")
         if not isinstance(data, dict):
             raise UpstreamProtocolError(
                 endpoint.name, phase, "answer is not an object", role=role_label(endpoint)
@@ -372,63 +369,69 @@ class Upstream:
         """POST ``body`` (its prompt ``prompt_tokens`` long) for an SSE answer; the caller
         must ``aclose`` the stream."""
         request = self._request(endpoint, "POST", path, orjson.dumps(body), headers)
+        timeouts = self._timeouts_for(phase, prompt_tokens)
         with _translate(endpoint, phase):
-            response = await self._send(request, self._timeouts_for(phase, prompt_tokens))
-            if response.status >= 300:
-                try:
-                    content = await response.read()
-                finally:
-                    await response.aclose()
-                _check_status(endpoint, phase, response.status, content)
-        return ChunkStream(response, endpoint, phase)
+            response = await self._transport.send(request, timeouts)
+            if response.status < 300:
+                return ChunkStream(response, endpoint, phase)
+            content = await _read_all(response)
+        raise _status_error(endpoint, phase, response.status, content)
 
     async def get_json(self, endpoint: Endpoint, url: str) -> Any:
         """``GET url`` (a connector's side channel of ``endpoint``, from its config) and
         its decoded JSON answer; bounded by the connect timeout for every step."""
         t = self.timeouts
-        parts = Origin.of(url)
         path = url.split("://", 1)[-1]
         path = path[path.index("/") :] if "/" in path else "/"
-        request = Request("GET", parts, path)
+        request = Request("GET", Origin.of(url), path)
         timeouts = Timeouts(connect=t.connect, read=t.connect, pool=t.pool)
-        with _translate(endpoint, Phase.PROBE):
-            response = await self._send(request, timeouts)
-            try:
-                content = await response.read()
-            finally:
-                await response.aclose()
-        _check_status(endpoint, Phase.PROBE, response.status, content)
-        try:
-            return orjson.loads(content)
-        except orjson.JSONDecodeError as exc:
-            raise UpstreamProtocolError(
-                endpoint.name, Phase.PROBE, "lookup answer is not JSON", role=role_label(endpoint)
-            ) from exc
+        reply = await self._exchange(endpoint, request, Phase.PROBE, timeouts)
+        return _decoded(endpoint, Phase.PROBE, reply, "lookup answer")
 
     async def get(self, endpoint: Endpoint, path: str, *, limit: float) -> Reply:
-        """A GET for health and metrics, bounded by ``limit`` seconds.
-
-        Failures raise :class:`UpstreamError`.
-        """
+        """A GET for health and metrics, bounded by ``limit`` seconds (any status is
+        returned). Failures raise :class:`UpstreamError`."""
         t = self.timeouts
         timeouts = Timeouts(connect=min(t.connect, limit), read=limit, pool=min(t.pool, limit))
         request = self._request(endpoint, "GET", path, b"", None)
-        with _translate(endpoint, Phase.PROBE):
-            response = await self._send(request, timeouts)
-            try:
-                content = await response.read()
-            finally:
-                await response.aclose()
-        return Reply(response.status, content)
+        return await self._exchange(endpoint, request, Phase.PROBE, timeouts)
+
+
+async def _read_all(response: Response) -> bytes:
+    """The whole body of ``response``, which is closed whatever happens."""
+    try:
+        return await response.read()
+    finally:
+        await response.aclose()
+
+
+def _decoded(endpoint: Endpoint, phase: Phase, reply: Reply, what: str) -> Any:
+    """The JSON of a 2xx ``reply``: a status >= 300 is :class:`UpstreamStatusError`, a
+    body that is not JSON :class:`UpstreamProtocolError` (``what`` names it)."""
+    _check_status(endpoint, phase, reply.status_code, reply.content)
+    try:
+        return orjson.loads(reply.content)
+    except orjson.JSONDecodeError as exc:
+        raise UpstreamProtocolError(
+            endpoint.name, phase, f"{what} is not JSON", role=role_label(endpoint)
+        ) from exc
 
 
 def _check_status(endpoint: Endpoint, phase: Phase, status: int, content: bytes) -> None:
-    if status < 300:
-        return
+    """Nothing for a status below 300; else :func:`_status_error`."""
+    if status >= 300:
+        raise _status_error(endpoint, phase, status, content)
+
+
+def _status_error(
+    endpoint: Endpoint, phase: Phase, status: int, content: bytes
+) -> UpstreamStatusError:
+    """The error of a status >= 300, with the upstream's message (for the log: the
+    client never sees it)."""
     try:
         message = error_message(orjson.loads(content)) or content.decode(errors="replace")
     except orjson.JSONDecodeError:
         message = content.decode(errors="replace")
-    raise UpstreamStatusError(
+    return UpstreamStatusError(
         endpoint.name, phase, status, message.strip()[:500] or "(empty)", role=role_label(endpoint)
     )
