@@ -36,13 +36,13 @@ and for every continuation alike:
 
 from __future__ import annotations
 
-import random
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_random_exponential
 
 from connectors import (
     Connector,
@@ -70,6 +70,8 @@ from pd_orchestrator.upstream.errors import (
 __all__ = ["Handover", "HandoverResult", "retryable"]
 
 Json = dict[str, Any]
+_MAX_BACKOFF = 2.0
+"""Seconds the backoff between two prefill attempts is at most."""
 
 
 def retryable(exc: BaseException) -> bool:
@@ -123,26 +125,44 @@ class Handover:
         """Prefill ``body`` and decode it on the decoder with the threshold it carries."""
         shape = _Shape(body, path, kind, original_prompt)
         deadline = self.clock() + self.config.prefill_budget + self.legs.allowance()
-        tried: list[str] = []
-        while True:
-            prefiller = self.prefiller = self._next(tried)
-            tried.append(prefiller.name)
-            try:
-                return HandoverResult(await self._once(prefiller, shape, deadline), prefiller)
-            except UpstreamError as exc:
-                pause = self._retry_pause(exc, prefiller, len(tried), deadline)
-            await anyio.sleep(pause)
+        return await self._retrying(deadline)(self._attempt, shape, deadline, [])
 
-    def _retry_pause(
-        self, exc: UpstreamError, prefiller: Endpoint, attempts: int, deadline: float
-    ) -> float:
-        """The backoff before the next attempt; raises ``exc`` when there is none."""
-        if not retryable(exc) or exc.endpoint != prefiller.name:
-            raise exc  # the request's own fault, or the decode leg's
-        pause = _backoff(self.config.retry_backoff, attempts)
-        if attempts >= self.config.prefill_attempts or self.clock() + pause >= deadline:
-            raise exc
-        return pause
+    async def _attempt(self, shape: _Shape, deadline: float, tried: list[str]) -> HandoverResult:
+        """One prefill attempt, on the next prefiller (:meth:`_next`)."""
+        prefiller = self.prefiller = self._next(tried)
+        tried.append(prefiller.name)
+        return HandoverResult(await self._once(prefiller, shape, deadline), prefiller)
+
+    def _retrying(self, deadline: float) -> AsyncRetrying:
+        """The prefill attempts: another after a retryable failure of the prefiller
+        itself (not the request's own fault, not the decode leg's), at most
+        ``prefill_attempts``, each after a full-jitter exponential backoff (uniform in
+        [0, ``retry_backoff`` * 2**(n-1)], at most 2 s) that must end before
+        ``deadline``; the last failure is raised as it is."""
+        config = self.config
+
+        def prefiller_failed(exc: BaseException) -> bool:
+            prefiller = self.prefiller
+            return (
+                isinstance(exc, UpstreamError)
+                and exc.retryable
+                and prefiller is not None
+                and exc.endpoint == prefiller.name
+            )
+
+        def spent(state: RetryCallState) -> bool:
+            return (
+                state.attempt_number >= config.prefill_attempts
+                or self.clock() + state.upcoming_sleep >= deadline
+            )
+
+        return AsyncRetrying(
+            retry=retry_if_exception(prefiller_failed),
+            wait=wait_random_exponential(multiplier=config.retry_backoff, max=_MAX_BACKOFF),
+            stop=spent,
+            sleep=anyio.sleep,
+            reraise=True,
+        )
 
     def _next(self, tried: list[str]) -> Endpoint:
         """The best prefiller not seen failing in this request and in routing, else the
@@ -310,8 +330,3 @@ class Handover:
     async def _close(self, held: list[Leg]) -> None:
         for leg in held:
             await self.legs.close(leg)
-
-
-def _backoff(base: float, attempt: int) -> float:
-    """Full-jitter exponential backoff: uniform in [0, base * 2**(attempt-1)], capped at 2 s."""
-    return random.uniform(0.0, min(2.0, base * 2 ** (attempt - 1)))
