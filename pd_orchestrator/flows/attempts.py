@@ -15,14 +15,14 @@ own with threshold 0).
 * :class:`Probe` (ask-all): one-token probes to every asked decoder, then the real
   request to the admitting decoder that reported the most cached tokens.
 
-When every asked decoder rejects, :func:`pick_fallback` chooses one (least loaded,
-most free KV or hardware weight, from the plan's snapshot); equals take turns with
-the request's ordinal, so requests that tie spread over the tied decoders.
+When every asked decoder rejects, the plan chooses one
+(:meth:`~pd_orchestrator.planner.plan.Plan.fallback`: least loaded, most free KV or
+hardware weight, from the plan's snapshot); equals take turns with the request's
+ordinal, so requests that tie spread over the tied decoders.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -30,12 +30,11 @@ from typing import Any, Protocol
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
-from pd_orchestrator.config.settings import AskAllConfig, AskAllFallbackConfig
+from pd_orchestrator.config.settings import AskAllConfig
 from pd_orchestrator.flows.chunks import ChunkView, MalformedChunk, view_answer
 from pd_orchestrator.flows.legs import Leg, Legs
 from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.model.endpoints import Endpoint
-from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.openai.responses import Kind
 from pd_orchestrator.planner.plan import Plan
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
@@ -50,7 +49,6 @@ __all__ = [
     "Single",
     "admits",
     "attempt_for",
-    "pick_fallback",
 ]
 
 Json = dict[str, Any]
@@ -100,45 +98,6 @@ class Single:
 
 
 # -- ask-all -----------------------------------------------------------------------------------
-def _fallback_key(candidate: Candidate, config: AskAllFallbackConfig) -> tuple[float, float]:
-    load = candidate.load
-    if config.pick == "most-free-kv":
-        return (load.kv_usage if load is not None else math.inf, candidate.in_flight)
-    if config.pick == "hardware-weight":
-        weight = config.hardware_weights.get(candidate.endpoint.hardware, 1.0)
-        return (-weight, candidate.in_flight)
-    depth = load.queue_depth if load is not None else 0
-    return (max(depth, candidate.in_flight), candidate.in_flight)
-
-
-def pick_fallback(
-    asked: Sequence[Endpoint],
-    candidates: Sequence[Candidate],
-    config: AskAllFallbackConfig,
-    ordinal: int = 0,
-) -> Endpoint:
-    """The decoder that takes a request every asked decoder rejected (pure).
-
-    The best by ``config.pick``. Equals take turns: in the fleet's order (the order
-    of ``candidates``), the ``ordinal``-th of them (modulo their number), so requests
-    that tie, one after another, spread over the tied decoders. Candidates not asked
-    are ignored; an asked decoder without a candidate entry ranks last.
-    """
-    position = {c.endpoint.name: i for i, c in enumerate(candidates)}
-    by_name = {c.endpoint.name: c for c in candidates}
-    keyed = sorted(
-        (
-            (0, _fallback_key(by_name[e.name], config)) if e.name in by_name else (1, (0.0, 0.0)),
-            position.get(e.name, len(position) + order),
-            e,
-        )
-        for order, e in enumerate(asked)
-    )
-    best = keyed[0][0]
-    tied = [endpoint for key, _, endpoint in keyed if key == best]
-    return tied[ordinal % len(tied)]
-
-
 @dataclass
 class _Reply:
     """What one asked decoder did: ``admitted``, ``rejected``, ``cancelled`` or ``failed``."""
@@ -163,7 +122,7 @@ class _AskAll:
 
     def _fell_back(self, plan: Plan) -> Attempted:
         config = self.config.fallback
-        decoder = pick_fallback(plan.asked, plan.candidates, config, plan.ordinal)
+        decoder = plan.fallback(config)
         local = config.then == "local"
         self.metrics.ask_all.labels("fallback_local" if local else "fallback_pd").inc()
         return Attempted(decoder, None, local=local)

@@ -74,7 +74,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from connectors import Connector
@@ -247,15 +247,14 @@ class Flow:
         unless a decoder failed retryably and another may be tried."""
         if not retryable(exc) or exc.phase not in _DECODER_PHASES:
             raise exc
-        failed = self.legs.failed
+        legs = self.legs
         if self.prefiller is not None:
-            failed.add(self.prefiller.name)  # its KV may be what the decode leg lacked
-        decoders = tuple(d for d in plan.decoders if d.name not in failed) or self._spares()
-        if tried >= self.settings.upstream.decode_attempts or not decoders:
+            legs.exclude(self.prefiller.name)  # its KV may be what the decode leg lacked
+        retried = plan.retried(legs.failed, legs.fleet)
+        if tried >= self.settings.upstream.decode_attempts or retried is None:
             raise exc
         self.settings.metrics.count_upstream_error(exc.endpoint, "retried")
-        asked = tuple(d for d in plan.asked if d.name not in failed) or decoders[:1]
-        return replace(plan, decoders=decoders, asked=asked)
+        return retried
 
     async def _pd(self, body: Json, path: str, kind: Kind, *, original_prompt: bool) -> Leg:
         """The P/D leg to :attr:`decoder` (one leg, however reached; see
@@ -432,28 +431,8 @@ class Flow:
         return await self._pd(body, COMPLETIONS, "completion", original_prompt=False)
 
     def _next_decoder(self) -> Endpoint | None:
-        """The plan's best decoder not seen failing in this request and in routing, else
-        the best not seen failing, else the best spare (None: none is left)."""
-        failed = self.legs.failed
-        usable = [d for d in self.plan.decoders if d.name not in failed]
-        for decoder in usable:
-            if self.legs.fleet.is_healthy(decoder.name):
-                return decoder
-        if usable:
-            return usable[0]
-        spares = self._spares()
-        return spares[0] if spares else None
-
-    def _spares(self) -> tuple[Endpoint, ...]:
-        """Decoders left out of the plan only because a leg broke on them (suspects, see
-        :meth:`FleetState.is_suspect`) and not seen failing in this request, best first:
-        where a request goes when its plan has no decoder left (worked out only then)."""
-        failed, fleet = self.legs.failed, self.legs.fleet
-        return tuple(
-            d
-            for d in self.plan.spare_decoders()
-            if d.name not in failed and fleet.is_suspect(d.name)
-        )
+        """The plan's choice after this request's failures (:meth:`Plan.next_decoder`)."""
+        return self.plan.next_decoder(self.legs.failed, self.legs.fleet)
 
     def _within_budget(self) -> None:
         """502 rather than another leg once the request sent its :func:`leg_budget`."""

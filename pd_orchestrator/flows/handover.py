@@ -60,6 +60,7 @@ from pd_orchestrator.flows.legs import Leg, Legs
 from pd_orchestrator.flows.sink import GatewayError
 from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.openai.responses import Kind
+from pd_orchestrator.planner.choices import next_prefiller
 from pd_orchestrator.upstream.client import Phase
 from pd_orchestrator.upstream.errors import (
     UpstreamError,
@@ -165,19 +166,13 @@ class Handover:
         )
 
     def _next(self, tried: list[str]) -> Endpoint:
-        """The best prefiller not seen failing in this request and in routing, else the
-        best not seen failing, else the best not yet tried, else the next in turn."""
-        fleet, failed = self.legs.fleet, self.legs.failed
-        fresh = [p for p in self.prefillers if p.name not in failed]
-        for prefiller in fresh:
-            if fleet.is_healthy(prefiller.name):
-                return prefiller
-        untried = [p for p in self.prefillers if p.name not in tried]
-        if fresh or untried:
-            return (fresh or untried)[0]
-        if not self.prefillers:
+        """The plan's choice of prefiller for the next attempt
+        (:func:`~pd_orchestrator.planner.choices.next_prefiller`); 503 when the decoder
+        has no compatible prefiller."""
+        found = next_prefiller(self.prefillers, tried, self.legs.failed, self.legs.fleet)
+        if found is None:
             raise GatewayError(503, f"no prefiller can hand KV over to decoder {self.decoder.name}")
-        return self.prefillers[len(tried) % len(self.prefillers)]
+        return found
 
     async def _once(self, prefiller: Endpoint, shape: _Shape, deadline: float) -> Leg:
         ctx = await self._context(prefiller)

@@ -427,6 +427,11 @@ class Legs:
             self._failure(endpoint, exc, "lookup")
             raise
 
+    def exclude(self, endpoint: str) -> None:
+        """Leave ``endpoint`` out of this request's later choices, as if it had failed
+        (a prefiller whose KV the failed decode leg may have lacked)."""
+        self.failed.add(endpoint)
+
     def broken(self, endpoint: str) -> None:
         """A leg of ``endpoint`` broke mid-answer: the fleet stops choosing it."""
         self.failed.add(endpoint)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import itertools
 import re
 import uuid
-import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +33,7 @@ from pd_orchestrator.gateway.state import GatewayState
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.openai.protocol import RequestError, decode_json_object, parse_for
 from pd_orchestrator.openai.responses import Kind
+from pd_orchestrator.planner.choices import sidecar_order
 from pd_orchestrator.planner.plan import RequestFacts
 from pd_orchestrator.routing.types import PrefixFields
 
@@ -141,9 +141,8 @@ def admit(
         kv_source=_kv_source(state, headers),
     )
     named = _named(state, headers)
-    if named is not None and len(named) > 1 and state.config.sidecar.prefiller_sampling:
-        turn = zlib.crc32(request.request_id.encode()) % len(named)  # spread, reproducibly
-        named = named[turn:] + named[:turn]
+    if named is not None and state.config.sidecar.prefiller_sampling:
+        named = sidecar_order(named, request.request_id)
     return Admitted(request, facts(request, state.prefix.view_fields(view), named))
 
 

@@ -35,12 +35,14 @@ What the planner learns comes back after the request: :meth:`Planner.learn`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from pd_orchestrator.config.settings import AskAllFallbackConfig
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.load import Candidate
+from pd_orchestrator.planner.choices import FleetView, next_decoder, pick_fallback, suspects
 from pd_orchestrator.policies.base import LatencyObservation, ThresholdContext, ThresholdDecision
 from pd_orchestrator.policies.estimator import PromptLengthEstimator
 from pd_orchestrator.policies.threshold import ThresholdResolver
@@ -183,6 +185,31 @@ class Plan:
     def prefillers_for(self, decoder: Endpoint) -> tuple[Endpoint, ...]:
         """Prefillers whose KV can reach ``decoder``, best first (may be empty)."""
         return self.prefillers.for_decoder(decoder)
+
+    def next_decoder(self, failed: Collection[str], fleet: FleetView) -> Endpoint | None:
+        """Where the request goes after the endpoints in ``failed`` failed it
+        (:func:`~pd_orchestrator.planner.choices.next_decoder`; the spares are worked
+        out only when the plan's decoders are spent)."""
+        found = next_decoder(self.decoders, (), failed, fleet)
+        if found is None:
+            found = next_decoder((), self.spare_decoders(), failed, fleet)
+        return found
+
+    def retried(self, failed: Collection[str], fleet: FleetView) -> Plan | None:
+        """The plan to start over on after the endpoints in ``failed`` failed it before
+        the first byte: its decoders and asked decoders without them (the suspects
+        among the spares when none is left); None when no decoder is left."""
+        decoders = tuple(d for d in self.decoders if d.name not in failed)
+        if not decoders:
+            decoders = suspects(self.spare_decoders(), failed, fleet)
+        if not decoders:
+            return None
+        asked = tuple(d for d in self.asked if d.name not in failed) or decoders[:1]
+        return replace(self, decoders=decoders, asked=asked)
+
+    def fallback(self, config: AskAllFallbackConfig) -> Endpoint:
+        """The decoder that takes the request when every asked decoder rejected it."""
+        return pick_fallback(self.asked, self.candidates, config, self.ordinal)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,9 +8,9 @@ import pytest
 
 from pd_orchestrator.config.routing import RoutingConfig
 from pd_orchestrator.config.settings import AskAllFallbackConfig
-from pd_orchestrator.flows.attempts import pick_fallback
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.load import Candidate, LoadSnapshot
+from pd_orchestrator.planner.choices import pick_fallback
 from pd_orchestrator.planner.plan import NoCandidateError, Planner, RequestFacts
 from pd_orchestrator.policies.base import ThresholdContext, ThresholdDecision
 from pd_orchestrator.policies.plugins import builtin_registry
