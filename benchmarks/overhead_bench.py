@@ -16,8 +16,11 @@ errors and on Ctrl-C.
 
     .venv/bin/python benchmarks/overhead_bench.py [--rounds 3] [--duration 5]
         [--targets direct,gateway,vllm-router,smg] [--concurrency 1,16]
-        [--gateway-config FILE] [--json FILE]
+        [--gateway-config FILE] [--baseline DIR] [--json FILE]
 
+``--baseline DIR`` adds the gateway of another checkout (built there with ``make``)
+as the target ``gateway-baseline``, with the same config, and the ratios table sets
+this gateway against it: a change's before and after in one invocation.
 ``--gateway-config FILE`` replaces the generated gateway config; ``${BACKEND_URL}``
 and ``${MODEL}`` in it are replaced by the backend's URL and model name (the
 listen address always comes from the command line).
@@ -65,6 +68,8 @@ sys.path.insert(0, str(HERE))
 from minimal_backend import COMPLETION_TOKENS, MODEL  # noqa: E402
 
 TARGETS = ("direct", "gateway", "vllm-router", "smg")
+BASELINE = "gateway-baseline"
+"""The gateway of another checkout (``--baseline DIR``), measured like a peer."""
 PEERS = ("smg", "vllm-router")
 PROMPT = "Explain in one sentence what a reverse proxy adds to each request."
 READY_TIMEOUT = 90.0
@@ -200,16 +205,31 @@ def _gateway_config_file(backend_url: str, source: Path | None, directory: Path)
     return path
 
 
-def start_gateway(stack: ExitStack, backend_url: str, source: Path | None) -> Child:
+def start_gateway(
+    stack: ExitStack,
+    backend_url: str,
+    source: Path | None,
+    checkout: Path | None = None,
+    name: str = "gateway",
+) -> Child:
+    """The gateway of this checkout, or of ``checkout`` (its own ``.venv``, as ``make``
+    builds it: ``--baseline``), serving ``source`` or the generated config."""
     directory = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pdo-overhead-")))
     config = _gateway_config_file(backend_url, source, directory)
-    executable = Path(sys.executable).with_name("pd-orchestrator")
+    if checkout is not None:
+        executable = checkout / ".venv" / "bin" / "pd-orchestrator"
+        if not executable.exists():
+            raise SystemExit(
+                f"--baseline {checkout}: no .venv/bin/pd-orchestrator (run make there)"
+            )
+    else:
+        executable = Path(sys.executable).with_name("pd-orchestrator")
     command = (
         [str(executable)] if executable.exists() else [sys.executable, "-m", "pd_orchestrator"]
     )
     port = free_port()
     argv = [*command, "serve", "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
-    return _stopped_with(stack, start_process("gateway", argv, f"http://127.0.0.1:{port}"))
+    return _stopped_with(stack, start_process(name, argv, f"http://127.0.0.1:{port}"))
 
 
 def _executable(peer: Peer) -> str:
@@ -304,6 +324,9 @@ def start_targets(stack: ExitStack, args: argparse.Namespace) -> dict[str, str]:
         "gateway": lambda: start_gateway(stack, backend.url, args.gateway_config),
         "vllm-router": lambda: start_vllm_router(stack, backend.url, args.peer_policy),
         "smg": lambda: start_smg(stack, backend.url, args.peer_policy),
+        BASELINE: lambda: start_gateway(
+            stack, backend.url, args.gateway_config, args.baseline, BASELINE
+        ),
     }
     children = [starters[name]() for name in args.targets if name != "direct"]
     for child in children:
@@ -388,7 +411,7 @@ def ratios(figures: Sequence[Figures], cases: Sequence[Case]) -> list[Ratio]:
     table = {(f.target, f.case): f for f in figures}
     low, high = min(c.concurrency for c in cases), max(c.concurrency for c in cases)
     found: list[Ratio] = []
-    for peer in PEERS:
+    for peer in (*PEERS, BASELINE):
         for case in cases:
             gateway, other = table.get(("gateway", case)), table.get((peer, case))
             if gateway is None or other is None:
@@ -564,6 +587,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="gateway YAML to use instead of the generated one "
         "(${BACKEND_URL} and ${MODEL} are substituted)",
     )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="another checkout (with its .venv, as make builds it) whose gateway runs as the "
+        "target gateway-baseline, with the same config: before and after in one invocation",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.duration < 1 or args.warmup < 0 or args.wrk_threads < 1:
@@ -571,6 +601,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if any(c < 1 for c in args.concurrency):
         parser.error("--concurrency values must be >= 1")
     args.targets = [t for t in TARGETS if t in args.targets]
+    if args.baseline is not None:
+        args.targets.append(BASELINE)
     return args
 
 

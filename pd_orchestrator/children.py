@@ -76,7 +76,7 @@ def start_child(
     argv: Sequence[str],
     *,
     env: Mapping[str, str] | None = None,
-    timeout: float = 30.0,
+    timeout: float = 60.0,
     log_dir: Path | None = None,
     die_with_parent: bool = False,
 ) -> Child:

@@ -36,7 +36,7 @@ def _children(make_argv: Callable[..., tuple[str, list[str]]]) -> Iterator[Calla
 
     def start(*args: Any, **kwargs: Any) -> Child:
         name, argv = make_argv(len(children), *args, **kwargs)
-        child = start_child(name, argv, timeout=30)
+        child = start_child(name, argv, timeout=60)  # a busy machine starts slowly
         children.append(child)
         return child
 

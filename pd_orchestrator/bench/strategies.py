@@ -89,13 +89,6 @@ class Strategy:
         if (self.mode is Mode.DECODE_FIRST) != (self.threshold is not None):
             raise ValueError(f"strategy {self.name!r}: decode-first, and only it, has a threshold")
 
-    @property
-    def config_block(self) -> dict[str, Any] | None:
-        """The gateway's ``threshold.policy`` block of this strategy, if any."""
-        if self.threshold is None:
-            return None
-        return self.threshold.policy.model_dump(mode="json", exclude_unset=True)
-
     def resolver(self) -> ThresholdResolver | None:
         """A fresh resolver of the strategy's threshold (None unless decode-first),
         built as the gateway builds it."""

@@ -71,20 +71,6 @@ class LatencyProfile:
         compute = num_decode * self.lin + prefill
         return self.a_dec + max(memory, compute) + load
 
-    def free_chunk_tokens(self, decode_context: int, num_decode: int) -> int:
-        """The largest prefill chunk (new tokens, no cached context) that leaves a step of
-        ``num_decode`` decodes memory-bound: it adds no time to their step."""
-        if num_decode == 0 or self.lin <= 0.0:
-            return 0
-        spare = self.weights + self.ctx_read * decode_context - num_decode * self.lin
-        tokens = 0
-        step = 1 << 16
-        while step:  # the largest n with prefill_seconds(n, 0) <= spare (monotone)
-            if self.prefill_seconds(tokens + step, 0) <= spare:
-                tokens += step
-            step >>= 1
-        return tokens
-
     def transfer_seconds(self, tokens: int) -> float:
         """Time to move the KV of ``tokens`` tokens between instances."""
         if tokens <= 0:

@@ -138,7 +138,11 @@ def test_policy_file_strategies_and_errors(tmp_path: Path) -> None:
     path = tmp_path / "policies.yaml"
     path.write_text("strict:\n  type: static\n  value: 0.95\n")
     (strategy,) = resolve_strategies(["strict"], load_policy_file(path))
-    assert strategy.config_block == {"type": "static", "value": 0.95}
+    assert strategy.threshold is not None
+    assert strategy.threshold.policy.model_dump(mode="json", exclude_unset=True) == {
+        "type": "static",
+        "value": 0.95,
+    }
     path.write_text("broken:\n  type: static\n  value: 3\n")
     with pytest.raises(ValueError, match="policy 'broken'"):
         load_policy_file(path)

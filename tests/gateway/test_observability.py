@@ -88,7 +88,7 @@ async def test_flags_override_the_config_and_the_access_log_stays_off_by_default
         "serve", "--config", str(path), "--port", "0", "--log-format", "json",
         "--log-level", "debug",
     )  # fmt: skip
-    gateway = start_child("gateway", argv, timeout=30)
+    gateway = start_child("gateway", argv, timeout=60)
     try:
         answer = await call(gateway.url, "completion", _cold(), {"x-request-id": "quiet-1"})
         assert answer.status == 200

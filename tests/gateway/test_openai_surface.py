@@ -202,7 +202,7 @@ async def test_gateway_keys_stay_at_the_gateway_and_the_upstream_key_comes_from_
     path = tmp_path / "gateway.yaml"
     path.write_text(yaml.safe_dump(config))
     argv = python_command("serve", "--config", str(path), "--port", "0")
-    gateway = start_child("gateway", argv, env={"PDO_UPSTREAM__API_KEY": "up-key"}, timeout=30)
+    gateway = start_child("gateway", argv, env={"PDO_UPSTREAM__API_KEY": "up-key"}, timeout=60)
     try:
         answer = await call(gateway.url, "completion", _cold(), {"authorization": "Bearer gw-key"})
         assert answer.status == 200 and answer.decision == "pd"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pd_orchestrator.model.hardware import get_profile
+from pd_orchestrator.model.hardware import LatencyProfile, get_profile
 
 H200 = get_profile("h200-llama3-8b")
 CTX = 2048
@@ -30,16 +30,28 @@ def test_prefill_only_steps_meet_the_prefill_table() -> None:
         assert seconds * 1e3 == pytest.approx(expected_ms, rel=0.01)
 
 
+def free_chunk_tokens(profile: LatencyProfile, decode_context: int, num_decode: int) -> int:
+    """The largest prefill chunk (new tokens, no cached context) that leaves a step of
+    ``num_decode`` decodes memory-bound: it adds no time to their step."""
+    spare = profile.weights + profile.ctx_read * decode_context - num_decode * profile.lin
+    tokens, step = 0, 1 << 16
+    while step:  # the largest n with prefill_seconds(n, 0) <= spare (monotone)
+        if profile.prefill_seconds(tokens + step, 0) <= spare:
+            tokens += step
+        step >>= 1
+    return tokens
+
+
 def test_a_small_chunk_rides_free_on_a_decode_batch() -> None:
     """Sarathi-Serve: a decode batch is memory-bound, so prefill tokens piggybacked up
     to the knee cost nothing; the knee of 8B on H200 at batch 1 is 100-200 tokens."""
-    assert 100 <= H200.free_chunk_tokens(CTX, 1) <= 200
+    assert 100 <= free_chunk_tokens(H200, CTX, 1) <= 200
     for batch in (1, 64, 256):
-        free = H200.free_chunk_tokens(batch * CTX, batch)
+        free = free_chunk_tokens(H200, batch * CTX, batch)
         decode = H200.step_seconds(batch * CTX, batch, 0.0)
         riding = H200.step_seconds(batch * CTX, batch, H200.prefill_seconds(free, 0))
         assert riding == pytest.approx(decode)
-        assert H200.free_chunk_tokens(batch * CTX, batch) >= H200.free_chunk_tokens(CTX, 1)
+        assert free_chunk_tokens(H200, batch * CTX, batch) >= free_chunk_tokens(H200, CTX, 1)
 
 
 def test_a_large_chunk_dominates_the_step_and_stalls_its_decodes() -> None:
