@@ -157,8 +157,18 @@ def _await_ready(child: Child, timeout: float) -> str:
     )
 
 
+_REAP_SECONDS = 60.0
+"""How long a SIGKILLed child may take to be reaped. Normally instant; on a machine
+that is swapping, a process can sit in uninterruptible sleep for many seconds."""
+
+
 def stop_child(child: Child, grace: float = 5.0) -> int | None:
-    """Stop ``child`` and its process group; returns its exit status."""
+    """Stop ``child`` and its process group; returns its exit status.
+
+    SIGTERM, ``grace`` seconds to exit (a gateway drains), then SIGKILL and up to
+    ``_REAP_SECONDS`` for the kernel to reap it; only a child still alive after
+    that raises :class:`subprocess.TimeoutExpired`.
+    """
     process = child.process
     if process.poll() is None:
         _signal_group(process, signal.SIGTERM)
@@ -166,7 +176,7 @@ def stop_child(child: Child, grace: float = 5.0) -> int | None:
             process.wait(grace)
         except subprocess.TimeoutExpired:
             _signal_group(process, signal.SIGKILL)
-            process.wait(grace)
+            process.wait(max(grace, _REAP_SECONDS))
     if process.stdout is not None:
         process.stdout.close()
     if child.owns_log:
