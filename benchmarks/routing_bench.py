@@ -10,7 +10,15 @@ served it, against the same with one cache shared by every decoder (the bound).
 
 Modes: ``round-robin`` and ``least-loaded`` decode everything where they route it
 (threshold 0); ``ask-all`` (race and probe) asks every decoder with threshold 0.5
-and prefills remotely when all reject.
+and prefills remotely when all reject; ``ask-all-adaptive`` asks only the decoders
+likely to hold the prompt (``ask_all.width: adaptive``; its 30-second warm-up
+compressed with the trace's time), none when no decoder is.
+
+Columns beyond the hit rates: upstream requests per client request (every request
+the simulated endpoints finished, rejections included), decoders asked per request
+(the gateway's ``pd_orchestrator_ask_all_asked``), and the prompt tokens the
+decoders took in per prompt token sent (``vllm:prefix_cache_queries`` of the
+decoders over the prompts' length: what each asked decoder tokenizes and hashes).
 """
 
 from __future__ import annotations
@@ -63,6 +71,11 @@ MODES: dict[str, dict[str, Any]] = {
     "ask-all-probe": {
         "mode": "ask-all",
         "ask_all": {"variant": "probe"},
+        "threshold": {"policy": {"value": 0.5}},
+    },
+    "ask-all-adaptive": {
+        "mode": "ask-all",
+        "ask_all": {"width": "adaptive"},
         "threshold": {"policy": {"value": 0.5}},
     },
 }
@@ -209,10 +222,15 @@ def run_mode(
             ],
             "load": {"interval": 0.25, "stale_after": 1.0},
         } | overrides
+        if overrides.get("ask_all", {}).get("width") == "adaptive":
+            # the warm-up is in real seconds: compressed with the trace's time
+            config["ask_all"] = {"width": "adaptive", "adaptive": {"warmup": 30 / args.compress}}
         path = Path(tmp) / "gateway.yaml"
         path.write_text(yaml.safe_dump(config))
         gateway = start_child(
-            "gateway", python_command("serve", "--config", str(path), "--port", "0")
+            "gateway",
+            python_command("serve", "--config", str(path), "--port", "0"),
+            log_dir=args.log_dir,
         )
         stack.callback(stop_child, gateway)
         served = anyio.run(replay, gateway.url, requests, args.block_tokens, args.concurrency)
@@ -222,6 +240,16 @@ def run_mode(
     hit, bound = hit_rates(ok)
     upstream = sum(_metric(t, "vllm:request_success_total") for t in texts.values())
     prefill = sum(_metric(t, "vllm:prefill_tokens_computed_total") for t in texts.values())
+    queried = sum(
+        _metric(t, "vllm:prefix_cache_queries_total") for n, t in texts.items() if n[0] == "d"
+    )
+    sent = sum(len(prompt_ids(s.request, args.block_tokens)) for s in ok)
+    asked_count = _metric(gateway_text, "pd_orchestrator_ask_all_asked_count")
+    asked = (
+        _metric(gateway_text, "pd_orchestrator_ask_all_asked_sum") / asked_count
+        if asked_count
+        else None
+    )
     wasted = _metric(gateway_text, "pd_orchestrator_fanout_wasted_tokens_total")
     decisions = [s.decision for s in ok]
     ttfts = [s.ttft for s in ok if s.ttft is not None]
@@ -230,7 +258,8 @@ def run_mode(
     return [
         name, str(n), f"{hit:.1%}", f"{bound:.1%}",
         f"{decisions.count('decode') / n:.0%} / {decisions.count('pd') / n:.0%}",
-        f"{upstream / n:.2f}", f"{wasted / n:.2f}", f"{prefill / n:.0f}",
+        f"{upstream / n:.2f}", "-" if asked is None else f"{asked:.2f}",
+        f"{queried / sent:.2f}", f"{wasted / n:.2f}", f"{prefill / n:.0f}",
         f"{max(per_decoder) / (n / len(per_decoder)):.2f}",
         f"{statistics.median(ttfts) * 1e3:.0f}",
         f"{sorted(ttfts)[int(0.99 * (len(ttfts) - 1))] * 1e3:.0f}",
@@ -261,11 +290,13 @@ def main() -> None:
     parser.add_argument("--time-scale", type=float, default=0.5)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--modes", nargs="*", default=list(MODES))
+    parser.add_argument("--log-dir", type=Path, help="keep each gateway's log here")
     args = parser.parse_args()
     requests = load_trace(args.trace, args.requests, args.compress)
     table = Table(title=f"Mooncake replay: {len(requests)} requests over {args.decoders} decoders")
     for column in ("mode", "served", "token hit rate", "global bound", "decode / pd",
-                   "upstream req/req", "wasted tok/req", "prefill tok/req", "max share / fair",
+                   "upstream req/req", "asked/req", "decoder prompt tok / prompt tok",
+                   "wasted tok/req", "prefill tok/req", "max share / fair",
                    "TTFT p50 ms", "TTFT p99 ms"):  # fmt: skip
         table.add_column(column, justify="right")
     for mode in args.modes:

@@ -45,6 +45,7 @@ from pd_orchestrator.config.routing import RoutingConfig
 from pd_orchestrator.model.compatibility import kv_may_move
 
 __all__ = [
+    "AdaptiveWidthConfig",
     "AdminConfig",
     "AskAllConfig",
     "AskAllFallbackConfig",
@@ -559,25 +560,57 @@ class AskAllFallbackConfig(_Strict):
     plus waiting, then fewest in flight), ``most-free-kv`` (lowest KV usage) or
     ``hardware-weight`` (highest weight in ``hardware_weights``, default 1.0).
     ``then``: ``pd`` prefills on a compatible prefiller; ``local`` sends the request
-    to that decoder with threshold 0 (it prefills itself).
+    to that decoder with threshold 0 (it prefills itself). ``holder_slack`` (with
+    ``width: adaptive``): a decoder seen holding part of the prompt takes it if it has
+    at most this many requests more than the least loaded (``least-loaded``; the other
+    picks prefer such a decoder among equals only).
     """
 
     pick: Literal["least-loaded", "most-free-kv", "hardware-weight"] = "least-loaded"
     then: Literal["pd", "local"] = "pd"
+    holder_slack: Annotated[int, Field(ge=0)] = 2
     hardware_weights: dict[str, Annotated[float, Field(ge=0.0)]] = Field(default_factory=dict)
+
+
+class AdaptiveWidthConfig(_Strict):
+    """How ``width: adaptive`` finds the decoders likely to hold a prompt
+    (:mod:`pd_orchestrator.planner.width`).
+
+    The gateway remembers, per decoder, the leading blocks of the prompts it served
+    (``block_tokens`` token ids per block when the prompt is known as ids, else
+    ``chunk_chars`` characters per block; at most ``max_blocks`` per prompt and
+    ``capacity_per_endpoint`` per decoder, least recently served evicted first). A
+    request asks the decoders whose remembered prefix covers the threshold less one
+    block. A decoder the gateway has known for less than ``warmup`` seconds (at
+    start, or after it joined) is asked whatever the evidence, since its cache may
+    hold what this gateway never routed to it; and one request in ``explore_every``
+    with no likely holder asks every decoder, which finds what the memory missed
+    (other gateway replicas, evictions); 0 turns exploring off.
+    """
+
+    block_tokens: Annotated[int, Field(ge=1)] = 64
+    chunk_chars: Annotated[int, Field(ge=1)] = 256
+    max_blocks: Annotated[int, Field(ge=1)] = 1024
+    capacity_per_endpoint: Annotated[int, Field(ge=1)] = 65_536
+    warmup: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 30.0
+    explore_every: Annotated[int, Field(ge=0)] = 64
 
 
 class AskAllConfig(_Strict):
     """The "ask all K instances" mode of RFC 24256.
 
-    ``width``: how many decoders to ask -- ``all`` or the top K of the decode
-    profile's ranking. ``variant``: ``race`` sends the real request to all of them at
+    ``width``: how many decoders to ask -- ``all``, the top K of the decode profile's
+    ranking, or ``adaptive``: only the decoders likely to hold enough of the prompt
+    (``adaptive`` settings), none when no decoder is (the request goes straight to
+    P/D on the fallback decoder), and one when the threshold is 0 (every decoder
+    admits). ``variant``: ``race`` sends the real request to all of them at
     once, the first decoder to admit serves and the others are cancelled; ``probe``
     first sends one-token probes, then the real request to the admitting decoder with
     the most cached tokens.
     """
 
-    width: Literal["all"] | Annotated[int, Field(ge=1)] = "all"
+    width: Literal["all", "adaptive"] | Annotated[int, Field(ge=1)] = "all"
+    adaptive: AdaptiveWidthConfig = Field(default_factory=AdaptiveWidthConfig)
     variant: Literal["race", "probe"] = "race"
     fallback: AskAllFallbackConfig = Field(default_factory=AskAllFallbackConfig)
 

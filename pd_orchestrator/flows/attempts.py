@@ -15,6 +15,11 @@ own with threshold 0).
 * :class:`Probe` (ask-all): one-token probes to every asked decoder, then the real
   request to the admitting decoder that reported the most cached tokens.
 
+With ``width: adaptive`` the plan may ask no decoder (no decoder is likely to hold
+the prompt): the ask-all attempts then skip the fan-out and go straight to the
+fallback (counted as ``skipped``). Every ask-all request counts how many decoders it
+asked (``pd_orchestrator_ask_all_asked``) and why (``pd_orchestrator_ask_all_width_total``).
+
 When every asked decoder rejects, the plan chooses one
 (:meth:`~pd_orchestrator.planner.plan.Plan.fallback`: least loaded, most free KV or
 hardware weight, from the plan's snapshot); equals take turns with the request's
@@ -58,11 +63,13 @@ Json = dict[str, Any]
 class Attempted:
     """What the attempt found: ``leg`` is the admitting decoder's answer, or None when
     every asked decoder rejected and ``decoder`` takes the request (``local``: with
-    threshold 0 on its own, else through P/D)."""
+    threshold 0 on its own, else through P/D); ``rejected``: the decoders that
+    rejected the request at its threshold."""
 
     decoder: Endpoint
     leg: Leg | None
     local: bool = False
+    rejected: tuple[str, ...] = ()
 
 
 class Attempt(Protocol):
@@ -94,7 +101,7 @@ class Single:
         if admits(await leg.read_until_decisive()):
             return Attempted(decoder, leg)
         await legs.close(leg)
-        return Attempted(decoder, None)
+        return Attempted(decoder, None, rejected=(decoder.name,))
 
 
 # -- ask-all -----------------------------------------------------------------------------------
@@ -116,26 +123,37 @@ class _AskAll:
         self.config = config
         self.metrics = metrics
 
+    def _asking(self, plan: Plan) -> tuple[Endpoint, ...]:
+        """The decoders ``plan`` asks, counted (how many, and why)."""
+        asked = plan.asked
+        self.metrics.ask_all_asked.observe(len(asked))
+        self.metrics.ask_all_width.labels(plan.width.reason if plan.width else "fixed").inc()
+        return asked
+
     def _won(self, leg: Leg) -> Attempted:
         self.metrics.ask_all.labels("admitted").inc()
         return Attempted(leg.endpoint, leg)
 
-    def _fell_back(self, plan: Plan) -> Attempted:
+    def _fell_back(self, plan: Plan, rejected: tuple[str, ...]) -> Attempted:
         config = self.config.fallback
         decoder = plan.fallback(config)
         local = config.then == "local"
-        self.metrics.ask_all.labels("fallback_local" if local else "fallback_pd").inc()
-        return Attempted(decoder, None, local=local)
+        outcome = "skipped" if not plan.asked else "fallback_local" if local else "fallback_pd"
+        self.metrics.ask_all.labels(outcome).inc()
+        return Attempted(decoder, None, local=local, rejected=rejected)
 
 
 class Race(_AskAll):
     """Ask-all: every asked decoder at once; the first to admit serves."""
 
     async def run(self, request: ClientRequest, plan: Plan, legs: Legs, body: Json) -> Attempted:
-        asked = plan.asked
+        asked = self._asking(plan)
+        if not asked:
+            return self._fell_back(plan, ())
         send, receive = anyio.create_memory_object_stream[_Reply](len(asked))
         scopes = {decoder.name: anyio.CancelScope() for decoder in asked}
         winner: Leg | None = None
+        rejected: list[str] = []
         async with anyio.create_task_group() as tg, receive:
             for decoder in asked:
                 ask = (request, legs, decoder, body, scopes[decoder.name], send.clone())
@@ -149,8 +167,12 @@ class Race(_AskAll):
                             scope.cancel()
                 elif reply.outcome == "admitted":
                     reply.outcome = "cancelled"
+                elif reply.outcome == "rejected":
+                    rejected.append(reply.decoder.name)
                 await self._settle(legs, reply, keep=reply.leg is winner)
-        return self._won(winner) if winner is not None else self._fell_back(plan)
+        if winner is not None:
+            return self._won(winner)
+        return self._fell_back(plan, tuple(rejected))
 
     async def _ask(
         self,
@@ -201,7 +223,9 @@ class Probe(_AskAll):
     """Ask-all: one-token probes first, then the admitting decoder with the most cache."""
 
     async def run(self, request: ClientRequest, plan: Plan, legs: Legs, body: Json) -> Attempted:
-        asked = plan.asked
+        asked = self._asking(plan)
+        if not asked:
+            return self._fell_back(plan, ())
         probe_body = _one_token(body)
         answers: dict[str, Json | None] = {}
 
@@ -216,34 +240,38 @@ class Probe(_AskAll):
         async with anyio.create_task_group() as tg:
             for decoder in asked:
                 tg.start_soon(probe, decoder)
-        chosen = self._best(request, asked, answers)
+        chosen, rejected = self._best(request, asked, answers)
         if chosen is None:
-            return self._fell_back(plan)
+            return self._fell_back(plan, rejected)
         leg = await legs.open(chosen, request.path, body, Phase.DECODE_ATTEMPT, kind=request.kind)
         if not admits(await leg.read_until_decisive()):
             await legs.close(leg)
-            return self._fell_back(plan)
+            return self._fell_back(plan, (*rejected, chosen.name))
         return self._won(leg)
 
     def _best(
         self, request: ClientRequest, asked: Sequence[Endpoint], answers: dict[str, Json | None]
-    ) -> Endpoint | None:
-        """The admitting decoder with the most cached tokens (ties: the plan's order).
+    ) -> tuple[Endpoint | None, tuple[str, ...]]:
+        """The admitting decoder with the most cached tokens (ties: the plan's order),
+        and the decoders whose probe was rejected.
 
         Counts every probe's outcome; each admitting probe that is not chosen wasted
         its token (and its prefill).
         """
         admitted: list[tuple[int, int, Endpoint]] = []
+        rejected: list[str] = []
         for order, decoder in enumerate(asked):
             view = _probe_view(answers.get(decoder.name), request.kind)
             outcome = "failed" if view is None else "admitted" if admits(view) else "rejected"
             self.metrics.fanout_legs.labels(outcome).inc()
             if view is not None and outcome == "admitted":
                 admitted.append((-_cached_tokens(view), order, decoder))
+            elif outcome == "rejected":
+                rejected.append(decoder.name)
         if not admitted:
-            return None
+            return None, tuple(rejected)
         self.metrics.fanout_wasted_tokens.inc(len(admitted) - 1)
-        return min(admitted, key=lambda item: (item[0], item[1]))[2]
+        return min(admitted, key=lambda item: (item[0], item[1]))[2], tuple(rejected)
 
 
 def _probe_view(answer: Json | None, kind: Kind) -> ChunkView | None:

@@ -132,7 +132,8 @@ class FlowSettings:
 class Outcome:
     """What a served request did: its decision, the decoder that served it last, the
     prefiller (if any), the time to first token, mean ITL, prompt tokens, the prompt
-    tokens the first decoder had cached (None: not reported) and output tokens."""
+    tokens the first decoder had cached (None: not reported), output tokens and the
+    decoders that rejected the original prompt at its threshold."""
 
     decision: str
     decoder: Endpoint
@@ -143,6 +144,7 @@ class Outcome:
     handbacks: int
     cached_tokens: int | None = None
     output_tokens: int = 0
+    rejected: tuple[str, ...] = ()
 
 
 class Flow:
@@ -166,6 +168,7 @@ class Flow:
         self.decoder: Endpoint = plan.decoder
         self.prefiller: Endpoint | None = None
         self.recoveries = 0
+        self.rejected: tuple[str, ...] = ()
         self.stream_legs = request.stream or attempt.streams
         self.budget = leg_budget(settings.upstream, settings.handback, len(plan.asked))
         legs.prompt_tokens = plan.prompt_tokens
@@ -205,6 +208,7 @@ class Flow:
             transcript.handbacks,
             transcript.cached_tokens,
             transcript.completion_tokens,
+            self.rejected,
         )
 
     # -- the leg that serves the original prompt ------------------------------------------------
@@ -231,6 +235,7 @@ class Flow:
         attempted = await self.attempt.run(request, plan, self.legs, body)
         self._phase("decode_attempt", started)
         self.decoder = attempted.decoder
+        self.rejected = attempted.rejected
         if attempted.leg is not None:
             return attempted.leg
         base = leg_body(request, 0.0, stream=self.stream_legs)

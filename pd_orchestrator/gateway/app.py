@@ -443,6 +443,7 @@ class Gateway:
             cached_tokens=outcome.cached_tokens,
             output_tokens=outcome.output_tokens,
             remote=outcome.decision == "pd",
+            rejected=outcome.rejected,
         )
         try:
             state.planner.learn(plan, admitted.facts, served)

@@ -23,6 +23,7 @@ from pd_orchestrator.flows.attempts import Attempt, attempt_for
 from pd_orchestrator.flows.flow import FlowSettings
 from pd_orchestrator.gateway.prefix_runtime import PrefixRuntime
 from pd_orchestrator.planner.plan import Planner
+from pd_orchestrator.planner.width import AdaptiveWidth
 from pd_orchestrator.policies import build_threshold
 from pd_orchestrator.routing.profiles import build_profiles
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
@@ -89,6 +90,19 @@ def _connectors(config: GatewayConfig) -> dict[str, Connector]:
     return {name: get_connector(name) for name in sorted(names)}
 
 
+def _adaptive_width(
+    config: GatewayConfig, prefix: PrefixRuntime, previous: GatewayState | None
+) -> AdaptiveWidth | None:
+    """The adaptive width of an ask-all gateway with ``width: adaptive`` (with the
+    precise index as evidence when configured), keeping what a previous one knew."""
+    if config.mode != "ask-all" or config.ask_all.width != "adaptive":
+        return None
+    adaptive = AdaptiveWidth(config.ask_all.adaptive, prefix.index)
+    if previous is not None and previous.planner.adaptive is not None:
+        adaptive.inherit(previous.planner.adaptive)
+    return adaptive
+
+
 def build_state(
     config: GatewayConfig,
     upstream: Upstream,
@@ -120,12 +134,13 @@ def build_state(
         config.threshold, registry, pools={pool.name for pool in config.pools}
     )
     width = config.ask_all.width if config.mode == "ask-all" else None
+    adaptive = _adaptive_width(config, prefix, previous)
     profiles = build_profiles(config.routing, registry)
     bridges = config.compatibility.connector_pairs()
     return GatewayState(
         config=config,
         fleet=fleet,
-        planner=Planner(profiles, threshold, pairs, width, bridges),
+        planner=Planner(profiles, threshold, pairs, width, bridges, adaptive),
         prefix=prefix,
         health=HealthMonitor(fleet, upstream, config.health),
         scraper=LoadScraper(fleet, upstream, config.load, clock=clock),

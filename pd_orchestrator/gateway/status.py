@@ -63,7 +63,17 @@ def status_document(state: GatewayState, now: float) -> dict[str, Any]:
         "kv_event_streams": dict(report.streams),
         "index": None if report.index is None else _plain(report.index),
     }
-    return {"mode": state.config.mode, "endpoints": endpoints, "prefix": prefix}
+    document = {"mode": state.config.mode, "endpoints": endpoints, "prefix": prefix}
+    if state.config.mode == "ask-all":
+        document["ask_all"] = _ask_all(state, now)
+    return document
+
+
+def _ask_all(state: GatewayState, now: float) -> dict[str, Any]:
+    """The ask-all width and, when adaptive, what it chose and knows."""
+    adaptive = state.planner.adaptive
+    width = state.config.ask_all.width
+    return {"width": width} | ({} if adaptive is None else {"adaptive": adaptive.report(now)})
 
 
 def _plain(value: Any) -> Any:

@@ -120,11 +120,15 @@ def pick_fallback(
     candidates: Sequence[Candidate],
     config: AskAllFallbackConfig,
     ordinal: int = 0,
+    prefer: Sequence[str] = (),
 ) -> Endpoint:
     """The decoder that takes a request every asked decoder rejected (pure).
 
-    The best by ``config.pick``. Equals take turns: in the fleet's order (the order
-    of ``candidates``), the ``ordinal``-th of them (modulo their number), so requests
+    The best by ``config.pick``, unless one of ``prefer`` (decoders that hold part of
+    the prompt, most first: the decode leg then pulls less KV) is as good, or, for
+    ``least-loaded``, has at most ``config.holder_slack`` more requests queued: then
+    the first of them. Otherwise equals take turns: in the fleet's order (the order of
+    ``candidates``), the ``ordinal``-th of them (modulo their number), so requests
     that tie, one after another, spread over the tied decoders. Candidates not asked
     are ignored; an asked decoder without a candidate entry ranks last.
     """
@@ -139,5 +143,10 @@ def pick_fallback(
         for order, e in enumerate(asked)
     )
     best = keyed[0][0]
+    slack = config.holder_slack if config.pick == "least-loaded" else 0.0
+    near = {e.name for key, _, e in keyed if key[0] == best[0] and key[1][0] <= best[1][0] + slack}
+    for name in prefer:
+        if name in near:
+            return next(endpoint for _, _, endpoint in keyed if endpoint.name == name)
     tied = [endpoint for key, _, endpoint in keyed if key == best]
     return tied[ordinal % len(tied)]

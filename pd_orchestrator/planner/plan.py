@@ -11,7 +11,8 @@ returns a :class:`Plan`:
    Each profile sees the endpoints of its role only.
 2. **Fan-out**: the decoders the attempt asks (``asked``): all of them in turn for
    decode-first (one at a time; the next only if one cannot be reached), the top
-   ``width`` at once for ask-all.
+   ``width`` at once for ask-all, or with ``width: adaptive`` the decoders likely to
+   admit (:mod:`~pd_orchestrator.planner.width`; none: straight to P/D).
 3. **Prefillers per decoder**: the prefill profile's ranking for each class of
    decoder in the plan (compatibility group and connector: the compatibility
    filter looks at nothing else of the decoder), over the plan's snapshot, or the
@@ -43,6 +44,7 @@ from pd_orchestrator.config.settings import AskAllFallbackConfig
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.planner.choices import FleetView, next_decoder, pick_fallback, suspects
+from pd_orchestrator.planner.width import AdaptiveWidth, Asked
 from pd_orchestrator.policies.base import LatencyObservation, ThresholdContext, ThresholdDecision
 from pd_orchestrator.policies.estimator import PromptLengthEstimator
 from pd_orchestrator.policies.threshold import ThresholdResolver
@@ -74,7 +76,7 @@ NOT_CONTINUABLE = ThresholdDecision(0.0, "gateway", "not-continuable")
 """The decision for a request a continuation could not honour (see
 :attr:`RequestFacts.continuable`): admitted wherever it goes, never handed back."""
 
-Width = Literal["all"] | int
+Width = Literal["all", "adaptive"] | int
 _PRIOR = PromptLengthEstimator(calibrate=False)
 """Prompt sizes of a planner without a threshold resolver (the estimator's prior)."""
 
@@ -164,6 +166,9 @@ class Plan:
     ranking: RoutingResult
     prompt_tokens: int = 0
     decode_profile: Profile | None = None
+    width: Asked | None = None
+    """The adaptive width's choice (None: a fixed width): why ``asked`` is what it is,
+    and the prompt's block keys, which the planner learns from after the request."""
 
     @property
     def decoder(self) -> Endpoint:
@@ -204,12 +209,19 @@ class Plan:
             decoders = suspects(self.spare_decoders(), failed, fleet)
         if not decoders:
             return None
-        asked = tuple(d for d in self.asked if d.name not in failed) or decoders[:1]
+        asked = tuple(d for d in self.asked if d.name not in failed)
+        if self.asked and not asked:
+            asked = decoders[:1]
         return replace(self, decoders=decoders, asked=asked)
 
     def fallback(self, config: AskAllFallbackConfig) -> Endpoint:
-        """The decoder that takes the request when every asked decoder rejected it."""
-        return pick_fallback(self.asked, self.candidates, config, self.ordinal)
+        """The decoder that takes the request when every asked decoder rejected it: the
+        best of the asked decoders, or of every decoder when the width is adaptive (it
+        asked only likely holders, or none)."""
+        width = self.width
+        if width is None:
+            return pick_fallback(self.asked, self.candidates, config, self.ordinal)
+        return pick_fallback(self.decoders, self.candidates, config, self.ordinal, width.partial)
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,7 +232,7 @@ class Served:
     ``itl`` in seconds; ``prompt_tokens``: what upstream counted for the prompt;
     ``cached_tokens``: of those, what the serving decoder had cached (None: unknown);
     ``output_tokens``: tokens generated; ``remote``: prefilled on a prefiller (None:
-    unknown).
+    unknown); ``rejected``: the decoders that rejected it at its threshold.
     """
 
     decoder: Endpoint | None
@@ -231,20 +243,23 @@ class Served:
     cached_tokens: int | None = None
     output_tokens: int = 0
     remote: bool | None = None
+    rejected: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class Planner:
     """The routing profiles, the threshold resolver (None: threshold 0, as in a
     decode-only fleet), the host-staged group pairs, the ask-all width (None:
-    decode-first, the decoders are asked one at a time) and the bridged
-    ``(prefill connector, decode connector)`` pairs."""
+    decode-first, the decoders are asked one at a time), the bridged
+    ``(prefill connector, decode connector)`` pairs and, for ``width: adaptive``,
+    the :class:`~pd_orchestrator.planner.width.AdaptiveWidth` that chooses whom to ask."""
 
     profiles: RoutingProfiles
     threshold: ThresholdResolver | None = None
     allowed_pairs: frozenset[tuple[str, str]] = frozenset()
     width: Width | None = None
     connector_pairs: frozenset[tuple[str, str]] = frozenset()
+    adaptive: AdaptiveWidth | None = None
 
     def plan(
         self,
@@ -284,9 +299,10 @@ class Planner:
         tokens = self._prompt_tokens(facts)
         decoder = ranking.pick.candidate
         threshold = self._threshold(facts, decoder, prefillers, prefillers_in, now, tokens)
+        width = self._adaptive(routing, decoders, candidates, threshold.value)
         return Plan(
             decoders=decoders,
-            asked=self._asked(decoders),
+            asked=self._asked(decoders) if width is None else width.decoders,
             threshold=threshold,
             prefillers=prefillers,
             candidates=candidates,
@@ -294,6 +310,7 @@ class Planner:
             ranking=ranking,
             prompt_tokens=tokens,
             decode_profile=self.profiles.decode,
+            width=width,
         )
 
     def _prompt_tokens(self, facts: RequestFacts) -> int:
@@ -306,9 +323,21 @@ class Planner:
 
     def _asked(self, decoders: tuple[Endpoint, ...]) -> tuple[Endpoint, ...]:
         width = self.width
-        if width is None or width == "all":
+        if width is None or width == "all" or width == "adaptive":
             return decoders
         return decoders[:width]
+
+    def _adaptive(
+        self,
+        routing: RoutingRequest,
+        decoders: tuple[Endpoint, ...],
+        candidates: tuple[Candidate, ...],
+        threshold: float,
+    ) -> Asked | None:
+        """The adaptive width's choice (None: the width is fixed)."""
+        if self.width != "adaptive" or self.adaptive is None:
+            return None
+        return self.adaptive.asked(routing, decoders, candidates, threshold)
 
     def _threshold(
         self,
@@ -342,7 +371,9 @@ class Planner:
 
     def learn(self, plan: Plan, facts: RequestFacts, served: Served) -> None:
         """Feed a finished request back: the decode profile's learning plugins see
-        where it was served; the threshold policies its latencies and prompt size."""
+        where it was served; the adaptive width what the decoders hold; the threshold
+        policies its latencies and prompt size."""
+        self._learn_width(plan, served)
         decoder = served.decoder
         if decoder is None:
             return
@@ -365,6 +396,18 @@ class Planner:
         )
         if served.prompt_tokens and facts.prompt_tokens is None:
             resolver.observe_usage(facts.model, facts.prompt_chars, served.prompt_tokens)
+
+    def _learn_width(self, plan: Plan, served: Served) -> None:
+        """The decoders that rejected the prompt lack part of it; the one that served it
+        holds it all (rejections first: the rejecting decoder may be the one that
+        then served it through P/D)."""
+        adaptive, width = self.adaptive, plan.width
+        if adaptive is None or width is None:
+            return
+        for name in served.rejected:
+            adaptive.rejected(width.keys, name, plan.threshold.value, width.blocks)
+        if served.decoder is not None:
+            adaptive.served(width.keys, served.decoder.name)
 
 
 def _for_prefill(

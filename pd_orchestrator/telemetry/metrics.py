@@ -31,8 +31,9 @@
 * ``pd_orchestrator_threshold`` -- thresholds applied to decode attempts;
 * ``pd_orchestrator_threshold_decisions_total{policy,reason}`` -- threshold decisions
   by the policy (instance name, or ``client``) that set them and its reason;
-* ``pd_orchestrator_fanout_legs_total{outcome}``, ``pd_orchestrator_fanout_wasted_tokens_total``
-  and ``pd_orchestrator_ask_all_total{outcome}`` -- the ask-all mode;
+* ``pd_orchestrator_fanout_legs_total{outcome}``, ``pd_orchestrator_fanout_wasted_tokens_total``,
+  ``pd_orchestrator_ask_all_total{outcome}``, ``pd_orchestrator_ask_all_asked`` (decoders
+  asked per request) and ``pd_orchestrator_ask_all_width_total{reason}`` -- the ask-all mode;
 * ``pd_orchestrator_config_reloads_total{result}``;
 * ``process_*`` -- CPU, memory, open files and start time of the gateway's process.
 
@@ -176,8 +177,22 @@ class GatewayMetrics:
         )
         self.ask_all = Counter(
             "pd_orchestrator_ask_all",
-            "Ask-all requests by outcome (admitted, fallback_pd, fallback_local).",
+            "Ask-all requests by outcome (admitted, fallback_pd, fallback_local, skipped: "
+            "no decoder asked, straight to the fallback).",
             ["outcome"],
+            registry=r,
+        )
+        self.ask_all_asked = Histogram(
+            "pd_orchestrator_ask_all_asked",
+            "Decoders asked per ask-all request.",
+            buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64),
+            registry=r,
+        )
+        self.ask_all_width = Counter(
+            "pd_orchestrator_ask_all_width",
+            "Ask-all requests by why they asked whom they asked (fixed; adaptive: likely, "
+            "unknown, explore, cold, short, no-threshold).",
+            ["reason"],
             registry=r,
         )
         self.reloads = Counter(

@@ -169,3 +169,74 @@ async def test_local_fallback_decodes_with_threshold_zero(
     assert after == before
     assert metric(await metrics_text(gateway.url), "pd_orchestrator_ask_all_total",
                   outcome="fallback_local") == 1  # fmt: skip
+
+
+# -- adaptive width -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def adaptive(fleet: Fleet, module_gateways: GatewayFactory) -> Child:
+    config = fleet.config(width="adaptive", adaptive={"warmup": 0, "explore_every": 0})
+    return module_gateways(config, name="adaptive")
+
+
+def _count(text: str, name: str, **labels: str) -> float:
+    """A counter's value; 0 before it was first counted."""
+    try:
+        return metric(text, name, **labels)
+    except AssertionError:
+        return 0.0
+
+
+async def _decoders(fleet: Fleet, name: str, **labels: str) -> float:
+    total = 0.0
+    for decoder in ("hd0", "hd1", "ad0", "ad1"):
+        total += _count(await metrics_text(fleet.sims[decoder].url), name, **labels)
+    return total
+
+
+async def _gateway(gateway: Child, name: str, **labels: str) -> float:
+    return _count(await metrics_text(gateway.url), name, **labels)
+
+
+async def test_adaptive_width_skips_cold_prompts_and_asks_the_holder_alone(
+    fleet: Fleet, adaptive: Child
+) -> None:
+    rejections = "vllm:cache_threshold_rejections_total"
+    before = await _decoders(fleet, rejections)
+    conversation = uuid.uuid4().hex
+    turn1 = await call(adaptive.url, "chat", _chat(conversation, ["tell me a story"]))
+    assert turn1.status == 200 and turn1.decision == "pd"
+    assert await _decoders(fleet, rejections) == before  # no decoder was asked
+    assert await _gateway(adaptive, "pd_orchestrator_ask_all_total", outcome="skipped") >= 1
+    asked = await _gateway(adaptive, "pd_orchestrator_ask_all_asked_sum")
+    history = ["tell me a story", turn1.text, "go on"]
+    turn2 = await call(adaptive.url, "chat", _chat(conversation, history) | {"stream": True})
+    assert turn2.decision == "decode"
+    assert turn2.headers["x-pd-decoder"] == turn1.headers["x-pd-decoder"]
+    assert await _gateway(adaptive, "pd_orchestrator_ask_all_asked_sum") == asked + 1
+    assert await _decoders(fleet, rejections) == before
+    async with httpx.AsyncClient(base_url=adaptive.url, timeout=10) as client:
+        status = (await client.get("/status")).json()["ask_all"]
+    assert status["width"] == "adaptive"
+    assert status["adaptive"]["skipped"] >= 1 and status["adaptive"]["by_reason"]["likely"] >= 1
+
+
+async def test_a_stale_index_gets_a_rejection_then_pd_and_corrects_itself(
+    fleet: Fleet, adaptive: Child
+) -> None:
+    conversation = uuid.uuid4().hex
+    turn1 = await call(adaptive.url, "chat", _chat(conversation, ["tell me a story"]))
+    holder = turn1.headers["x-pd-decoder"]
+    async with httpx.AsyncClient(base_url=fleet.sims[holder].url, timeout=10) as client:
+        assert (await client.post("/reset_prefix_cache")).status_code == 200  # as if restarted
+    rejected = await _gateway(adaptive, "pd_orchestrator_fanout_legs_total", outcome="rejected")
+    history = ["tell me a story", turn1.text, "go on"]
+    turn2 = await call(adaptive.url, "chat", _chat(conversation, history))
+    assert turn2.status == 200 and turn2.decision == "pd" and turn2.text
+    after = await _gateway(adaptive, "pd_orchestrator_fanout_legs_total", outcome="rejected")
+    assert after == rejected + 1  # the holder was asked, and said no
+    again = await call(adaptive.url, "chat", _chat(conversation, history))
+    assert again.decision == "decode" and again.text == turn2.text
+    assert again.headers["x-pd-decoder"] == turn2.headers["x-pd-decoder"]
+    assert (
+        await _gateway(adaptive, "pd_orchestrator_fanout_legs_total", outcome="rejected") == after
+    )

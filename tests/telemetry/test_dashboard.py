@@ -93,6 +93,7 @@ def gateway_series() -> set[str]:
     metrics.fanout_legs.labels("admitted").inc()
     metrics.fanout_wasted_tokens.inc(3)
     metrics.ask_all.labels("admitted").inc()
+    metrics.ask_all_width.labels("likely").inc()
     metrics.reloads.labels("applied").inc()
     families = list(text_string_to_metric_families(generate_latest(metrics.registry).decode()))
     silent = [f.name for f in families if not f.samples]

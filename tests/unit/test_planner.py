@@ -211,3 +211,18 @@ def test_every_profile_run_of_a_request_shares_its_ordinal() -> None:
         plan = planner.plan(_request(), fleet, 0.0, n)
         assert plan.ordinal == n and plan.decoder.name == f"d{n % 2}"
         assert plan.prefillers_for(plan.decoder)[0].name == f"p{n % 2}"
+
+
+def test_the_fallback_prefers_a_partial_holder_within_the_slack() -> None:
+    endpoints = [_endpoint(n, Role.DECODE, "nvidia") for n in ("a", "b", "c")]
+
+    def loaded(depth: int) -> LoadSnapshot:
+        return LoadSnapshot(running=depth, waiting=0, kv_usage=0.1, observed_at=0.0)
+
+    candidates = [Candidate(e, load=loaded(d)) for e, d in zip(endpoints, (0, 2, 3), strict=True)]
+    config = AskAllFallbackConfig()  # least-loaded, holder_slack 2
+    assert pick_fallback(endpoints, candidates, config).name == "a"
+    assert pick_fallback(endpoints, candidates, config, prefer=("c", "b")).name == "b"
+    assert pick_fallback(endpoints, candidates, config, prefer=("c",)).name == "a"
+    strict = AskAllFallbackConfig(holder_slack=0)
+    assert pick_fallback(endpoints, candidates, strict, prefer=("b",)).name == "a"
