@@ -211,6 +211,7 @@ def load_snapshot(
         observed_at=observed_at,
         prefix_hit_rate=_hit_rate(reading, previous),
         preemptions=round(preempted),
+        prefix_queries=reading.prefix_queries,
     )
 
 

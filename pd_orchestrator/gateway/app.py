@@ -8,16 +8,9 @@ Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON or SSE)
 ``/health``, ``/ready``, ``/metrics`` (and ``/admin/reload``, which has its own
 token) needs a client key (:mod:`~pd_orchestrator.gateway.auth`).
 
-A completion request goes straight down, and its result comes back up:
-
-1. admission (:mod:`~pd_orchestrator.gateway.admission`): read, parse once, check;
-2. the planner (pure): the whole plan over a snapshot of the fleet;
-3. the flow, through the request's legs, into the client's renderer
-   (:func:`~pd_orchestrator.gateway.response.respond` watches for a disconnect);
-4. the gateway learns from the flow's outcome after it returned (metrics, the
-   planner's learning plugins and threshold feedback);
-5. after the answer ended: the request's span and access-log line, when tracing or
-   the access log is on (:mod:`~pd_orchestrator.gateway.observe`).
+A completion request goes straight down, and its result comes back up, in
+:mod:`~pd_orchestrator.gateway.completion` (admission, the plan, the flow into the
+client's renderer, learning, the span and access-log line).
 
 On SIGTERM the server drains the gateway (:mod:`~pd_orchestrator.gateway.lifecycle`):
 ``/ready`` turns 503 and requests in flight get ``lifecycle.drain_seconds`` to end.
@@ -40,8 +33,6 @@ import logging
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import replace
-from functools import partial
 from pathlib import Path
 
 import anyio
@@ -57,27 +48,22 @@ from starlette.types import Receive, Scope, Send
 from pd_orchestrator.config.loader import ConfigError, load_config
 from pd_orchestrator.config.settings import GatewayConfig
 from pd_orchestrator.fleet.state import FleetState
-from pd_orchestrator.flows.choices import choice_request, run_choices
-from pd_orchestrator.flows.flow import Flow, Outcome
 from pd_orchestrator.flows.legs import Legs
-from pd_orchestrator.flows.render import renderer_for
-from pd_orchestrator.flows.request import ClientRequest
-from pd_orchestrator.flows.sink import ClientSink, GatewayError
+from pd_orchestrator.flows.sink import GatewayError
 from pd_orchestrator.gateway.admission import (
-    Admitted,
     RequestIds,
-    admit,
     header_map,
     json_object,
     request_id_of,
 )
 from pd_orchestrator.gateway.auth import OPEN_PATHS, ApiKeys, forwarded_headers, unauthorized
-from pd_orchestrator.gateway.lifecycle import SHUTTING_DOWN, Drain, closing_connections
-from pd_orchestrator.gateway.limits import REFUSALS_THAT_CLOSE, check_head, read_body
-from pd_orchestrator.gateway.observe import Answered, log_access, span_attributes
+from pd_orchestrator.gateway.completion import CompletionPath
+from pd_orchestrator.gateway.lifecycle import Drain, closing_connections
+from pd_orchestrator.gateway.limits import check_head, read_body
+from pd_orchestrator.gateway.observe import Answered
 from pd_orchestrator.gateway.passthrough import tokenizer_decoder, versions
 from pd_orchestrator.gateway.protocol import limited_protocol
-from pd_orchestrator.gateway.response import error_of, error_response, respond
+from pd_orchestrator.gateway.response import closing_headers, error_of, error_response, refuse
 from pd_orchestrator.gateway.state import (
     GatewayState,
     ReloadResult,
@@ -85,14 +71,12 @@ from pd_orchestrator.gateway.state import (
     restart_notes,
 )
 from pd_orchestrator.gateway.status import models_document, ready_document, status_document
-from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.openai.errors import error_body
 from pd_orchestrator.openai.responses import Kind
-from pd_orchestrator.planner.plan import NoCandidateError, Plan, Served
 from pd_orchestrator.routing.registry import RoutingConfigError
 from pd_orchestrator.telemetry.logs import REQUEST_ID
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
-from pd_orchestrator.telemetry.tracing import RequestTrace, Tracing
+from pd_orchestrator.telemetry.tracing import Tracing
 from pd_orchestrator.upstream.client import Phase, Upstream
 from pd_orchestrator.upstream.errors import UpstreamError
 from pd_orchestrator.upstream.transport import Transport
@@ -102,7 +86,6 @@ __all__ = ["Gateway"]
 logger = logging.getLogger("pd_orchestrator.gateway")
 
 _ROUTES: dict[str, Kind] = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
-_CLOSE = {"connection": "close"}
 
 
 def _error(
@@ -113,17 +96,6 @@ def _error(
 
 def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("latin-1")).digest()
-
-
-def _closing(status: int) -> dict[str, str]:
-    """The headers of a refusal with ``status``: one that leaves the request unread
-    also closes the connection."""
-    return _CLOSE if status in REFUSALS_THAT_CLOSE else {}
-
-
-async def _refuse(send: Send, exc: GatewayError) -> None:
-    """Answer a refusal (see :func:`_closing`)."""
-    await error_response(send, exc.status, exc.message, exc.param, _closing(exc.status))
 
 
 class Gateway:
@@ -153,7 +125,6 @@ class Gateway:
         self.state = build_state(config, self.upstream, self.metrics, clock)
         self.tracing = tracing if tracing is not None else Tracing.from_config(config.tracing)
         self._api_keys = ApiKeys.configured(config.auth.api_keys)
-        self._ordinals = itertools.count()
         self._turns = itertools.count()
         self._ids = RequestIds()
         self._monitors: anyio.CancelScope | None = None
@@ -161,6 +132,9 @@ class Gateway:
         self._reload_lock = anyio.Lock()
         self._router = self._starlette()
         self.drain = Drain()
+        self.completions = CompletionPath(
+            self.upstream, self.metrics, clock, self.tracing, self.drain, self._ids
+        )
 
     @property
     def config(self) -> GatewayConfig:
@@ -188,7 +162,7 @@ class Gateway:
             try:
                 check_head(scope, self.state.config.limits)
             except GatewayError as exc:
-                await _refuse(send, exc)
+                await refuse(send, exc)
                 return
             keys = self._api_keys
             if keys is not None and scope["path"] not in OPEN_PATHS:
@@ -198,7 +172,8 @@ class Gateway:
             kind = _ROUTES.get(scope["path"])
             if kind is not None:
                 if scope["method"] == "POST":
-                    await self._completion(scope, receive, send, kind)
+                    own_keys = keys is not None
+                    await self.completions.serve(self.state, own_keys, scope, receive, send, kind)
                 else:
                     message = f"method {scope['method']} is not allowed on {scope['path']}"
                     await error_response(send, 405, message, None, {"allow": "POST"})
@@ -307,159 +282,6 @@ class Gateway:
             self.metrics.reloads.labels("applied").inc()
             return ReloadResult(True, "applied" + (f" ({notes})" if notes else ""))
 
-    # -- completions ------------------------------------------------------------------------
-    async def _completion(self, scope: Scope, receive: Receive, send: Send, kind: Kind) -> None:
-        """One completion request, top to bottom (see the module docstring)."""
-        drain = self.drain
-        drain.requests += 1
-        try:
-            await self._complete(scope, receive, send, kind)
-        finally:
-            drain.requests -= 1
-
-    async def _complete(self, scope: Scope, receive: Receive, send: Send, kind: Kind) -> None:
-        state = self.state
-        path = scope["path"]
-        started = self.clock()
-        headers = header_map(scope["headers"])
-        tracing = self.tracing
-        trace = None if tracing is None else tracing.request("POST", path, headers)
-        try:
-            admitted, plan = await self._plan(state, headers, receive, kind, path)
-            if self.drain.closing:
-                raise GatewayError(503, SHUTTING_DOWN)
-        except Exception as exc:
-            status, message, param = error_of(exc)
-            self.metrics.count_request(path, "error", status)
-            if status != 499:
-                await _refuse(send, GatewayError(status, message, param))
-            self._observe(state, trace, Answered("POST", path, status, None, message), started)
-            return
-        forward = forwarded_headers(headers, own_keys=self._api_keys is not None, tracing=trace)
-        flows = self._flows(state, admitted.request, plan, forward, trace)
-        flow = flows[0]
-        serve = partial(self._run, flow) if len(flows) == 1 else partial(self._choices, flows)
-        self.metrics.in_flight.inc()
-        try:
-            pending = await respond(receive, send, serve, flow.headers, self.drain.scopes)
-            self._learn(state, admitted, plan, pending.result)
-            status = await pending.finish()
-        finally:
-            self.metrics.in_flight.dec()
-        self._count(path, pending.result, status)
-        if trace is not None or state.config.logging.access_log:
-            error = None if pending.error is None else str(pending.error)
-            self._observe(state, trace, Answered("POST", path, status, flow, error), started)
-
-    def _observe(
-        self, state: GatewayState, trace: RequestTrace | None, answered: Answered, started: float
-    ) -> None:
-        """After the answer ended: end the request's span, write its access-log line."""
-        if trace is not None:
-            trace.finish(answered.status, span_attributes(answered), answered.error)
-        if state.config.logging.access_log:
-            log_access(answered, self.clock() - started)
-
-    async def _plan(
-        self, state: GatewayState, headers: dict[str, str], receive: Receive, kind: Kind, path: str
-    ) -> tuple[Admitted, Plan]:
-        raw = await read_body(receive, state.config.limits.max_body_bytes)
-        now = self.clock()
-        admitted = admit(state, kind, path, raw, headers, now, self._ids)
-        REQUEST_ID.set(admitted.request.request_id)
-        candidates = state.scraper.candidates(state.fleet.snapshot(), now)
-        admitted = await self._tokenized(state, admitted, candidates)
-        try:
-            plan = state.planner.plan(admitted.facts, candidates, now, next(self._ordinals))
-        except NoCandidateError as exc:
-            raise GatewayError(503, str(exc)) from None
-        self.metrics.record_threshold(plan.threshold)
-        return admitted, plan
-
-    async def _tokenized(
-        self, state: GatewayState, admitted: Admitted, candidates: tuple[Candidate, ...]
-    ) -> Admitted:
-        """``admitted`` with the prompt's token ids from a decoder, when the precise
-        prefix index wants them (``prefix.precise.tokenize``)."""
-        facts = admitted.facts
-        if not state.prefix.needs_tokens(facts.fields):
-            return admitted
-        decoders = [c.endpoint for c in candidates if c.healthy and c.endpoint.role.decodes]
-        if not decoders:
-            return admitted
-        request = admitted.request
-        rid = f"{request.request_id}-tokenize"  # its own leg ids: the flow counts from -1
-        legs = Legs(self.upstream, state.fleet, self.metrics, rid, self.clock)
-        fields = await state.prefix.tokenized(
-            facts.fields, request.body, chat=request.kind == "chat", legs=legs,
-            endpoint=decoders[0],
-        )  # fmt: skip
-        return Admitted(request, replace(facts, fields=fields))
-
-    def _flows(
-        self,
-        state: GatewayState,
-        request: ClientRequest,
-        plan: Plan,
-        forward: dict[str, str] | None,
-        trace: RequestTrace | None,
-    ) -> list[Flow]:
-        """The request's flow; one per choice when it asks for ``n`` > 1. Every leg of
-        every choice carries ``forward`` and, when tracing, hangs below ``trace``."""
-        requests = [request]
-        if request.view.n > 1:
-            requests = [choice_request(request, i) for i in range(request.view.n)]
-        upstream, fleet, metrics, clock = self.upstream, state.fleet, self.metrics, self.clock
-        return [
-            Flow(
-                one,
-                plan,
-                Legs(upstream, fleet, metrics, one.request_id, clock, forward=forward, trace=trace),
-                state.attempt,
-                state.flow,
-            )
-            for one in requests
-        ]
-
-    async def _run(self, flow: Flow, sink: ClientSink) -> Outcome:
-        renderer = renderer_for(flow.request, flow.transcript, sink, self.clock)
-        return await flow.run(renderer)
-
-    async def _choices(self, flows: list[Flow], sink: ClientSink) -> Outcome:
-        return await run_choices(flows, flows[0].request, sink, self.clock)
-
-    def _learn(
-        self, state: GatewayState, admitted: Admitted, plan: Plan, outcome: Outcome | None
-    ) -> None:
-        """After the flow, before its answer ends: teach the planner what it did."""
-        if outcome is None:
-            return
-        served = Served(
-            outcome.decoder,
-            self.clock(),
-            outcome.ttft,
-            outcome.itl,
-            outcome.prompt_tokens,
-            cached_tokens=outcome.cached_tokens,
-            output_tokens=outcome.output_tokens,
-            remote=outcome.decision == "pd",
-            rejected=outcome.rejected,
-        )
-        try:
-            state.planner.learn(plan, admitted.facts, served)
-        except Exception:  # a learning plugin's fault must not fail a served request
-            logger.exception("learning from a served request failed")
-
-    def _count(self, path: str, outcome: Outcome | None, status: int) -> None:
-        """Count one answered request by route, decision and status."""
-        decision = "error" if outcome is None or status >= 400 else outcome.decision
-        self.metrics.count_request(path, decision, status)
-        if decision != "error" and outcome is not None:
-            if outcome.ttft is not None:
-                self.metrics.ttft.observe(outcome.ttft)
-            if outcome.itl is not None:
-                self.metrics.itl.observe(outcome.itl)
-
     # -- other routes -----------------------------------------------------------------------
     async def _health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -507,8 +329,8 @@ class Gateway:
             status, message, param = error_of(exc)
             answer, error = error_body(message, status, param=param), message
         self.metrics.count_request(path, "error" if status >= 400 else "none", status)
-        self._observe(state, trace, Answered("POST", path, status, None, error), started)
-        headers = {"x-request-id": request_id, **_closing(status)}
+        self.completions.observe(state, trace, Answered("POST", path, status, None, error), started)
+        headers = {"x-request-id": request_id, **closing_headers(status)}
         return JSONResponse(answer, status, headers=headers)
 
     async def _admin_reload(self, request: Request) -> Response:

@@ -27,11 +27,20 @@ from starlette.types import Message, Receive, Send
 
 from pd_orchestrator.flows.sink import ClientSink, GatewayError
 from pd_orchestrator.gateway.lifecycle import SHUTTING_DOWN
+from pd_orchestrator.gateway.limits import REFUSALS_THAT_CLOSE
 from pd_orchestrator.openai.errors import error_body
 from pd_orchestrator.openai.sse import DONE, encode_event
 from pd_orchestrator.upstream.errors import UpstreamError, client_error
 
-__all__ = ["DISCONNECTED", "Pending", "error_of", "error_response", "respond"]
+__all__ = [
+    "DISCONNECTED",
+    "Pending",
+    "closing_headers",
+    "error_of",
+    "error_response",
+    "refuse",
+    "respond",
+]
 
 T = TypeVar("T")
 logger = logging.getLogger("pd_orchestrator.gateway")
@@ -137,6 +146,17 @@ async def error_response(
     sink = _AsgiSink(send)
     sink.answer(status, headers or {}, orjson.dumps(error_body(message, status, param=param)))
     await sink.finish()
+
+
+def closing_headers(status: int) -> dict[str, str]:
+    """The headers of a refusal with ``status``: one that leaves the request unread
+    also closes the connection."""
+    return {"connection": "close"} if status in REFUSALS_THAT_CLOSE else {}
+
+
+async def refuse(send: Send, exc: GatewayError) -> None:
+    """Answer a refusal (see :func:`closing_headers`)."""
+    await error_response(send, exc.status, exc.message, exc.param, closing_headers(exc.status))
 
 
 class Pending(Generic[T]):

@@ -20,6 +20,9 @@ class LoadSnapshot:
     from the prefix cache over the last poll window (None when unknown),
     ``preemptions`` the preemptions over that window and ``observed_at`` the
     time of the reading on the caller's clock (the one requests carry as ``now``).
+    ``prefix_queries``: the prompt tokens the server has looked up in its prefix
+    cache since it started (None: not exported); 0 means its cache holds nothing,
+    and a drop means it restarted.
     """
 
     running: int
@@ -28,6 +31,7 @@ class LoadSnapshot:
     observed_at: float
     prefix_hit_rate: float | None = None
     preemptions: int = 0
+    prefix_queries: float | None = None
 
     def __post_init__(self) -> None:
         if self.running < 0 or self.waiting < 0 or self.preemptions < 0:

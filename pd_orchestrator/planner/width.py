@@ -19,9 +19,13 @@ decoders likely to admit:
   continued): one decoder, the ranking's first.
 * **Unknown decoders** are asked whatever the evidence: a decoder the index has
   watched for less than ``warmup`` seconds (at start, or since it joined, or since
-  it came back from failed health checks: a restart empties its cache, so what the
-  index remembered of it is forgotten) may hold what this gateway never routed to
-  it.
+  it came back from failed health checks) may hold what this gateway never routed
+  to it. A decoder whose load reading says it never looked a prompt up in its
+  prefix cache (``prefix_queries`` 0: a fresh server) holds nothing and is known at
+  once.
+* **Restarts**: a decoder back from failed health checks, or whose
+  ``prefix_queries`` counter went down (its server restarted, its cache is empty),
+  is forgotten.
 * **No likely holder**: nobody is asked; the request goes straight to P/D on the
   fallback decoder (``reason="cold"``). One such request in ``explore_every`` asks
   every decoder instead (``explore``), which finds what the index cannot know:
@@ -146,6 +150,8 @@ class AdaptiveWidth:
         self.precise = precise
         self._watched: dict[str, float] = {}  # decoder -> since when the index knows it
         self._down: set[str] = set()  # decoders seen out of routing by failed checks
+        self._queried: dict[str, float] = {}  # decoder -> its last prefix_queries reading
+        self._empty: set[str] = set()  # decoders seen with an empty cache since forgotten
         self.reasons: dict[str, int] = {}  # requests by Asked.reason
         self.asked_total = 0  # decoders asked, over every request
 
@@ -156,6 +162,8 @@ class AdaptiveWidth:
             self.index = previous.index
             self._watched = previous._watched
             self._down = previous._down
+            self._queried = previous._queried
+            self._empty = previous._empty
             self.reasons = previous.reasons
             self.asked_total = previous.asked_total
 
@@ -221,7 +229,8 @@ class AdaptiveWidth:
 
     def _watch(self, candidates: Sequence[Candidate], now: float) -> None:
         """Start watching decoders seen for the first time; forget what the index holds
-        of a decoder back from failed health checks (it may have restarted empty)."""
+        of a decoder back from failed health checks or restarted (see the module
+        docstring); know at once a decoder whose cache never held anything."""
         watched, down = self._watched, self._down
         for candidate in candidates:
             name = candidate.endpoint.name
@@ -233,10 +242,28 @@ class AdaptiveWidth:
                 down.add(name)
             elif name in down:
                 down.discard(name)
-                self.index.forget(name)
-                watched[name] = now
+                self._forget(name, now)
+            load = candidate.load
+            if load is not None and load.prefix_queries is not None:
+                self._read(name, load.prefix_queries, now)
+
+    def _read(self, name: str, queried: float, now: float) -> None:
+        """A decoder's ``prefix_queries`` reading: a drop is a restart; 0 an empty cache."""
+        last = self._queried.get(name)
+        self._queried[name] = queried
+        if last is not None and queried < last:
+            self._forget(name, now)
+        if queried == 0:
+            self._empty.add(name)
+
+    def _forget(self, name: str, now: float) -> None:
+        self.index.forget(name)
+        self._watched[name] = now
+        self._empty.discard(name)
 
     def _unknown(self, name: str, now: float) -> bool:
+        if name in self._empty:
+            return False
         since = self._watched.get(name)
         return since is None or now - since < self.config.warmup
 

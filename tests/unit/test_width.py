@@ -174,3 +174,23 @@ def test_the_planner_skips_the_fan_out_then_learns_where_the_prompt_went() -> No
     planner.learn(warm, facts, Served(DECODERS[0], 4.0, rejected=("d2",)))
     again = planner.plan(facts, candidates, 5.0, 3)
     assert _names(again.asked) == ["d0"]  # d2 proved it lost the prompt; d0 took it
+
+
+def _queried(count: float, *, only: str | None = None) -> list[Candidate]:
+    load = LoadSnapshot(running=0, waiting=0, kv_usage=0.0, observed_at=0.0, prefix_queries=count)
+    return [replace(c, load=load) if only in (None, c.endpoint.name) else c for c in CANDIDATES]
+
+
+def test_a_fresh_decoder_is_known_at_once_and_a_restart_is_forgotten() -> None:
+    width = AdaptiveWidth(SETTLED.model_copy(update={"warmup": 30.0}))
+    fresh = width.asked(_request(_ids(1, 40), now=0.0), DECODERS, _queried(0), 0.5)
+    assert fresh.reason == "cold"  # every cache is empty: nobody to ask, no warm-up
+    width.served(fresh.keys, "d1")
+    warm = _queried(5000)
+    assert _names(width.asked(_request(_ids(1, 40), now=1.0), DECODERS, warm, 0.5).decoders) == [
+        "d1"
+    ]
+    restarted = _queried(12, only="d1")  # d1's counter went down: it restarted
+    after = width.asked(_request(_ids(1, 40), now=2.0), DECODERS, restarted, 0.5)
+    assert after.reason == "unknown" and _names(after.decoders) == ["d1"]
+    assert width.index.table.size("d1") == 0
