@@ -184,7 +184,9 @@ async def replay(url: str, requests: list[Request], per_block: int, limit: int) 
                        headers.get("x-pd-decision"), ttft)
             )  # fmt: skip
 
-    limits = httpx.Limits(max_connections=limit)
+    # idle connections expire well before the gateway's 5-second keep-alive timeout:
+    # at equal timeouts a request can go out on a connection the server is closing
+    limits = httpx.Limits(max_connections=limit, keepalive_expiry=1.0)
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
         async with anyio.create_task_group() as tg:
             for request in requests:
