@@ -584,8 +584,9 @@ class AdaptiveWidthConfig(_Strict):
     block. A decoder the gateway has known for less than ``warmup`` seconds (at
     start, or after it joined) is asked whatever the evidence, since its cache may
     hold what this gateway never routed to it; and one request in ``explore_every``
-    with no likely holder asks every decoder, which finds what the memory missed
-    (other gateway replicas, evictions); 0 turns exploring off.
+    with no likely holder asks ``explore_width`` decoders (0: every decoder), the next
+    ones at each turn, which finds what the memory missed (other gateway replicas,
+    evictions); ``explore_every: 0`` turns exploring off.
     """
 
     block_tokens: Annotated[int, Field(ge=1)] = 64
@@ -594,6 +595,7 @@ class AdaptiveWidthConfig(_Strict):
     capacity_per_endpoint: Annotated[int, Field(ge=1)] = 65_536
     warmup: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 30.0
     explore_every: Annotated[int, Field(ge=0)] = 64
+    explore_width: Annotated[int, Field(ge=0)] = 4
 
 
 class AskAllConfig(_Strict):

@@ -28,8 +28,9 @@ decoders likely to admit:
   is forgotten.
 * **No likely holder**: nobody is asked; the request goes straight to P/D on the
   fallback decoder (``reason="cold"``). One such request in ``explore_every`` asks
-  every decoder instead (``explore``), which finds what the index cannot know:
-  requests routed by another gateway replica, or by hand.
+  ``explore_width`` decoders instead (``explore``; the next ones at each turn, so
+  every decoder takes its turn), which finds what the index cannot know: requests
+  routed by another gateway replica, or by hand.
 
 Staying correct when the index is wrong: the width only chooses whom to ask; every
 asked decoder still applies the threshold to its real cache. An index that
@@ -122,7 +123,7 @@ class HolderIndex:
 class Asked:
     """The decoders to ask, best first, and why: ``no-threshold`` (one decoder),
     ``likely`` (the likely holders, with any unknown decoders), ``unknown`` (only
-    unknown decoders), ``explore`` (every decoder), ``cold`` (none: straight to P/D)
+    unknown decoders), ``explore`` (``explore_width`` decoders), ``cold`` (none: straight to P/D)
     or ``short`` (a prompt shorter than one block: the ranking's first). ``keys``
     and ``blocks``: the prompt's block keys and length in blocks, for learning;
     ``partial``: the decoders seen holding at least one of its blocks, most first (the
@@ -213,8 +214,18 @@ class AdaptiveWidth:
             return Asked(tuple(unknown), "unknown", *learned)
         every = self.config.explore_every
         if every and request.sequence % every == 0:
-            return Asked(decoders, "explore", *learned)
+            return Asked(self._explored(decoders, request.sequence // every), "explore", *learned)
         return Asked((), "cold", *learned)
+
+    def _explored(self, decoders: tuple[Endpoint, ...], turn: int) -> tuple[Endpoint, ...]:
+        """The ``explore_width`` decoders an exploring request asks (0: all), the next
+        ones in the fleet's order at each turn, so that every decoder takes its turn."""
+        width = self.config.explore_width
+        if not width or width >= len(decoders):
+            return decoders
+        ordered = sorted(decoders, key=lambda d: d.name)
+        start = turn * width % len(ordered)
+        return tuple(ordered[(start + i) % len(ordered)] for i in range(width))
 
     def _precise(self, request: RoutingRequest, names: Sequence[str]) -> dict[str, float]:
         """Each decoder's share of the prompt's blocks in the precise index (KV events)."""

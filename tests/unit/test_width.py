@@ -194,3 +194,23 @@ def test_a_fresh_decoder_is_known_at_once_and_a_restart_is_forgotten() -> None:
     after = width.asked(_request(_ids(1, 40), now=2.0), DECODERS, restarted, 0.5)
     assert after.reason == "unknown" and _names(after.decoders) == ["d1"]
     assert width.index.table.size("d1") == 0
+
+
+def test_exploring_asks_explore_width_decoders_each_in_turn() -> None:
+    config = SETTLED.model_copy(update={"explore_every": 2, "explore_width": 3})
+    width = AdaptiveWidth(config)
+    explored = [
+        _names(width.asked(_request(_ids(i, 40), sequence=i), DECODERS, CANDIDATES, 0.5).decoders)
+        for i in range(0, 8, 2)
+    ]
+    assert explored == [
+        ["d0", "d1", "d2"],
+        ["d3", "d0", "d1"],
+        ["d2", "d3", "d0"],
+        ["d1", "d2", "d3"],
+    ]
+    everyone = AdaptiveWidth(config.model_copy(update={"explore_width": 0}))
+    assert (
+        len(everyone.asked(_request(_ids(1, 40), sequence=0), DECODERS, CANDIDATES, 0.5).decoders)
+        == 4
+    )
