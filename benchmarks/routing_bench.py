@@ -18,7 +18,14 @@ Columns beyond the hit rates: upstream requests per client request (every reques
 the simulated endpoints finished, rejections included), decoders asked per request
 (the gateway's ``pd_orchestrator_ask_all_asked``), and the prompt tokens the
 decoders took in per prompt token sent (``vllm:prefix_cache_queries`` of the
-decoders over the prompts' length: what each asked decoder tokenizes and hashes).
+decoders over the prompts' length: what each asked decoder hashes), and the prompt
+tokens the decoders tokenized per prompt token sent (the simulator's
+``vllm:prompt_tokens_tokenized``: text prompts, rendered chats, ``/tokenize``).
+
+``--prompts text`` (the default) sends each prompt as the text of its ids (the
+simulator's tokenizer maps it back to the same ids), as clients do; ``ids`` sends the
+ids. Mode ``ask-all-text`` is ask-all with ``tokenize_from: null``: the text goes to
+every asked decoder, each of which tokenizes it (ask-all before tokenize-once).
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import console
 
 from pd_orchestrator.children import Child, python_command, start_child, stop_child
-from pd_orchestrator.sim.tokenizer import NUM_WORDS, WORD_BASE
+from pd_orchestrator.sim.tokenizer import NUM_WORDS, WORD_BASE, SimTokenizer
 
 MODEL = "sim-model"
 TRACE_ENV = "PDO_MOONCAKE_TRACE"
@@ -68,6 +75,11 @@ MODES: dict[str, dict[str, Any]] = {
         },
     },
     "ask-all": {"mode": "ask-all", "threshold": {"policy": {"value": 0.5}}},
+    "ask-all-text": {
+        "mode": "ask-all",
+        "ask_all": {"tokenize_from": None},
+        "threshold": {"policy": {"value": 0.5}},
+    },
     "ask-all-probe": {
         "mode": "ask-all",
         "ask_all": {"variant": "probe"},
@@ -157,16 +169,20 @@ def _takewhile(
     return out
 
 
-async def replay(url: str, requests: list[Request], per_block: int, limit: int) -> list[Served]:
+async def replay(
+    url: str, requests: list[Request], per_block: int, limit: int, text: bool
+) -> list[Served]:
     served: list[Served] = []
+    tokenizer = SimTokenizer()
     gate = anyio.Semaphore(limit)
     start = time.perf_counter()
 
     async def one(client: httpx.AsyncClient, request: Request) -> None:
         await anyio.sleep(max(0.0, request.at - (time.perf_counter() - start)))
+        ids = prompt_ids(request, per_block)
         body = {
             "model": MODEL,
-            "prompt": prompt_ids(request, per_block),
+            "prompt": tokenizer.decode(ids) if text else ids,
             "max_tokens": request.output,
             "ignore_eos": True,
             "stream": True,
@@ -235,7 +251,10 @@ def run_mode(
             log_dir=args.log_dir,
         )
         stack.callback(stop_child, gateway)
-        served = anyio.run(replay, gateway.url, requests, args.block_tokens, args.concurrency)
+        served = anyio.run(
+            replay, gateway.url, requests, args.block_tokens, args.concurrency,
+            args.prompts == "text",
+        )  # fmt: skip
         texts = {n: httpx.get(c.url + "/metrics").text for n, c in sims.items()}
         gateway_text = httpx.get(gateway.url + "/metrics").text
     ok = [s for s in served if s.status == 200]
@@ -244,6 +263,9 @@ def run_mode(
     prefill = sum(_metric(t, "vllm:prefill_tokens_computed_total") for t in texts.values())
     queried = sum(
         _metric(t, "vllm:prefix_cache_queries_total") for n, t in texts.items() if n[0] == "d"
+    )
+    tokenized = sum(
+        _metric(t, "vllm:prompt_tokens_tokenized_total") for n, t in texts.items() if n[0] == "d"
     )
     sent = sum(len(prompt_ids(s.request, args.block_tokens)) for s in ok)
     asked_count = _metric(gateway_text, "pd_orchestrator_ask_all_asked_count")
@@ -261,7 +283,8 @@ def run_mode(
         name, str(n), f"{hit:.1%}", f"{bound:.1%}",
         f"{decisions.count('decode') / n:.0%} / {decisions.count('pd') / n:.0%}",
         f"{upstream / n:.2f}", "-" if asked is None else f"{asked:.2f}",
-        f"{queried / sent:.2f}", f"{wasted / n:.2f}", f"{prefill / n:.0f}",
+        f"{queried / sent:.2f}", f"{tokenized / sent:.2f}",
+        f"{wasted / n:.2f}", f"{prefill / n:.0f}",
         f"{max(per_decoder) / (n / len(per_decoder)):.2f}",
         f"{statistics.median(ttfts) * 1e3:.0f}",
         f"{sorted(ttfts)[int(0.99 * (len(ttfts) - 1))] * 1e3:.0f}",
@@ -293,11 +316,13 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--modes", nargs="*", default=list(MODES))
     parser.add_argument("--log-dir", type=Path, help="keep each gateway's log here")
+    parser.add_argument("--prompts", choices=("text", "ids"), default="text")
     args = parser.parse_args()
     requests = load_trace(args.trace, args.requests, args.compress)
     table = Table(title=f"Mooncake replay: {len(requests)} requests over {args.decoders} decoders")
     for column in ("mode", "served", "token hit rate", "global bound", "decode / pd",
                    "upstream req/req", "asked/req", "decoder prompt tok / prompt tok",
+                   "decoder tokenized / prompt tok",
                    "wasted tok/req", "prefill tok/req", "max share / fair",
                    "TTFT p50 ms", "TTFT p99 ms"):  # fmt: skip
         table.add_column(column, justify="right")

@@ -609,12 +609,24 @@ class AskAllConfig(_Strict):
     once, the first decoder to admit serves and the others are cancelled; ``probe``
     first sends one-token probes, then the real request to the admitting decoder with
     the most cached tokens.
+
+    ``tokenize_from``: when a request asks at least this many decoders, its prompt is
+    tokenized once (one ``/tokenize`` on one of the asked decoders, or the ids the
+    gateway already has) and every leg of the request sends the token ids on
+    ``/v1/completions``, so no asked decoder tokenizes it again; the answer is
+    re-rendered in the client's API (see
+    :attr:`~pd_orchestrator.flows.request.ClientRequest.tokenizable` for the requests
+    that keep their text). ``null``: prompts always go as the client sent them.
+    ``tokenize_timeout``: a ``/tokenize`` that takes longer is abandoned (the request
+    goes as text).
     """
 
     width: Literal["all", "adaptive"] | Annotated[int, Field(ge=1)] = "all"
     adaptive: AdaptiveWidthConfig = Field(default_factory=AdaptiveWidthConfig)
     variant: Literal["race", "probe"] = "race"
     fallback: AskAllFallbackConfig = Field(default_factory=AskAllFallbackConfig)
+    tokenize_from: Annotated[int, Field(ge=1)] | None = 2
+    tokenize_timeout: Seconds = 2.0
 
 
 class GatewayConfig(BaseSettings):

@@ -20,6 +20,15 @@ the prompt): the ask-all attempts then skip the fan-out and go straight to the
 fallback (counted as ``skipped``). Every ask-all request counts how many decoders it
 asked (``pd_orchestrator_ask_all_asked``) and why (``pd_orchestrator_ask_all_width_total``).
 
+Tokenize once: when an ask-all request asks at least ``ask_all.tokenize_from``
+decoders and may go as token ids (:attr:`~pd_orchestrator.flows.request.ClientRequest.tokenizable`),
+:meth:`Attempt.prompt_ids` gives its prompt's token ids -- the ones the gateway has,
+or one ``/tokenize`` on one of the asked decoders (they take turns, by the request's
+ordinal) -- and every leg of the original prompt sends them
+(:class:`~pd_orchestrator.flows.bodies.Route`), so no asked decoder tokenizes the
+prompt again. A ``/tokenize`` that fails or times out costs only the
+time it took: the prompt goes as text.
+
 When every asked decoder rejects, the plan chooses one
 (:meth:`~pd_orchestrator.planner.plan.Plan.fallback`: least loaded, most free KV or
 hardware weight, from the plan's snapshot); equals take turns with the request's
@@ -36,11 +45,13 @@ import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
 from pd_orchestrator.config.settings import AskAllConfig
+from pd_orchestrator.flows.bodies import Route
 from pd_orchestrator.flows.chunks import ChunkView, MalformedChunk, view_answer
 from pd_orchestrator.flows.legs import Leg, Legs
 from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.openai.responses import Kind
+from pd_orchestrator.openai.tokenize import token_ids, tokenize_body
 from pd_orchestrator.planner.plan import Plan
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
 from pd_orchestrator.upstream.client import Phase
@@ -78,8 +89,14 @@ class Attempt(Protocol):
     streams: bool
     """Whether decoder legs must stream even for a client that wants a whole answer."""
 
-    async def run(self, request: ClientRequest, plan: Plan, legs: Legs, body: Json) -> Attempted:
-        """Ask the decoders with ``body`` (the client's body with the threshold)."""
+    async def prompt_ids(self, request: ClientRequest, plan: Plan, legs: Legs) -> list[int] | None:
+        """The prompt's token ids when the original prompt's legs send them instead of
+        the client's prompt (None: as the client sent it)."""
+        ...
+
+    async def run(self, route: Route, plan: Plan, legs: Legs, body: Json) -> Attempted:
+        """Ask the decoders with ``body`` (the original prompt's body, on ``route``,
+        with the threshold)."""
         ...
 
 
@@ -95,9 +112,12 @@ class Single:
 
     streams = False
 
-    async def run(self, request: ClientRequest, plan: Plan, legs: Legs, body: Json) -> Attempted:
+    async def prompt_ids(self, request: ClientRequest, plan: Plan, legs: Legs) -> list[int] | None:
+        return None  # one decoder tokenizes it once
+
+    async def run(self, route: Route, plan: Plan, legs: Legs, body: Json) -> Attempted:
         decoder = plan.asked[0]
-        leg = await legs.open(decoder, request.path, body, Phase.DECODE_ATTEMPT, kind=request.kind)
+        leg = await legs.open(decoder, route.path, body, Phase.DECODE_ATTEMPT, kind=route.kind)
         if admits(await leg.read_until_decisive()):
             return Attempted(decoder, leg)
         await legs.close(leg)
@@ -123,6 +143,38 @@ class _AskAll:
         self.config = config
         self.metrics = metrics
 
+    async def prompt_ids(self, request: ClientRequest, plan: Plan, legs: Legs) -> list[int] | None:
+        """Token ids when ``plan`` asks at least ``tokenize_from`` decoders (see the
+        module docstring); counted by how the prompt goes."""
+        least = self.config.tokenize_from
+        if least is None or len(plan.asked) < least:
+            return None
+        counted = self.metrics.ask_all_prompts
+        if not request.tokenizable:
+            counted.labels("text").inc()
+            return None
+        if request.prompt_ids is not None:
+            counted.labels("reused").inc()
+            return list(request.prompt_ids)
+        asked = plan.asked  # the asked decoders take turns tokenizing (no hot spot)
+        ids = await self._tokenize(request, asked[plan.ordinal % len(asked)], legs)
+        counted.labels("failed" if ids is None else "tokenized").inc()
+        return ids
+
+    async def _tokenize(
+        self, request: ClientRequest, decoder: Endpoint, legs: Legs
+    ) -> list[int] | None:
+        """The prompt's ids from ``decoder``'s ``/tokenize`` (None: it failed)."""
+        body = tokenize_body(request.body, chat=request.kind == "chat")
+        if body is None:
+            return None
+        with anyio.move_on_after(self.config.tokenize_timeout):
+            try:
+                return token_ids(await legs.post(decoder, "/tokenize", body, Phase.TOKENIZE))
+            except UpstreamError:
+                return None
+        return None
+
     def _asking(self, plan: Plan) -> tuple[Endpoint, ...]:
         """The decoders ``plan`` asks, counted (how many, and why)."""
         asked = plan.asked
@@ -146,7 +198,7 @@ class _AskAll:
 class Race(_AskAll):
     """Ask-all: every asked decoder at once; the first to admit serves."""
 
-    async def run(self, request: ClientRequest, plan: Plan, legs: Legs, body: Json) -> Attempted:
+    async def run(self, route: Route, plan: Plan, legs: Legs, body: Json) -> Attempted:
         asked = self._asking(plan)
         if not asked:
             return self._fell_back(plan, ())
@@ -156,7 +208,7 @@ class Race(_AskAll):
         rejected: list[str] = []
         async with anyio.create_task_group() as tg, receive:
             for decoder in asked:
-                ask = (request, legs, decoder, body, scopes[decoder.name], send.clone())
+                ask = (route, legs, decoder, body, scopes[decoder.name], send.clone())
                 tg.start_soon(self._ask, *ask)
             send.close()
             async for reply in receive:
@@ -176,7 +228,7 @@ class Race(_AskAll):
 
     async def _ask(
         self,
-        request: ClientRequest,
+        route: Route,
         legs: Legs,
         decoder: Endpoint,
         body: Json,
@@ -187,7 +239,7 @@ class Race(_AskAll):
         with results, scope:
             try:
                 reply.leg = await legs.open(
-                    decoder, request.path, body, Phase.DECODE_ATTEMPT, kind=request.kind
+                    decoder, route.path, body, Phase.DECODE_ATTEMPT, kind=route.kind
                 )
                 admitted = admits(await reply.leg.read_until_decisive())
                 reply.outcome = "admitted" if admitted else "rejected"
@@ -222,7 +274,7 @@ def _held_tokens(leg: Leg) -> int:
 class Probe(_AskAll):
     """Ask-all: one-token probes first, then the admitting decoder with the most cache."""
 
-    async def run(self, request: ClientRequest, plan: Plan, legs: Legs, body: Json) -> Attempted:
+    async def run(self, route: Route, plan: Plan, legs: Legs, body: Json) -> Attempted:
         asked = self._asking(plan)
         if not asked:
             return self._fell_back(plan, ())
@@ -232,7 +284,7 @@ class Probe(_AskAll):
         async def probe(decoder: Endpoint) -> None:
             try:
                 answers[decoder.name] = await legs.post(
-                    decoder, request.path, probe_body, Phase.DECODE_ATTEMPT, label="probe"
+                    decoder, route.path, probe_body, Phase.DECODE_ATTEMPT, label="probe"
                 )
             except UpstreamError:
                 answers[decoder.name] = None
@@ -240,17 +292,17 @@ class Probe(_AskAll):
         async with anyio.create_task_group() as tg:
             for decoder in asked:
                 tg.start_soon(probe, decoder)
-        chosen, rejected = self._best(request, asked, answers)
+        chosen, rejected = self._best(route.kind, asked, answers)
         if chosen is None:
             return self._fell_back(plan, rejected)
-        leg = await legs.open(chosen, request.path, body, Phase.DECODE_ATTEMPT, kind=request.kind)
+        leg = await legs.open(chosen, route.path, body, Phase.DECODE_ATTEMPT, kind=route.kind)
         if not admits(await leg.read_until_decisive()):
             await legs.close(leg)
             return self._fell_back(plan, (*rejected, chosen.name))
         return self._won(leg)
 
     def _best(
-        self, request: ClientRequest, asked: Sequence[Endpoint], answers: dict[str, Json | None]
+        self, kind: Kind, asked: Sequence[Endpoint], answers: dict[str, Json | None]
     ) -> tuple[Endpoint | None, tuple[str, ...]]:
         """The admitting decoder with the most cached tokens (ties: the plan's order),
         and the decoders whose probe was rejected.
@@ -261,7 +313,7 @@ class Probe(_AskAll):
         admitted: list[tuple[int, int, Endpoint]] = []
         rejected: list[str] = []
         for order, decoder in enumerate(asked):
-            view = _probe_view(answers.get(decoder.name), request.kind)
+            view = _probe_view(answers.get(decoder.name), kind)
             outcome = "failed" if view is None else "admitted" if admits(view) else "rejected"
             self.metrics.fanout_legs.labels(outcome).inc()
             if view is not None and outcome == "admitted":

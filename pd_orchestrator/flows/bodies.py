@@ -7,13 +7,16 @@ the request path.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from pd_orchestrator.flows.request import CHAT_ONLY_FIELDS, ClientRequest
+from pd_orchestrator.openai.responses import Kind
 
-__all__ = ["continuation_body", "leg_body", "with_threshold"]
+__all__ = ["COMPLETIONS", "Route", "continuation_body", "leg_body", "with_threshold"]
 
 Json = dict[str, Any]
+COMPLETIONS = "/v1/completions"
 
 
 def _streaming(body: Json, stream: bool, client_options: Any) -> None:
@@ -76,3 +79,28 @@ def continuation_body(
     body["return_token_ids"] = True
     _streaming(body, request.stream if stream is None else stream, None)
     return body
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """How the legs of a request's original prompt go: as the client sent it (``ids``
+    None: its own path, API and body), or as ``ids``, the prompt's token ids, on
+    ``/v1/completions`` (the answer re-rendered in the client's API)."""
+
+    path: str
+    kind: Kind
+    ids: list[int] | None = None
+
+    @classmethod
+    def of(cls, request: ClientRequest, ids: list[int] | None = None) -> Route:
+        """The client's route, or token ids on ``/v1/completions`` when ``ids``."""
+        if ids is None:
+            return cls(request.path, request.kind)
+        return cls(COMPLETIONS, "completion", ids)
+
+    def body(self, request: ClientRequest, threshold: float, *, stream: bool) -> Json:
+        """A decoder leg's body for the original prompt (:func:`leg_body`, or
+        :func:`continuation_body` of no generated token)."""
+        if self.ids is None:
+            return leg_body(request, threshold, stream=stream)
+        return continuation_body(request, self.ids, 0, threshold, stream=stream)

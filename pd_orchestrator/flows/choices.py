@@ -44,7 +44,7 @@ def choice_request(request: ClientRequest, index: int) -> ClientRequest:
     view = request.view.model_copy(update={"n": 1})
     return ClientRequest(
         request.kind, request.path, body, view, f"{request.request_id}-c{index}",
-        request.arrival, request.kv_source,
+        request.arrival, request.kv_source, request.prompt_ids,
     )  # fmt: skip
 
 

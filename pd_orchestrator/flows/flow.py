@@ -5,7 +5,8 @@ One client request, from its plan to the last byte the client gets:
 1. **Attempt** (:mod:`~pd_orchestrator.flows.attempts`): the client's request goes
    to the plan's decoder(s) with the policy's ``cache_hit_threshold`` and
    ``return_token_ids``, read up to its first decisive chunk (the first that carries
-   content or a finish).
+   content or a finish). When the attempt tokenizes once (ask-all), the original
+   prompt's legs, here and in steps 2-3, carry its token ids on ``/v1/completions``.
 2. **Admitted**: that decoder's leg serves. Decision ``decode``.
 3. **Rejected** (``finish_reason == "cache_threshold"`` with no token, or a stream
    that ends with no choice): the P/D leg (:mod:`~pd_orchestrator.flows.handover`)
@@ -80,7 +81,7 @@ from typing import Any
 from connectors import Connector
 from pd_orchestrator.config.settings import HandbackConfig, UpstreamConfig
 from pd_orchestrator.flows.attempts import Attempt
-from pd_orchestrator.flows.bodies import continuation_body, leg_body, with_threshold
+from pd_orchestrator.flows.bodies import COMPLETIONS, Route, continuation_body, with_threshold
 from pd_orchestrator.flows.chunks import ChunkView
 from pd_orchestrator.flows.handover import Handover, retryable
 from pd_orchestrator.flows.legs import Leg, Legs
@@ -98,20 +99,20 @@ from pd_orchestrator.upstream.errors import UpstreamError
 __all__ = ["COMPLETIONS", "Flow", "FlowSettings", "Outcome", "leg_budget"]
 
 Json = dict[str, Any]
-COMPLETIONS = "/v1/completions"
 _DECODER_PHASES = frozenset({Phase.DECODE_ATTEMPT, Phase.DECODE})
 logger = logging.getLogger("pd_orchestrator.flows")
 
 
 def leg_budget(upstream: UpstreamConfig, handback: HandbackConfig, asked: int) -> int:
     """The most upstream requests one client request (one choice) may send, from the
-    bounds above: per decoder tried before the first byte, the attempt (``asked``
+    bounds above: one ``/tokenize`` (tokenize once); per decoder tried before the
+    first byte, the attempt (``asked``
     decoders, plus the real request after ask-all's probes) and a hand-over; per
     hand-back (one more than ``max_handbacks``) and recovery, a hand-over. A hand-over
     sends per prefill attempt at most two lookups, the prefill and two decode legs (a
     stale connector context sends the decode leg again), then the decoder alone."""
     handover = 5 * upstream.prefill_attempts + 1
-    original = upstream.decode_attempts * (asked + 1 + handover)
+    original = 1 + upstream.decode_attempts * (asked + 1 + handover)  # 1: a /tokenize
     continuations = (handback.max_handbacks + 1 + handback.max_recoveries) * handover
     return original + continuations
 
@@ -170,6 +171,8 @@ class Flow:
         self.recoveries = 0
         self.rejected: tuple[str, ...] = ()
         self.stream_legs = request.stream or attempt.streams
+        self.route: Route | None = None
+        """How the original prompt's legs go (known at the first attempt)."""
         self.budget = leg_budget(settings.upstream, settings.handback, len(plan.asked))
         legs.prompt_tokens = plan.prompt_tokens
 
@@ -231,19 +234,23 @@ class Flow:
         request = self.request
         started = self.settings.clock()
         self.decision, self.prefiller = "decode", None
-        body = leg_body(request, plan.threshold.value, stream=self.stream_legs)
-        attempted = await self.attempt.run(request, plan, self.legs, body)
+        route = self.route
+        if route is None:
+            ids = await self.attempt.prompt_ids(request, plan, self.legs)
+            route = self.route = Route.of(request, ids)
+        body = route.body(request, plan.threshold.value, stream=self.stream_legs)
+        attempted = await self.attempt.run(route, plan, self.legs, body)
         self._phase("decode_attempt", started)
         self.decoder = attempted.decoder
         self.rejected = attempted.rejected
         if attempted.leg is not None:
             return attempted.leg
-        base = leg_body(request, 0.0, stream=self.stream_legs)
+        base = route.body(request, 0.0, stream=self.stream_legs)
         if attempted.local:
-            leg = await self._local(base, request.path, request.kind, original_prompt=True)
+            leg = await self._local(base, route.path, route.kind, original_prompt=True)
         else:
             self.decision = "pd"
-            leg = await self._pd(base, request.path, request.kind, original_prompt=True)
+            leg = await self._pd(base, route.path, route.kind, original_prompt=True)
         await leg.read_until_decisive()
         return leg
 

@@ -9,7 +9,13 @@ from connectors import PeerInfo
 from pd_orchestrator.openai.protocol import ChatCompletionRequest, OpenAIRequest, message_text
 from pd_orchestrator.openai.responses import Kind
 
-__all__ = ["CHAT_ONLY_FIELDS", "TOKEN_ID_CHARS", "UNCONTINUABLE_FIELDS", "ClientRequest"]
+__all__ = [
+    "CHAT_ONLY_FIELDS",
+    "TOKEN_ID_CHARS",
+    "UNCONTINUABLE_FIELDS",
+    "UNTOKENIZABLE_FIELDS",
+    "ClientRequest",
+]
 
 TOKEN_ID_CHARS = 4
 """Characters a token-id prompt counts per token in :attr:`ClientRequest.prompt_chars`."""
@@ -55,11 +61,26 @@ UNCONTINUABLE_FIELDS = (
 constraint's state (tools, structured outputs) and the chat shape of logprobs. A
 request that sets one (to anything but its neutral value) is never handed back."""
 
+UNTOKENIZABLE_FIELDS = (
+    "echo",
+    "suffix",
+    "truncate_prompt_tokens",
+    "prompt_embeds",
+    "reasoning_effort",
+    "documents",
+    "media_io_kwargs",
+)
+"""Fields that keep a request's prompt as the client sent it (never sent as token ids,
+see :attr:`ClientRequest.tokenizable`): they change what the route does with the
+prompt's text, or how a chat template renders it beyond what ``/tokenize`` reads."""
+
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
     "logprobs": (None, False, 0),
     "top_logprobs": (None, 0),
     "prompt_logprobs": (None, 0),
+    "echo": (None, False),
+    "truncate_prompt_tokens": (None,),
 }
 
 
@@ -76,6 +97,9 @@ class ClientRequest:
     kv_source: PeerInfo | None = None
     """An instance that holds the prompt's prefix, named by an upstream scheduler
     (llm-d's ``x-kv-cache-source-host-port``); connectors that pull from peers use it."""
+    prompt_ids: tuple[int, ...] | None = None
+    """The prompt's token ids when the gateway already has them (the precise prefix
+    index asked a decoder's ``/tokenize``), as the prompt's API would compute them."""
 
     @property
     def stream(self) -> bool:
@@ -92,6 +116,26 @@ class ClientRequest:
                     continue
                 return False
         return True
+
+    @property
+    def tokenizable(self) -> bool:
+        """Whether the prompt may go to decoders as token ids on ``/v1/completions``
+        with the same answer (re-rendered in the client's API): a text prompt or
+        text-only messages, a :attr:`continuable` request (what a token prompt drops
+        is what a continuation drops), none of :data:`UNTOKENIZABLE_FIELDS` set."""
+        view = self.view
+        if isinstance(view, ChatCompletionRequest):
+            for message in view.messages:
+                content = message.content
+                if isinstance(content, list) and any(p.type != "text" for p in content):
+                    return False
+        elif not isinstance(view.prompt, str):
+            return False
+        body = self.body
+        for name in UNTOKENIZABLE_FIELDS:
+            if name in body and body[name] not in _NEUTRAL.get(name, (None,)):
+                return False
+        return self.continuable
 
     @property
     def want_token_ids(self) -> bool:

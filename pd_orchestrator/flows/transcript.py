@@ -56,10 +56,15 @@ class Transcript:
         return [*self.prompt_ids, *self.generated]
 
     def adopt_identity(self, raw: Json) -> Identity:
-        """Take the client-visible id, time and model from the first answer seen."""
+        """Take the client-visible id, time and model from the first answer seen (a
+        chat client's id keeps vLLM's chat prefix when that answer is a completions
+        one: the prompt went as token ids)."""
         if self.identity is None:
+            response_id = str(raw.get("id") or f"pdo-{self.request.request_id}")
+            if self.request.kind == "chat" and response_id.startswith("cmpl-"):
+                response_id = f"chat{response_id}"
             self.identity = Identity(
-                response_id=str(raw.get("id") or f"pdo-{self.request.request_id}"),
+                response_id=response_id,
                 created=int(raw.get("created") or 0),
                 model=str(raw.get("model") or self.request.model),
             )

@@ -150,7 +150,8 @@ class CompletionPath:
         self, state: GatewayState, admitted: Admitted, candidates: tuple[Candidate, ...]
     ) -> Admitted:
         """``admitted`` with the prompt's token ids from a decoder, when the precise
-        prefix index wants them (``prefix.precise.tokenize``)."""
+        prefix index wants them (``prefix.precise.tokenize``), in its facts and its
+        request."""
         facts = admitted.facts
         if not state.prefix.needs_tokens(facts.fields):
             return admitted
@@ -164,6 +165,8 @@ class CompletionPath:
             facts.fields, request.body, chat=request.kind == "chat", legs=legs,
             endpoint=decoders[0],
         )  # fmt: skip
+        if fields.token_ids is not None:  # the flow may send them (ask-all: tokenize once)
+            request = replace(request, prompt_ids=fields.token_ids)
         return Admitted(request, replace(facts, fields=fields))
 
     def _flows(

@@ -50,6 +50,7 @@ from pd_orchestrator.openai.protocol import (
     parse_for,
     render_chat,
 )
+from pd_orchestrator.openai.tokenize import token_ids, tokenize_body
 from pd_orchestrator.policies.plugins import builtin_registry
 from pd_orchestrator.prefix.hashing import VllmBlockHasher
 from pd_orchestrator.prefix.index import IndexStats, PreciseIndex
@@ -213,7 +214,7 @@ class PrefixRuntime:
         precise = self.config.precise
         if precise is None or not self.needs_tokens(fields):
             return fields
-        request = self._tokenize_body(body, chat)
+        request = tokenize_body(body, chat=chat)
         if request is None:
             return fields
         with anyio.move_on_after(precise.tokenize_timeout):
@@ -222,24 +223,10 @@ class PrefixRuntime:
             except UpstreamError as exc:
                 logger.debug("tokenize on %s failed: %s", endpoint.name, exc)
                 return fields
-            tokens = _token_ids(answer.get("tokens"))
-            return fields if tokens is None else replace(fields, token_ids=tokens)
+            tokens = token_ids(answer)
+            return fields if tokens is None else replace(fields, token_ids=tuple(tokens))
         logger.debug("tokenize on %s timed out", endpoint.name)
         return fields
-
-    @staticmethod
-    def _tokenize_body(body: Mapping[str, Any], chat: bool) -> dict[str, Any] | None:
-        if chat:
-            if not isinstance(body.get("messages"), list):
-                return None
-            return {
-                "model": body.get("model"),
-                "messages": body["messages"],
-                "add_generation_prompt": body.get("add_generation_prompt", True),
-            }
-        if not isinstance(body.get("prompt"), str):
-            return None
-        return {"model": body.get("model"), "prompt": body["prompt"]}
 
     @staticmethod
     def observe(profile: Profile, request: RoutingRequest, served_by: Endpoint) -> None:

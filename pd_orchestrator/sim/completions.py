@@ -141,8 +141,10 @@ class Completions:
             ids = self.sim.tokenizer.encode(
                 render_chat(request.messages, request.add_generation_prompt)
             )
+            self.sim.engine.stats.tokenized_tokens += len(ids)
         elif isinstance(request.prompt, str):
             ids = self.sim.tokenizer.encode(request.prompt)
+            self.sim.engine.stats.tokenized_tokens += len(ids)
         else:
             ids = list(request.prompt)
             check_vocab(self.sim.tokenizer, ids)

@@ -240,6 +240,9 @@ class EngineStats:
     prompt_tokens: int = 0
     prefill_computed_tokens: int = 0
     generation_tokens: int = 0
+    tokenized_tokens: int = 0
+    """Prompt tokens the API server tokenized (text prompts, rendered chats,
+    ``/tokenize``); counted by the HTTP front, which does the tokenizing."""
     finished: dict[str, int] = field(default_factory=dict)
 
 

@@ -6,7 +6,9 @@ latency histograms are observed by the HTTP layer. Every metric carries the
 ``vllm:cache_threshold_rejections_total{phase}`` (``admission`` or ``preemption``,
 the same series the project's vLLM plugin exports) and
 ``vllm:prefill_tokens_computed_total`` (prompt tokens actually computed, i.e.
-not served from a cache).
+not served from a cache) and ``vllm:prompt_tokens_tokenized_total`` (prompt tokens the
+API server tokenized: text prompts, rendered chats and ``/tokenize``; a token-id
+prompt costs none).
 """
 
 from __future__ import annotations
@@ -69,6 +71,11 @@ class _EngineCollector(Collector):
             stats.prefill_computed_tokens,
         )
         yield self._counter("vllm:generation_tokens", "Tokens generated.", stats.generation_tokens)
+        yield self._counter(
+            "vllm:prompt_tokens_tokenized",
+            "Prompt tokens the API server tokenized.",
+            stats.tokenized_tokens,
+        )
         yield self._finished(stats.finished)
         yield self._rejections()
 

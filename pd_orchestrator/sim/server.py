@@ -282,6 +282,7 @@ class SimServer:
         else:
             raise HTTPFailure(400, "prompt: a string is required", "prompt")
         tokens = self.instance.tokenizer.encode(text)
+        self.instance.engine.stats.tokenized_tokens += len(tokens)
         return JSONResponse(
             {
                 "count": len(tokens),

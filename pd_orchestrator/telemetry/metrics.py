@@ -33,7 +33,9 @@
   by the policy (instance name, or ``client``) that set them and its reason;
 * ``pd_orchestrator_fanout_legs_total{outcome}``, ``pd_orchestrator_fanout_wasted_tokens_total``,
   ``pd_orchestrator_ask_all_total{outcome}``, ``pd_orchestrator_ask_all_asked`` (decoders
-  asked per request) and ``pd_orchestrator_ask_all_width_total{reason}`` -- the ask-all mode;
+  asked per request), ``pd_orchestrator_ask_all_width_total{reason}`` and
+  ``pd_orchestrator_ask_all_prompts_total{form}`` (how the prompt went to the asked
+  decoders) -- the ask-all mode;
 * ``pd_orchestrator_config_reloads_total{result}``;
 * ``process_*`` -- CPU, memory, open files and start time of the gateway's process.
 
@@ -193,6 +195,15 @@ class GatewayMetrics:
             "Ask-all requests by why they asked whom they asked (fixed; adaptive: likely, "
             "unknown, explore, cold, short, no-threshold).",
             ["reason"],
+            registry=r,
+        )
+        self.ask_all_prompts = Counter(
+            "pd_orchestrator_ask_all_prompts",
+            "Ask-all requests asking at least ask_all.tokenize_from decoders, by how the "
+            "prompt went to them: tokenized (one /tokenize, then token ids), reused (ids "
+            "the gateway had), failed (the /tokenize failed: text), text (a request that "
+            "keeps its text).",
+            ["form"],
             registry=r,
         )
         self.reloads = Counter(

@@ -329,12 +329,40 @@ async def test_ask_all_probes_are_their_own_legs() -> None:
         }
     )
     run = await _serve(
-        script, STREAM, tracing=True, attempt=Probe(AskAllConfig(), GatewayMetrics())
-    )
+        script, STREAM, tracing=True,
+        attempt=Probe(AskAllConfig(tokenize_from=None), GatewayMetrics()),
+    )  # fmt: skip
     counted = "pd_orchestrator_upstream_requests_total"
     assert run.sample(counted, upstream="d0", phase="probe", outcome="ok") == 1
     assert run.sample(counted, upstream="d1", phase="probe", outcome="ok") == 1
     assert sorted(s.name for s in run.spans if s.name == "probe") == ["probe", "probe"]
+
+
+async def test_tokenize_once_is_a_leg_and_every_asked_decoder_gets_the_ids() -> None:
+    """Ask-all over two decoders: one ``/tokenize`` on the first asked decoder (its own
+    leg, phase ``tokenize``), then both asked decoders get the ids on completions."""
+    script = Script(
+        {
+            "d0": [
+                _whole({"count": 4, "max_model_len": 64, "tokens": PROMPT_IDS}),
+                _stream(_completion_chunk([5, 6], "length", first=True)),
+            ],
+            "d1": [_stream(_completion_chunk([], "cache_threshold", first=True))],
+        }
+    )
+    metrics = GatewayMetrics()
+    run = await _serve(script, STREAM, tracing=True, attempt=Race(AskAllConfig(), metrics))
+    assert run.flow.decoder == D0 and run.flow.decision == "decode"
+    tokenize, attempt = script.bodies("d0")
+    assert tokenize == {"model": "m", "prompt": "hello"}
+    [other] = script.bodies("d1")
+    assert attempt["prompt"] == PROMPT_IDS and other["prompt"] == PROMPT_IDS
+    counted = "pd_orchestrator_upstream_requests_total"
+    assert run.sample(counted, upstream="d0", phase="tokenize", outcome="ok") == 1
+    form = metrics.registry.get_sample_value(
+        "pd_orchestrator_ask_all_prompts_total", {"form": "tokenized"}
+    )
+    assert form == 1
 
 
 async def test_a_leg_cancelled_while_it_connects_leaves_nothing_in_flight() -> None:
@@ -346,7 +374,7 @@ async def test_a_leg_cancelled_while_it_connects_leaves_nothing_in_flight() -> N
         {"d0": [_stream(_completion_chunk([5, 6], "length", first=True))], "d1": [never]}
     )
     fleet = (D0, D1, P0)
-    race = Race(AskAllConfig(), GatewayMetrics())
+    race = Race(AskAllConfig(tokenize_from=None), GatewayMetrics())
     run = await _serve(script, STREAM, fleet=fleet, attempt=race, tracing=True)
     assert run.flow.decoder == D0
     assert run.legs.fleet.status("d1").in_flight == 0  # the loser was still connecting

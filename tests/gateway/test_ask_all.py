@@ -240,3 +240,84 @@ async def test_a_stale_index_gets_a_rejection_then_pd_and_corrects_itself(
     assert (
         await _gateway(adaptive, "pd_orchestrator_fanout_legs_total", outcome="rejected") == after
     )
+
+
+# -- tokenize once ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def text_race(fleet: Fleet, module_gateways: GatewayFactory) -> Child:
+    return module_gateways(fleet.config(tokenize_from=None), name="text-race")
+
+
+TOKENIZED = "vllm:prompt_tokens_tokenized_total"
+
+
+async def _prefillers(fleet: Fleet, name: str) -> float:
+    total = 0.0
+    for prefiller in ("hp0", "ap0"):
+        total += _count(await metrics_text(fleet.sims[prefiller].url), name)
+    return total
+
+
+def _shape(answer: Any) -> Any:
+    """What must not change with the prompt's form: keys, object, id prefix."""
+    if answer.body is not None:
+        body = answer.body
+        choice = body["choices"][0]
+        message = sorted(choice.get("message", {}))
+        return sorted(body), body["object"], body["id"].split("-")[0], sorted(choice), message
+    objects = {chunk["object"] for chunk in answer.chunks}
+    ids = {chunk["id"].split("-")[0] for chunk in answer.chunks}
+    roles = sum(1 for c in answer.chunks for ch in c["choices"] if "role" in ch.get("delta", {}))
+    return objects, ids, roles
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+async def test_token_id_fan_out_answers_as_the_text_fan_out(
+    fleet: Fleet, race: Child, text_race: Child, kind: str, stream: bool
+) -> None:
+    """One ``/tokenize`` and token ids to the four asked decoders, the prefiller and the
+    decode leg: the decoders tokenize the prompt once in all (the text fan-out: once per
+    asked decoder, and again on the decode leg), the answer is the text fan-out's."""
+    tag = uuid.uuid4().hex
+    if kind == "chat":
+        body = _chat(tag, ["summarise the plan"])
+    else:
+        body = {"model": MODEL, "prompt": f"{tag} " + "a cold document. " * 12, "max_tokens": 16,
+                "ignore_eos": True}  # fmt: skip
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    before = await _decoders(fleet, TOKENIZED), await _prefillers(fleet, TOKENIZED)
+    by_ids = await call(race.url, kind, body)  # cold: every decoder rejects, then P/D
+    assert by_ids.status == 200 and by_ids.decision == "pd"
+    assert by_ids.usage is not None
+    prompt_tokens = by_ids.usage["prompt_tokens"]
+    after = await _decoders(fleet, TOKENIZED), await _prefillers(fleet, TOKENIZED)
+    assert after[0] - before[0] == prompt_tokens  # the one /tokenize
+    assert after[1] == before[1]  # the prefiller got ids too
+    by_text = await call(text_race.url, kind, body)  # warm now: admitted as text
+    assert by_text.status == 200 and by_text.decision == "decode"
+    assert await _decoders(fleet, TOKENIZED) - after[0] >= prompt_tokens
+    assert by_ids.text == by_text.text and by_ids.text
+    assert by_ids.finish_reason == by_text.finish_reason == "length"
+    assert by_text.usage is not None
+    assert by_ids.usage["prompt_tokens"] == by_text.usage["prompt_tokens"]
+    assert by_ids.usage["completion_tokens"] == by_text.usage["completion_tokens"] == 16
+    assert _shape(by_ids) == _shape(by_text)
+    form = await _gateway(race, "pd_orchestrator_ask_all_prompts_total", form="tokenized")
+    assert form >= 1
+
+
+async def test_a_request_that_must_keep_its_text_is_fanned_out_as_text(
+    fleet: Fleet, race: Child
+) -> None:
+    body = {"model": MODEL, "prompt": f"{uuid.uuid4().hex} echo me. " * 4, "max_tokens": 4,
+            "echo": True}  # fmt: skip
+    before = await _gateway(race, "pd_orchestrator_ask_all_prompts_total", form="text")
+    tokenized = await _decoders(fleet, TOKENIZED)
+    answer = await call(race.url, "completion", body)
+    assert answer.status == 200 and answer.usage is not None
+    after = await _gateway(race, "pd_orchestrator_ask_all_prompts_total", form="text")
+    assert after == before + 1
+    # each of the four asked decoders tokenized the text itself
+    assert await _decoders(fleet, TOKENIZED) - tokenized >= 4 * answer.usage["prompt_tokens"]
