@@ -84,7 +84,7 @@ def vllm_pair(
     vllm_python: Path, vllm_model: Path, vllm_kv_events: dict[str, str]
 ) -> Iterator[object]:
     """A prefiller (server default threshold 0.5) and a small-cache decoder (no default)
-    that publishes its KV events (``vllm_kv_events``)."""
+    that publishes its KV events (``vllm_kv_events``); both parse tool calls."""
     events = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
@@ -92,12 +92,20 @@ def vllm_pair(
         "replay_endpoint": vllm_kv_events["replay"],
         "topic": vllm_kv_events["topic"],
     }
+    # named tool choices need a tool-call parser (pythonic: the tiny model's tokenizer
+    # has none of the special tokens the others look for); without free whitespace a
+    # random model's constrained JSON ends within a few tokens
+    grammar = {"backend": "xgrammar", "disable_any_whitespace": True}
+    tools = (
+        "--enable-auto-tool-choice", "--tool-call-parser", "pythonic",
+        "--structured-outputs-config", json.dumps(grammar),
+    )  # fmt: skip
     config = pair_module.PairConfig(
         python=vllm_python,
         model=vllm_model,
         small_decoder=True,
-        prefiller_args=("--global-cache-hit-threshold", "0.5"),
-        decoder_args=("--kv-events-config", json.dumps(events)),
+        prefiller_args=("--global-cache-hit-threshold", "0.5", *tools),
+        decoder_args=("--kv-events-config", json.dumps(events), *tools),
     )
     with pair_module.VLLMPair(config) as pair:
         sys.stderr.write(

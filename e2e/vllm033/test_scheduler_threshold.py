@@ -141,6 +141,63 @@ def test_preempted_request_below_its_threshold_is_handed_back_with_its_tokens(
         assert len(loop.delivered[name]) == 40
 
 
+def test_an_admission_only_request_is_rejected_at_admission_never_at_preemption(
+    make_loop: Any,
+) -> None:
+    """The hand-back case above, admission-only: the victim is preempted the same way,
+    then resumes and recomputes as stock vLLM does, to its last token; a cold
+    admission-only request is still rejected at admission."""
+    loop = make_loop(num_blocks=22)
+    only = {"cache_hit_threshold": 0.95, "cache_hit_admission_only": True}
+    loop.add("cold", fresh_prompt(PROMPT_LEN), extra_args=only)
+    prompt = fresh_prompt(PROMPT_LEN)
+    warm(loop, prompt)
+    assert_rejected(loop, "cold", "admission")
+    loop.add("other-1", fresh_prompt(PROMPT_LEN), max_tokens=40)
+    loop.add("other-2", fresh_prompt(PROMPT_LEN), max_tokens=40)
+    victim = loop.add("victim", prompt, max_tokens=64, extra_args=only)
+    assert loop.step()["victim"] == PROMPT_LEN - 96
+    loop.run(steps=200, until=["victim", "other-1", "other-2"])
+    assert set(loop.preempted) == {"victim"}
+    finished = loop.finished["victim"]
+    assert finished.text_output.finish_reason == "length"
+    assert list(finished.text_output.token_ids) == list(victim.output_token_ids)
+    assert len(victim.output_token_ids) == 64
+    assert rejections(loop, "preemption") == 0.0
+
+
+@pytest.mark.parametrize(
+    ("request_cls", "body"),
+    [
+        (CompletionRequest, {"prompt": "x", "cache_hit_admission_only": True}),
+        (CompletionRequest, {"prompt": "x", "vllm_xargs": {"cache_hit_admission_only": "true"}}),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": "x"}], "cache_hit_admission_only": 1},
+        ),
+    ],
+    ids=["completions-body", "completions-xargs", "chat-body"],
+)
+def test_admission_only_reaches_the_engine_from_both_apis(request_cls: Any, body: Any) -> None:
+    params = openai_params(request_cls, body)
+    assert params.extra_args["cache_hit_admission_only"] is True
+
+
+def test_admission_only_false_is_no_setting() -> None:
+    params = openai_params(CompletionRequest, {"prompt": "x", "cache_hit_admission_only": False})
+    assert "cache_hit_admission_only" not in (params.extra_args or {})
+
+
+@pytest.mark.parametrize("value", [2, "yes", 0.5, [True]])
+def test_a_bad_admission_only_value_is_a_validation_error(value: object) -> None:
+    with pytest.raises(VLLMValidationError, match="cache_hit_admission_only"):
+        openai_params(CompletionRequest, {"prompt": "x", "cache_hit_admission_only": value})
+    with pytest.raises(VLLMValidationError, match=r"vllm_xargs\.cache_hit_admission_only"):
+        openai_params(
+            CompletionRequest, {"prompt": "x", "vllm_xargs": {"cache_hit_admission_only": value}}
+        )
+
+
 # --- metric ---------------------------------------------------------------------------
 
 
@@ -151,6 +208,13 @@ def rejections(loop: Loop, phase: str) -> float | None:
         "vllm:cache_threshold_rejections_total",
         {"model_name": model_name, "engine": "0", "phase": phase},
     )
+
+
+def test_the_plugin_says_it_takes_admission_only(make_loop: Any) -> None:
+    loop = make_loop()
+    model_name = loop.scheduler.vllm_config.model_config.served_model_name
+    labels = {"model_name": model_name, "engine": "0"}
+    assert REGISTRY.get_sample_value("vllm:cache_threshold_admission_only", labels) == 1.0
 
 
 def test_rejections_are_counted_by_phase(make_loop: Any) -> None:

@@ -84,6 +84,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="answer every request cache_threshold, whatever its threshold (a faulty decoder)",
     )
     add(
+        "--no-admission-only",
+        action="store_true",
+        help="an older threshold plugin: ignore cache_hit_admission_only (a preempted "
+        "request below its threshold is handed back) and do not export its gauge",
+    )
+    add(
         "--protocol-fault",
         choices=PROTOCOL_FAULTS,
         default=None,
@@ -137,6 +143,7 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
         response_delay=args.response_delay,
         health_delay=args.health_delay,
         always_reject=args.always_reject,
+        admission_only=not args.no_admission_only,
         protocol_fault=args.protocol_fault,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,

@@ -58,8 +58,10 @@ _PREFIX_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_que
 _PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
 _HIT_RATE_GAUGE = ("vllm:gpu_prefix_cache_hit_rate",)
 _PREEMPTIONS = ("vllm:num_preemptions_total",)
+_ADMISSION_ONLY = ("vllm:cache_threshold_admission_only",)
 _WANTED = frozenset(
     [
+        *_ADMISSION_ONLY,
         *_RUNNING,
         *_WAITING,
         *_KV_USAGE,
@@ -86,6 +88,8 @@ class MetricsReading:
     ``kv_usage`` is the mean over label sets (one per engine of a data-parallel
     server), clamped to [0, 1]; counters are cumulative; ``prefix_hit_rate_gauge``
     is the hit-rate gauge older vLLM servers export. None: series absent.
+    ``admission_only``: the threshold plugin's gauge says it honours
+    ``cache_hit_admission_only``.
     """
 
     running: float
@@ -95,6 +99,7 @@ class MetricsReading:
     prefix_hits: float | None = None
     prefix_hit_rate_gauge: float | None = None
     preemptions: float | None = None
+    admission_only: bool = False
 
 
 def _samples(text: str) -> list[tuple[str, str | None, float]]:
@@ -168,6 +173,7 @@ def parse_metrics(text: str, model: str | None = None) -> MetricsReading:
         prefix_hits=_sum(values, _PREFIX_HITS),
         prefix_hit_rate_gauge=None if gauge is None else _ratio(gauge[0]),
         preemptions=_sum(values, _PREEMPTIONS),
+        admission_only=bool(_sum(values, _ADMISSION_ONLY)),
     )
 
 
@@ -212,6 +218,7 @@ def load_snapshot(
         prefix_hit_rate=_hit_rate(reading, previous),
         preemptions=round(preempted),
         prefix_queries=reading.prefix_queries,
+        admission_only=reading.admission_only,
     )
 
 

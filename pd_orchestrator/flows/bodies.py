@@ -32,15 +32,24 @@ def _streaming(body: Json, stream: bool, client_options: Any) -> None:
     body["stream_options"] = options
 
 
-def leg_body(request: ClientRequest, threshold: float, *, stream: bool | None = None) -> Json:
+def leg_body(
+    request: ClientRequest,
+    threshold: float,
+    *,
+    stream: bool | None = None,
+    admission_only: bool = False,
+) -> Json:
     """The client's body as a decoder leg sends it.
 
-    Adds the threshold and ``return_token_ids`` (the gateway tracks every token to
-    hand a preempted request back). ``stream`` (default: as the client asked) says
-    whether the leg streams; a streamed leg always asks for usage.
+    Adds the threshold (``admission_only``: applied at admission only, as
+    ``cache_hit_admission_only``) and ``return_token_ids`` (the gateway tracks every
+    token to hand a preempted request back). ``stream`` (default: as the client
+    asked) says whether the leg streams; a streamed leg always asks for usage.
     """
     body = dict(request.body)
     body["cache_hit_threshold"] = threshold
+    if admission_only:
+        body["cache_hit_admission_only"] = True
     body["return_token_ids"] = True
     _streaming(body, request.stream if stream is None else stream, body.get("stream_options"))
     return body
@@ -98,9 +107,12 @@ class Route:
             return cls(request.path, request.kind)
         return cls(COMPLETIONS, "completion", ids)
 
-    def body(self, request: ClientRequest, threshold: float, *, stream: bool) -> Json:
+    def body(
+        self, request: ClientRequest, threshold: float, *, stream: bool, admission_only: bool
+    ) -> Json:
         """A decoder leg's body for the original prompt (:func:`leg_body`, or
-        :func:`continuation_body` of no generated token)."""
+        :func:`continuation_body` of no generated token: only a continuable request,
+        which is never admission-only, goes as ids)."""
         if self.ids is None:
-            return leg_body(request, threshold, stream=stream)
+            return leg_body(request, threshold, stream=stream, admission_only=admission_only)
         return continuation_body(request, self.ids, 0, threshold, stream=stream)

@@ -238,14 +238,18 @@ class Flow:
         if route is None:
             ids = await self.attempt.prompt_ids(request, plan, self.legs)
             route = self.route = Route.of(request, ids)
-        body = route.body(request, plan.threshold.value, stream=self.stream_legs)
+        threshold = plan.threshold
+        body = route.body(
+            request, threshold.value, stream=self.stream_legs,
+            admission_only=threshold.admission_only,
+        )  # fmt: skip
         attempted = await self.attempt.run(route, plan, self.legs, body)
         self._phase("decode_attempt", started)
         self.decoder = attempted.decoder
         self.rejected = attempted.rejected
         if attempted.leg is not None:
             return attempted.leg
-        base = route.body(request, 0.0, stream=self.stream_legs)
+        base = route.body(request, 0.0, stream=self.stream_legs, admission_only=False)
         if attempted.local:
             leg = await self._local(base, route.path, route.kind, original_prompt=True)
         else:

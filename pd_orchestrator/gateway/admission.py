@@ -4,7 +4,8 @@
 decodes it (400 unless a JSON object), checks it against the limits
 (:func:`~pd_orchestrator.gateway.limits.check_json`: depth, messages, token ids),
 refuses the KV-transfer fields a client may not set (400, see
-:func:`refuse_transfer_fields`), parses it into its typed view (400 naming the
+:func:`refuse_transfer_fields`) and the fields only the gateway sets (400, see
+:func:`refuse_gateway_fields`), parses it into its typed view (400 naming the
 field), checks ``n`` times the body's size (400, ``limits.max_n_body_bytes``), checks
 the model (404) and, in sidecar mode, the prefillers and the KV
 source a request names in its headers (403 unless allow-listed), and returns the
@@ -38,6 +39,7 @@ from pd_orchestrator.planner.plan import RequestFacts
 from pd_orchestrator.routing.types import PrefixFields
 
 __all__ = [
+    "GATEWAY_FIELDS",
     "TRANSFER_FIELDS",
     "TRANSFER_XARGS",
     "Admitted",
@@ -45,6 +47,7 @@ __all__ = [
     "admit",
     "header_map",
     "json_object",
+    "refuse_gateway_fields",
     "refuse_transfer_fields",
     "request_id_of",
 ]
@@ -58,6 +61,11 @@ TRANSFER_XARGS = ("kv_transfer_params", "ec_transfer_params", "kv_cache_report_m
 """Keys of ``vllm_xargs`` that vLLM reads as the same (``Request`` takes both
 transfer params and the KV-event report mode from the sampling params' extra args)."""
 _NOT_YOURS = "`{}` may not be set by a client: the gateway sets the KV transfer"
+GATEWAY_FIELDS = ("cache_hit_admission_only",)
+"""Fields (in the body or ``vllm_xargs``) only the gateway sets: whether a decoder
+may hand a request back is the gateway's decision (it knows what a continuation can
+carry)."""
+_GATEWAYS = "`{}` may not be set by a client: the gateway sets it"
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +117,18 @@ def refuse_transfer_fields(body: dict[str, Any]) -> None:
                 raise GatewayError(400, _NOT_YOURS.format(param), param)
 
 
+def refuse_gateway_fields(body: dict[str, Any]) -> None:
+    """400 when a client body sets a field only the gateway sets (see
+    :data:`GATEWAY_FIELDS`); a null value is no setting and passes."""
+    xargs = body.get("vllm_xargs")
+    for name in GATEWAY_FIELDS:
+        if body.get(name) is not None:
+            raise GatewayError(400, _GATEWAYS.format(name), name)
+        if type(xargs) is dict and xargs.get(name) is not None:
+            param = f"vllm_xargs.{name}"
+            raise GatewayError(400, _GATEWAYS.format(param), param)
+
+
 def admit(
     state: GatewayState,
     kind: Kind,
@@ -124,6 +144,7 @@ def admit(
     check_json(body, config.limits, kind)
     if not config.security.trust_client_transfer_params:
         refuse_transfer_fields(body)
+    refuse_gateway_fields(body)
     try:
         view = parse_for(kind, body)
     except RequestError as exc:

@@ -70,6 +70,8 @@ class CompletionPath:
         self.drain = drain
         self._ids = ids
         self._ordinals = itertools.count()
+        self._told: set[str] = set()
+        """Decoders named in the log as taking no admission-only threshold."""
 
     async def serve(
         self, state: GatewayState, own_keys: bool, scope: Scope, receive: Receive, send: Send,
@@ -144,7 +146,30 @@ class CompletionPath:
         except NoCandidateError as exc:
             raise GatewayError(503, str(exc)) from None
         self.metrics.record_threshold(plan.threshold)
+        if not admitted.facts.continuable:
+            self._constrained(plan, candidates)
         return admitted, plan
+
+    def _constrained(self, plan: Plan, candidates: tuple[Candidate, ...]) -> None:
+        """Count a request a continuation cannot honour by how its threshold went; name
+        once each decoder that made it zero (its plugin takes no admission-only)."""
+        admission_only = plan.threshold.admission_only
+        self.metrics.constrained.labels("admission-only" if admission_only else "zero").inc()
+        if admission_only:
+            return
+        for candidate in candidates:
+            name = candidate.endpoint.name
+            load = candidate.load
+            if not candidate.endpoint.role.decodes or name in self._told:
+                continue
+            if load is not None and not load.admission_only:
+                self._told.add(name)
+                logger.warning(
+                    "decoder %s does not take cache_hit_admission_only (an older threshold "
+                    "plugin): requests with tools, structured outputs or logprobs that may "
+                    "go to it are sent with threshold 0",
+                    name,
+                )
 
     async def _tokenized(
         self, state: GatewayState, admitted: Admitted, candidates: tuple[Candidate, ...]

@@ -22,7 +22,9 @@ class LoadSnapshot:
     time of the reading on the caller's clock (the one requests carry as ``now``).
     ``prefix_queries``: the prompt tokens the server has looked up in its prefix
     cache since it started (None: not exported); 0 means its cache holds nothing,
-    and a drop means it restarted.
+    and a drop means it restarted. ``admission_only``: the server's threshold plugin
+    honours ``cache_hit_admission_only`` (it exports
+    ``vllm:cache_threshold_admission_only``).
     """
 
     running: int
@@ -32,6 +34,7 @@ class LoadSnapshot:
     prefix_hit_rate: float | None = None
     preemptions: int = 0
     prefix_queries: float | None = None
+    admission_only: bool = False
 
     def __post_init__(self) -> None:
         if self.running < 0 or self.waiting < 0 or self.preemptions < 0:

@@ -63,6 +63,20 @@ class _CommonRequest(_Model):
     return_token_ids: bool = False
     kv_transfer_params: dict[str, Any] | None = None
     cache_hit_threshold: Threshold | None = None
+    cache_hit_admission_only: bool | None = None
+    """The threshold applies at admission only (a preempted request is recomputed,
+    never handed back); true or false (0, 1, "true", "false" as vLLM's plugin takes)."""
+
+    @field_validator("cache_hit_admission_only", mode="before")
+    @classmethod
+    def _flag(cls, value: Any) -> Any:
+        if value is None or isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ValueError("must be true or false")
 
     @field_validator("n")
     @classmethod

@@ -74,7 +74,8 @@ the decoder alone). Admitted wherever it goes, whatever its own threshold."""
 
 NOT_CONTINUABLE = ThresholdDecision(0.0, "gateway", "not-continuable")
 """The decision for a request a continuation could not honour (see
-:attr:`RequestFacts.continuable`): admitted wherever it goes, never handed back."""
+:attr:`RequestFacts.continuable`) when a decoder it may go to cannot take it
+admission-only (an older plugin): admitted wherever it goes, never handed back."""
 
 Width = Literal["all", "adaptive"] | int
 _PRIOR = PromptLengthEstimator(calibrate=False)
@@ -96,7 +97,9 @@ class RequestFacts:
     itself (None: the prefill profile ranks them; empty: it names none, and is served
     by its decoder alone). ``continuable``: a continuation
     would honour the request (no tools, structured outputs or logprobs); one that is
-    not gets threshold 0, so that no decoder rejects it or hands it back.
+    not gets the policy's threshold admission-only (a cold one goes P/D, a decoder
+    never hands it back) when every decoder it may be asked on says it honours that
+    (:attr:`~pd_orchestrator.model.load.LoadSnapshot.admission_only`), else threshold 0.
     """
 
     model: str
@@ -298,7 +301,9 @@ class Planner:
         )
         tokens = self._prompt_tokens(facts)
         decoder = ranking.pick.candidate
-        threshold = self._threshold(facts, decoder, prefillers, prefillers_in, now, tokens)
+        threshold = self._threshold(
+            facts, decoder, decoders_in, prefillers, prefillers_in, now, tokens
+        )
         width = self._adaptive(routing, decoders, candidates, threshold.value)
         return Plan(
             decoders=decoders,
@@ -343,6 +348,7 @@ class Planner:
         self,
         facts: RequestFacts,
         decoder: Candidate,
+        decoders: tuple[Candidate, ...],
         prefillers: PrefillRanking,
         candidates: tuple[Candidate, ...],
         now: float,
@@ -351,7 +357,7 @@ class Planner:
         resolver = self.threshold
         if resolver is None:
             return DECODE_ONLY
-        if not facts.continuable:
+        if not facts.continuable and not self._admission_only(decoder, decoders):
             return NOT_CONTINUABLE
         if facts.prefillers == () or (facts.prefillers is None and not candidates):
             return NO_PREFILLER
@@ -367,7 +373,14 @@ class Planner:
             client_threshold=facts.client_threshold,
             now=now,
         )
-        return resolver.decide(context)
+        decision = resolver.decide(context)
+        return decision if facts.continuable else replace(decision, admission_only=True)
+
+    def _admission_only(self, decoder: Candidate, decoders: tuple[Candidate, ...]) -> bool:
+        """Whether every decoder the request may be asked on takes a threshold at
+        admission only: decode-first's pick; ask-all's every healthy decoder."""
+        asked = (decoder,) if self.width is None else (decoder, *decoders)
+        return all(c.load is not None and c.load.admission_only for c in asked if c.healthy)
 
     def learn(self, plan: Plan, facts: RequestFacts, served: Served) -> None:
         """Feed a finished request back: the decode profile's learning plugins see

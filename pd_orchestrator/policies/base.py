@@ -92,11 +92,14 @@ class ThresholdContext:
 @dataclass(frozen=True, slots=True)
 class ThresholdDecision:
     """A threshold in [0, 1], the policy (instance name) that set it and a short,
-    stable reason usable as a metric label (``fixed``, ``decoder-busy``...)."""
+    stable reason usable as a metric label (``fixed``, ``decoder-busy``...).
+    ``admission_only``: the decoder applies it at admission only (it never hands the
+    request back; set by the planner for requests a continuation cannot honour)."""
 
     value: float
     policy: str
     reason: str
+    admission_only: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.value <= 1.0:

@@ -185,6 +185,7 @@ class Completions:
             prompt_token_ids=job.prompt_ids,
             sampling=self._sampling(job),
             cache_hit_threshold=job.request.cache_hit_threshold,
+            admission_only=self.sim.options.admission_only and _admission_only(job.request),
             do_remote_decode=bool(params.get("do_remote_decode")),
             external_tokens=external,
             force_reject=forced,
@@ -359,3 +360,13 @@ def _extras(request: OpenAIRequest) -> BlockExtras | None:
     """The request's ``cache_salt`` (a vLLM extension field) as block-hash extras."""
     salt = (request.model_extra or {}).get("cache_salt")
     return BlockExtras(cache_salt=salt) if isinstance(salt, str) and salt else None
+
+
+def _admission_only(request: OpenAIRequest) -> bool:
+    """The request's ``cache_hit_admission_only``: the body's (validated by the
+    protocol model), else ``vllm_xargs``' (true, 1 or "true", as the plugin reads it)."""
+    if request.cache_hit_admission_only is not None:
+        return request.cache_hit_admission_only
+    xargs = (request.model_extra or {}).get("vllm_xargs")
+    value = xargs.get("cache_hit_admission_only") if isinstance(xargs, dict) else None
+    return value is True or value == 1 or (isinstance(value, str) and value.lower() == "true")

@@ -18,7 +18,8 @@ Scheduling follows vLLM's v1 scheduler:
    (capped at ``num_tokens - 1``); external hit = tokens the KV connector can load
    beyond it. The cache-hit threshold (RFC 24256) is checked here, before any
    allocation: ``(local + external) / num_tokens < threshold`` finishes the request
-   with ``cache_threshold`` (a resumed request returns what it generated so far).
+   with ``cache_threshold`` (a resumed request returns what it generated so far; an
+admission-only request is checked on admission only, and recomputed on resumption).
    The check runs at every admission attempt: a request blocked on memory is
    checked again next step. A request that then does not fit stays waiting.
 3. Scheduled tokens are computed; newly full blocks enter the prefix cache (decode
@@ -112,6 +113,7 @@ class EngineRequest:
     prompt_token_ids: Sequence[int]
     sampling: SamplingSpec
     cache_hit_threshold: float | None = None
+    admission_only: bool = False
     do_remote_decode: bool = False
     external_tokens: int = 0
     force_reject: bool = False
@@ -516,12 +518,15 @@ class Engine:
         spec = req.spec
         if spec.do_remote_decode:
             return False
+        resumed = req.status is _Status.PREEMPTED
+        if resumed and spec.admission_only:
+            return False  # recomputed where it is, as stock vLLM does
         if spec.force_reject:
             return True
         threshold = spec.cache_hit_threshold
         if threshold is None:
             threshold = self.config.global_cache_hit_threshold
-        if req.status is _Status.PREEMPTED and threshold <= 0.0:
+        if resumed and threshold <= 0.0:
             return False
         return threshold > 0.0 and hit_ratio(hit, num_tokens) < threshold
 

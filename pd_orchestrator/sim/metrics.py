@@ -6,7 +6,9 @@ latency histograms are observed by the HTTP layer. Every metric carries the
 ``vllm:cache_threshold_rejections_total{phase}`` (``admission`` or ``preemption``,
 the same series the project's vLLM plugin exports) and
 ``vllm:prefill_tokens_computed_total`` (prompt tokens actually computed, i.e.
-not served from a cache) and ``vllm:prompt_tokens_tokenized_total`` (prompt tokens the
+not served from a cache), ``vllm:cache_threshold_admission_only`` (1: the
+plugin honours ``cache_hit_admission_only``, as the project's plugin exports it) and
+``vllm:prompt_tokens_tokenized_total`` (prompt tokens the
 API server tokenized: text prompts, rendered chats and ``/tokenize``; a token-id
 prompt costs none).
 """
@@ -30,9 +32,10 @@ _LATENCY_BUCKETS = (
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: Engine, labels: dict[str, str]) -> None:
+    def __init__(self, engine: Engine, labels: dict[str, str], admission_only: bool) -> None:
         self.engine = engine
         self.labels = labels
+        self.admission_only = admission_only
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name, doc, labels=list(self.labels))
@@ -78,6 +81,12 @@ class _EngineCollector(Collector):
         )
         yield self._finished(stats.finished)
         yield self._rejections()
+        if self.admission_only:
+            yield self._gauge(
+                "vllm:cache_threshold_admission_only",
+                "1: the threshold plugin honours cache_hit_admission_only.",
+                1.0,
+            )
 
     def _finished(self, finished: dict[str, int]) -> CounterMetricFamily:
         family = CounterMetricFamily(
@@ -105,10 +114,12 @@ class _EngineCollector(Collector):
 class SimMetrics:
     """A registry per simulated instance (never the process-global one)."""
 
-    def __init__(self, engine: Engine, model: str, engine_id: str) -> None:
+    def __init__(
+        self, engine: Engine, model: str, engine_id: str, *, admission_only: bool = True
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         labels = {"model_name": model, "engine": engine_id}
-        self.registry.register(_EngineCollector(engine, labels))
+        self.registry.register(_EngineCollector(engine, labels, admission_only))
         names = list(labels)
         self._values = list(labels.values())
         self.ttft = Histogram(

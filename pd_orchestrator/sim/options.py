@@ -42,6 +42,9 @@ class SimOptions:
     (0: produced KV is gone before any consumer can pull it), ``always_reject``
     (``cache_threshold`` for every request, whatever its threshold) and
     ``protocol_fault`` (answers no vLLM would send: :mod:`pd_orchestrator.sim.faults`).
+    ``admission_only`` (default on): the simulated plugin honours
+    ``cache_hit_admission_only`` and says so (``vllm:cache_threshold_admission_only``);
+    off, it is an older plugin that ignores the field and exports no such gauge.
     """
 
     host: str = "127.0.0.1"
@@ -71,6 +74,7 @@ class SimOptions:
     health_delay: float = 0.0
     fault_seed: int | None = None
     always_reject: bool = False
+    admission_only: bool = True
     protocol_fault: ProtocolFault | None = None
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None

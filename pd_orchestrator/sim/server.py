@@ -24,7 +24,9 @@ Test hooks (as llm-d's inference simulator has them):
   ``--health-delay`` each ``/health`` answer (a slow or busy server);
 * ``--lease-seconds 0``: produced KV expires before a consumer can pull it;
 * ``--always-reject`` answers every request ``cache_threshold``, even at threshold 0,
-  and ``--protocol-fault`` sends answers no vLLM would (:mod:`pd_orchestrator.sim.faults`).
+  and ``--protocol-fault`` sends answers no vLLM would (:mod:`pd_orchestrator.sim.faults`);
+* ``--no-admission-only`` is an older threshold plugin: ``cache_hit_admission_only``
+  is ignored and ``vllm:cache_threshold_admission_only`` not exported.
 """
 
 from __future__ import annotations
@@ -176,7 +178,7 @@ class SimServer:
             connectors=connector_names(options.kv_connector),
             engine=engine,
             runner=runner,
-            metrics=SimMetrics(engine, model, engine_id),
+            metrics=SimMetrics(engine, model, engine_id, admission_only=options.admission_only),
         )
         fault_seed = options.seed if options.fault_seed is None else options.fault_seed
         self.completions = Completions(self.instance, random.Random(fault_seed))

@@ -29,6 +29,8 @@
   rotation by outlier detection (:meth:`GatewayMetrics.count_ejection`);
 * ``pd_orchestrator_in_flight_requests``;
 * ``pd_orchestrator_threshold`` -- thresholds applied to decode attempts;
+* ``pd_orchestrator_constrained_requests_total{threshold}`` -- requests with tools,
+  structured outputs or logprobs: sent ``admission-only`` or with ``zero``;
 * ``pd_orchestrator_threshold_decisions_total{policy,reason}`` -- threshold decisions
   by the policy (instance name, or ``client``) that set them and its reason;
 * ``pd_orchestrator_fanout_legs_total{outcome}``, ``pd_orchestrator_fanout_wasted_tokens_total``,
@@ -204,6 +206,14 @@ class GatewayMetrics:
             "the gateway had), failed (the /tokenize failed: text), text (a request that "
             "keeps its text).",
             ["form"],
+            registry=r,
+        )
+        self.constrained = Counter(
+            "pd_orchestrator_constrained_requests",
+            "Requests a continuation cannot honour (tools, structured outputs, logprobs), "
+            "by how their threshold went: admission-only (the policy's, never handed "
+            "back) or zero (a decoder they may go to cannot take admission-only).",
+            ["threshold"],
             registry=r,
         )
         self.reloads = Counter(

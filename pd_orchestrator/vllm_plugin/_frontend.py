@@ -10,7 +10,9 @@ the original:
   ``additional_config["cache_hit_threshold"]``, which reaches the engine process.
 * ``CompletionRequest.to_sampling_params`` / ``ChatCompletionRequest.to_sampling_params``:
   copy the body's ``cache_hit_threshold`` (or ``vllm_xargs.cache_hit_threshold``)
-  into ``SamplingParams.extra_args``; a value outside ``[0, 1]`` is a 400.
+  into ``SamplingParams.extra_args``; a value outside ``[0, 1]`` is a 400. The same
+  for ``cache_hit_admission_only`` (true or false; anything else is a 400), stored
+  only when true.
 * ``RequestState._new_completion_output``: an output the scheduler finished with a
   ``cache_threshold:<phase>`` stop reason gets ``finish_reason = "cache_threshold"``
   and no stop reason.
@@ -26,7 +28,9 @@ the original:
 * ``PrometheusStatLogger.__init__`` / ``.record``: the counter
   ``vllm:cache_threshold_rejections_total{model_name, engine, phase}``, created
   after vLLM has cleared its own ``vllm:`` collectors and incremented from the
-  finished-request stats of the engine that finished the request.
+  finished-request stats of the engine that finished the request; and the gauge
+  ``vllm:cache_threshold_admission_only{model_name, engine}`` = 1, which tells a
+  gateway scraping ``/metrics`` that this plugin honours ``cache_hit_admission_only``.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from typing import Any
 
 from pd_orchestrator.vllm_plugin._contract import check_markers
 from pd_orchestrator.vllm_plugin.policy import (
+    ADMISSION_ONLY_KEY,
     EXTRA_ARGS_KEY,
     FINISH_REASON,
     InvalidThresholdError,
@@ -50,14 +55,16 @@ from pd_orchestrator.vllm_plugin.policy import (
     PluginContractError,
     parse_threshold,
     phase_of_stop_reason,
+    request_admission_only,
     request_threshold,
     with_flag_threshold,
 )
 from pd_orchestrator.vllm_plugin.versions import VLLMHook
 
-__all__ = ["METRIC_NAME", "install"]
+__all__ = ["ADMISSION_ONLY_METRIC", "METRIC_NAME", "install"]
 
 METRIC_NAME = "vllm:cache_threshold_rejections"
+ADMISSION_ONLY_METRIC = "vllm:cache_threshold_admission_only"
 _FLAG = "--global-cache-hit-threshold"
 _MAX_NOTED = 4096
 
@@ -134,26 +141,37 @@ def _wrap_to_sampling_params(request_cls: Any) -> None:
     @functools.wraps(original)
     def to_sampling_params(self: Any, *args: Any, **kwargs: Any) -> Any:
         params = original(self, *args, **kwargs)
-        try:
-            value = request_threshold(self.model_extra, params.extra_args)
-        except InvalidThresholdError as exc:
-            from vllm.exceptions import VLLMValidationError
+        extra: dict[str, Any] = {}
+        for key, read in _REQUEST_FIELDS:
+            try:
+                value = read(self.model_extra, params.extra_args)
+            except InvalidThresholdError as exc:
+                from vllm.exceptions import VLLMValidationError
 
-            raise VLLMValidationError(
-                str(exc), parameter=EXTRA_ARGS_KEY, value=_raw_threshold(self, params)
-            ) from None
-        if value is not None:
-            params.extra_args = {**(params.extra_args or {}), EXTRA_ARGS_KEY: value}
+                raise VLLMValidationError(
+                    str(exc), parameter=key, value=_raw_value(self, params, key)
+                ) from None
+            if value is not None and value is not False:
+                extra[key] = value
+        if extra:
+            params.extra_args = {**(params.extra_args or {}), **extra}
         return params
 
     request_cls.to_sampling_params = _mark(to_sampling_params)
 
 
-def _raw_threshold(request: Any, params: Any) -> object:
+_REQUEST_FIELDS: tuple[tuple[str, Callable[[Any, Any], object]], ...] = (
+    (EXTRA_ARGS_KEY, request_threshold),
+    (ADMISSION_ONLY_KEY, request_admission_only),
+)
+"""The plugin's request fields, each with its reader (body first, then ``vllm_xargs``)."""
+
+
+def _raw_value(request: Any, params: Any, key: str) -> object:
     extra = request.model_extra or {}
-    if extra.get(EXTRA_ARGS_KEY) is not None:
-        return extra[EXTRA_ARGS_KEY]
-    return (params.extra_args or {}).get(EXTRA_ARGS_KEY)
+    if extra.get(key) is not None:
+        return extra[key]
+    return (params.extra_args or {}).get(key)
 
 
 def _install_request_fields() -> None:
@@ -398,7 +416,7 @@ def _install_streams(hook: VLLMHook) -> None:
 
 
 def _install_metrics() -> None:
-    from prometheus_client import REGISTRY, Counter
+    from prometheus_client import REGISTRY, Counter, Gauge
     from vllm.v1.metrics.loggers import PrometheusStatLogger
 
     init_original = PrometheusStatLogger.__init__
@@ -413,8 +431,16 @@ def _install_metrics() -> None:
         # vLLM has just unregistered every "vllm:" collector; a second logger in the
         # same process (tests) may still find ours registered.
         for collector in list(REGISTRY._collector_to_names):
-            if getattr(collector, "_name", None) == METRIC_NAME:
+            if getattr(collector, "_name", None) in (METRIC_NAME, ADMISSION_ONLY_METRIC):
                 REGISTRY.unregister(collector)
+        supported = Gauge(
+            ADMISSION_ONLY_METRIC,
+            "1: this server's cache-hit threshold plugin honours cache_hit_admission_only "
+            "(checked at admission only, never at preemption).",
+            labelnames=["model_name", "engine"],
+        )
+        for values in self.per_engine_labelvalues.values():
+            supported.labels(*[str(v) for v in values]).set(1)
         counter = Counter(
             METRIC_NAME,
             "Requests finished with finish_reason cache_threshold, by phase "

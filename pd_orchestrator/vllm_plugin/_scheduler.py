@@ -29,7 +29,9 @@ How it hooks in (vLLM 0.32 and 0.33; :mod:`.versions` has what differs):
 * Preemption: ``_preempt_request`` puts the request back in ``waiting`` with
   ``num_computed_tokens = 0`` and status ``PREEMPTED``, so resuming goes through
   the same hook, with prompt + output tokens as the denominator. The output tokens
-  already produced stay with the request and are returned with the rejection.
+  already produced stay with the request and are returned with the rejection. A
+  request sent admission-only (``cache_hit_admission_only``) is never rejected
+  there: it resumes as stock vLLM resumes it, recomputing what it lost.
 
 Semantics: the check runs at every scheduling attempt of a request that has
 nothing computed yet (as the project's simulator does), so a request that waits
@@ -48,6 +50,7 @@ from vllm.v1.request import RequestStatus
 
 from pd_orchestrator.vllm_plugin._contract import check_markers, resolve
 from pd_orchestrator.vllm_plugin.policy import (
+    ADMISSION_ONLY_KEY,
     EXTRA_ARGS_KEY,
     InvalidThresholdError,
     Phase,
@@ -95,11 +98,14 @@ class ThresholdGate:
         )
 
     def rejects(self, request: Any, num_cached_tokens: int) -> bool:
-        """Whether ``request`` (nothing computed yet) is below its threshold; records it."""
+        """Whether ``request`` (nothing computed yet) is below its threshold; records it.
+        A preempted admission-only request is never rejected."""
+        resumed = request.status == RequestStatus.PREEMPTED
+        if resumed and _admission_only(request):
+            return False
         threshold = self.threshold_for(request)
         if not below_threshold(num_cached_tokens, request.num_tokens, threshold):
             return False
-        resumed = request.status == RequestStatus.PREEMPTED
         self._rejected[request.request_id] = Phase.PREEMPTION if resumed else Phase.ADMISSION
         _log.debug(
             "request %s rejected (%s): %d/%d cached, threshold %.3f",
@@ -115,6 +121,12 @@ class ThresholdGate:
         """The requests recorded since the last call."""
         rejected, self._rejected = self._rejected, {}
         return rejected
+
+
+def _admission_only(request: Any) -> bool:
+    """Whether the front end marked ``request`` admission-only (it validated the value)."""
+    extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
+    return extra.get(ADMISSION_ONLY_KEY) is True
 
 
 def _finish_rejected(scheduler: Any) -> None:

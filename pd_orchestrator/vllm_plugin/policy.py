@@ -15,6 +15,11 @@ Contracts:
   the prompt (prompt + output tokens for a preempted request being resumed). An
   empty sequence counts as fully cached (ratio 1.0): there is nothing to compute.
 * A request is rejected when ``threshold > 0`` and ``ratio < threshold``.
+* Admission only: a request that sets ``cache_hit_admission_only`` true (the body or
+  ``vllm_xargs``) is checked when first admitted only; once admitted, a preempted
+  request is recomputed as stock vLLM does and never rejected (handed back). The
+  gateway sets it on requests a continuation could not honour (tools, structured
+  outputs, logprobs).
 * Only full blocks are cached, and vLLM always recomputes the last token, so the
   best reachable ratio is ``floor((n - 1) / block_size) * block_size / n``
   (:func:`max_hit_ratio`): a threshold above it rejects even a fully warm prompt.
@@ -28,6 +33,7 @@ from collections.abc import Mapping
 
 __all__ = [
     "ADDITIONAL_CONFIG_KEY",
+    "ADMISSION_ONLY_KEY",
     "ENV_GLOBAL_THRESHOLD",
     "EXTRA_ARGS_KEY",
     "FINISH_REASON",
@@ -40,8 +46,10 @@ __all__ = [
     "hit_ratio",
     "is_remote_decode_prefill",
     "max_hit_ratio",
+    "parse_flag",
     "parse_threshold",
     "phase_of_stop_reason",
+    "request_admission_only",
     "request_threshold",
     "resolve_threshold",
     "stop_reason_for",
@@ -53,6 +61,9 @@ FINISH_REASON = "cache_threshold"
 
 #: Key of the request field, and of its copy in ``SamplingParams.extra_args``.
 EXTRA_ARGS_KEY = "cache_hit_threshold"
+
+#: Key of the admission-only request field, and of its copy in ``SamplingParams.extra_args``.
+ADMISSION_ONLY_KEY = "cache_hit_admission_only"
 
 #: Environment variable holding the server-wide default threshold.
 ENV_GLOBAL_THRESHOLD = "PDO_GLOBAL_CACHE_HIT_THRESHOLD"
@@ -72,7 +83,8 @@ class PluginContractError(RuntimeError):
 
 
 class InvalidThresholdError(ValueError):
-    """A threshold that is not a number within ``[0, 1]``."""
+    """A threshold that is not a number within ``[0, 1]``, or a flag that is not a
+    boolean."""
 
 
 class Phase(enum.StrEnum):
@@ -106,6 +118,25 @@ def parse_threshold(value: object, source: str) -> float | None:
     if math.isnan(number) or not 0.0 <= number <= 1.0:
         raise InvalidThresholdError(f"{source} must be within [0, 1], got {value!r}")
     return number
+
+
+_FLAG_WORDS = {"true": True, "false": False}
+
+
+def parse_flag(value: object, source: str) -> bool | None:
+    """Validate a boolean setting from ``source`` (named in errors); ``None`` means unset.
+
+    Accepts booleans, and for ``vllm_xargs`` (whose values vLLM may coerce) the ints
+    0 and 1 and the strings ``"true"`` and ``"false"``; anything else raises
+    :class:`InvalidThresholdError`.
+    """
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _FLAG_WORDS:
+        return _FLAG_WORDS[value.lower()]
+    raise InvalidThresholdError(f"{source} must be true or false, got {value!r}")
 
 
 def global_threshold(additional_config: object, environ: Mapping[str, str]) -> float:
@@ -197,6 +228,18 @@ def request_threshold(
         return parse_threshold(body_extra[EXTRA_ARGS_KEY], EXTRA_ARGS_KEY)
     if extra_args is not None:
         return parse_threshold(extra_args.get(EXTRA_ARGS_KEY), f"vllm_xargs.{EXTRA_ARGS_KEY}")
+    return None
+
+
+def request_admission_only(
+    body_extra: Mapping[str, object] | None, extra_args: Mapping[str, object] | None
+) -> bool | None:
+    """The request's ``cache_hit_admission_only`` (the body's, else ``vllm_xargs``'),
+    or ``None`` when it sets none; invalid values raise :class:`InvalidThresholdError`."""
+    if body_extra is not None and body_extra.get(ADMISSION_ONLY_KEY) is not None:
+        return parse_flag(body_extra[ADMISSION_ONLY_KEY], ADMISSION_ONLY_KEY)
+    if extra_args is not None:
+        return parse_flag(extra_args.get(ADMISSION_ONLY_KEY), f"vllm_xargs.{ADMISSION_ONLY_KEY}")
     return None
 
 

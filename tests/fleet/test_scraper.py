@@ -440,3 +440,15 @@ async def test_candidates_combine_fleet_health_and_load() -> None:
         ("sick", False, 0, None),
         ("mute", False, 0, None),
     ]
+
+
+def test_the_admission_only_gauge_marks_the_reading_and_its_snapshot() -> None:
+    base = (
+        'vllm:num_requests_running{model_name="m"} 0\n'
+        'vllm:num_requests_waiting{model_name="m"} 0\n'
+        'vllm:kv_cache_usage_perc{model_name="m"} 0.1\n'
+    )
+    gauge = 'vllm:cache_threshold_admission_only{model_name="m",engine="0"} 1\n'
+    assert not parse_metrics(base, "m").admission_only  # an older plugin, or none
+    reading = parse_metrics(base + gauge, "m")
+    assert reading.admission_only and load_snapshot(reading, 1.0).admission_only

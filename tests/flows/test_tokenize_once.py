@@ -88,13 +88,17 @@ def test_a_token_route_sends_the_ids_on_completions_without_chat_fields() -> Non
     assert Route.of(request) == Route("/v1/chat/completions", "chat")
     route = Route.of(request, [7, 8, 9])
     assert (route.path, route.kind) == (COMPLETIONS, "completion")
-    body = route.body(request, 0.4, stream=True)
+    body = route.body(request, 0.4, stream=True, admission_only=False)
     assert body["prompt"] == [7, 8, 9] and "messages" not in body
     assert "max_completion_tokens" not in body and body["max_tokens"] == 5
     assert body["cache_hit_threshold"] == 0.4 and body["return_token_ids"] is True
     assert body["temperature"] == 0.0 and body["stream_options"] == {"include_usage": True}
-    text = Route.of(request).body(request, 0.4, stream=False)
+    text = Route.of(request).body(request, 0.4, stream=False, admission_only=True)
     assert text["messages"] == CHAT["messages"] and text["stream"] is False
+    assert text["cache_hit_admission_only"] is True
+    assert "cache_hit_admission_only" not in Route.of(request).body(
+        request, 0.4, stream=False, admission_only=False
+    )
 
 
 def test_a_chat_client_keeps_the_chat_id_prefix() -> None:

@@ -132,21 +132,40 @@ async def test_a_decode_leg_that_breaks_mid_stream_is_continued_elsewhere(
     assert metric(text, "pd_orchestrator_upstream_errors_total", kind="recovered") >= 1
 
 
-async def test_requests_a_continuation_cannot_honour_are_not_handed_back(
+async def _load_read(gateway: str, decoder: str = "decode-0") -> dict[str, Any]:
+    """``decoder``'s load in the gateway's ``/status``, once the gateway has read it."""
+    async with httpx.AsyncClient(base_url=gateway, timeout=10) as client:
+        with anyio.fail_after(20):
+            while True:
+                status = (await client.get("/status")).json()
+                [entry] = [e for e in status["endpoints"] if e["name"] == decoder]
+                if entry["load"] is not None:
+                    return dict(entry["load"])
+                await anyio.sleep(0.1)
+
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+
+
+async def test_constrained_requests_go_admission_only_and_are_never_handed_back(
     sim_factory: SimFactory, gateway_factory: GatewayFactory
 ) -> None:
-    """Tools (or structured output, or logprobs) go with threshold 0: a preempted one
-    is recomputed by its decoder, and its answer is still the reference's."""
+    """Tools (or structured output, or logprobs) go with the policy's threshold at
+    admission only: a cold one goes P/D, a warm one is admitted, and a preempted one
+    is recomputed by its decoder (never handed back), its answer still the reference's."""
     decoder = _pressured_decoder(sim_factory)
     prefiller = sim_factory("--profile", "instant", "--kv-connector", "nixl", name="prefill")
     reference = sim_factory("--profile", "instant", name="reference")
     config = gateway_config([decoder], [prefiller], threshold={"policy": {"value": 0.6}})
     gateway = gateway_factory(config)
-    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    assert (await _load_read(gateway.url))["admission_only"] is True
+    for i in range(len(PROMPTS)):  # cold: rejected at admission, then P/D
+        cold = _body("chat", i, False) | {"tools": TOOLS, "max_tokens": 1}
+        assert (await call(gateway.url, "chat", cold)).decision == "pd"
     answers: list[Answer | None] = [None] * len(PROMPTS)
 
     async def one(i: int) -> None:
-        answers[i] = await call(gateway.url, "chat", _body("chat", i, True) | {"tools": tools})
+        answers[i] = await call(gateway.url, "chat", _body("chat", i, True) | {"tools": TOOLS})
 
     async with anyio.create_task_group() as tg:
         for i in range(len(PROMPTS)):
@@ -155,8 +174,41 @@ async def test_requests_a_continuation_cannot_honour_are_not_handed_back(
         assert answer is not None and answer.status == 200 and answer.decision == "decode"
         expected = await call(reference.url, "chat", _body("chat", i, False))
         assert answer.token_ids == expected.token_ids
-    assert metric(await metrics_text(gateway.url), "pd_orchestrator_handbacks_total") == 0
-    assert metric(await metrics_text(decoder.url), "vllm:num_preemptions_total") >= 1
+    text = await metrics_text(gateway.url)
+    assert metric(text, "pd_orchestrator_handbacks_total") == 0
+    assert metric(
+        text, "pd_orchestrator_constrained_requests_total", threshold="admission-only"
+    ) == (2 * len(PROMPTS))
+    decoder_text = await metrics_text(decoder.url)
+    assert metric(decoder_text, "vllm:num_preemptions_total") >= 1
+    assert metric(decoder_text, "vllm:cache_threshold_rejections_total", phase="preemption") == 0
+
+
+async def test_an_older_plugin_gets_constrained_requests_with_threshold_zero(
+    sim_factory: SimFactory, gateway_factory: GatewayFactory
+) -> None:
+    nixl = ("--profile", "instant", "--kv-connector", "nixl")
+    older = sim_factory(*nixl, "--no-admission-only", name="older")
+    prefiller = sim_factory(*nixl, name="prefill")
+    config = gateway_config([older], [prefiller], threshold={"policy": {"value": 0.6}})
+    gateway = gateway_factory(config)
+    assert (await _load_read(gateway.url))["admission_only"] is False
+    for i in range(2):
+        body = _body("chat", i, False) | {"tools": TOOLS, "max_tokens": 4}
+        answer = await call(gateway.url, "chat", body)
+        assert answer.status == 200 and answer.decision == "decode"  # cold, yet admitted
+    text = await metrics_text(gateway.url)
+    assert metric(text, "pd_orchestrator_constrained_requests_total", threshold="zero") == 2
+    assert metric(text, "pd_orchestrator_threshold_decisions_total", reason="not-continuable") == 2
+    log = gateway.log_path.read_text()
+    assert log.count("decoder decode-0 does not take cache_hit_admission_only") == 1
+    refused = await call(gateway.url, "chat", body | {"cache_hit_admission_only": False})
+    assert refused.status == 400 and refused.body is not None
+    assert refused.body["error"]["param"] == "cache_hit_admission_only"
+    xargs = {"vllm_xargs": {"cache_hit_admission_only": True}}
+    refused = await call(gateway.url, "completion", {"model": MODEL, "prompt": "x"} | xargs)
+    assert refused.status == 400 and refused.body is not None
+    assert refused.body["error"]["param"] == "vllm_xargs.cache_hit_admission_only"
 
 
 def _flaky_fleet(sims: SimFactory) -> tuple[list[Child], Child, Child]:

@@ -172,7 +172,9 @@ def _long_prompt(i: int) -> list[int]:
     return TOK.encode(f"request number {i} with a long prompt")
 
 
-def _pressure(num_blocks: int, threshold: float | None) -> tuple[dict[str, Result], Engine]:
+def _pressure(
+    num_blocks: int, threshold: float | None, *, admission_only: bool = False
+) -> tuple[dict[str, Result], Engine]:
     """Four concurrent 40-token generations whose KV arrived from a prefiller."""
     engine = make_engine(num_kv_blocks=num_blocks, kv_connector="nixl")
     reqs = [
@@ -181,6 +183,7 @@ def _pressure(num_blocks: int, threshold: float | None) -> tuple[dict[str, Resul
             _long_prompt(i),
             40,
             cache_hit_threshold=threshold,
+            admission_only=admission_only,
             external_tokens=len(_long_prompt(i)),
         )
         for i in range(4)
@@ -215,6 +218,23 @@ def test_preempted_request_below_threshold_is_handed_back_with_its_tokens() -> N
         generated = res.tokens
         assert 0 < len(generated) < 40
         assert generated == _solo(int(rid[1:]))[: len(generated)]
+
+
+def test_a_preempted_admission_only_request_recomputes_and_is_never_handed_back() -> None:
+    results, engine = _pressure(40, 0.9, admission_only=True)
+    assert engine.stats.preemptions > 0  # the same pressure as the hand-back case
+    assert engine.stats.threshold_rejections_preemption == 0
+    for i in range(4):
+        res = results[f"r{i}"]
+        assert res.finish_reason is FinishReason.LENGTH
+        assert res.tokens == _solo(i)
+
+
+def test_an_admission_only_request_is_still_checked_at_admission() -> None:
+    engine = make_engine()
+    cold = request("cold", _long_prompt(9), 4, cache_hit_threshold=0.5, admission_only=True)
+    assert run(engine, [cold])["cold"].finish_reason is FinishReason.CACHE_THRESHOLD
+    assert engine.stats.threshold_rejections_admission == 1
 
 
 # -- producer leases ----------------------------------------------------------------------

@@ -94,6 +94,8 @@ def gateway_series() -> set[str]:
     metrics.fanout_wasted_tokens.inc(3)
     metrics.ask_all.labels("admitted").inc()
     metrics.ask_all_width.labels("likely").inc()
+    metrics.ask_all_prompts.labels("tokenized").inc()
+    metrics.constrained.labels("admission-only").inc()
     metrics.reloads.labels("applied").inc()
     families = list(text_string_to_metric_families(generate_latest(metrics.registry).decode()))
     silent = [f.name for f in families if not f.samples]

@@ -226,3 +226,40 @@ def test_the_fallback_prefers_a_partial_holder_within_the_slack() -> None:
     assert pick_fallback(endpoints, candidates, config, prefer=("c",)).name == "a"
     strict = AskAllFallbackConfig(holder_slack=0)
     assert pick_fallback(endpoints, candidates, strict, prefer=("b",)).name == "a"
+
+
+def _loaded(endpoint: Endpoint, admission_only: bool) -> Candidate:
+    load = LoadSnapshot(0, 0, 0.1, 0.0, admission_only=admission_only)
+    return Candidate(endpoint, load=load)
+
+
+def _constrained() -> RequestFacts:
+    return RequestFacts(model="m", prompt_chars=5, affinity_key="tools", continuable=False)
+
+
+def test_a_constrained_request_gets_the_policy_threshold_admission_only() -> None:
+    candidates = [_loaded(e, admission_only=True) for e in FLEET]
+    plan = _planner().plan(_constrained(), candidates, 0.0, 0)
+    assert plan.threshold == ThresholdDecision(0.5, "static", "fixed", admission_only=True)
+    continuable = _planner().plan(_request(), candidates, 0.0, 0).threshold
+    assert continuable.admission_only is False
+
+
+def test_a_constrained_request_gets_zero_where_a_decoder_cannot_take_admission_only() -> None:
+    older = {"hd0", "hd1", "ad0"}  # no decoder says it takes it (or its metrics are unread)
+    candidates = [_loaded(e, admission_only=e.name not in older) for e in FLEET]
+    plan = _planner().plan(_constrained(), candidates, 0.0, 0)
+    assert (plan.threshold.value, plan.threshold.reason) == (0.0, "not-continuable")
+    assert not plan.threshold.admission_only
+    unread = [Candidate(e) for e in FLEET]
+    assert _planner().plan(_constrained(), unread, 0.0, 0).threshold.reason == "not-continuable"
+
+
+def test_ask_all_takes_admission_only_only_when_every_decoder_does() -> None:
+    resolver = ThresholdResolver(_Fixed())  # type: ignore[arg-type]
+    profiles = build_profiles(RoutingConfig(), builtin_registry())
+    ask_all = Planner(profiles, resolver, width="all")
+    every = [_loaded(e, admission_only=True) for e in FLEET]
+    assert ask_all.plan(_constrained(), every, 0.0, 0).threshold.admission_only
+    one_older = [_loaded(e, admission_only=e.name != "ad0") for e in FLEET]
+    assert ask_all.plan(_constrained(), one_older, 0.0, 0).threshold.reason == "not-continuable"

@@ -18,8 +18,10 @@ from pd_orchestrator.vllm_plugin.policy import (
     hit_ratio,
     is_remote_decode_prefill,
     max_hit_ratio,
+    parse_flag,
     parse_threshold,
     phase_of_stop_reason,
+    request_admission_only,
     request_threshold,
     resolve_threshold,
     stop_reason_for,
@@ -122,6 +124,33 @@ def test_request_threshold_rejects_out_of_range(bad: object) -> None:
         request_threshold({"cache_hit_threshold": bad}, None)
     with pytest.raises(InvalidThresholdError, match="vllm_xargs"):
         request_threshold(None, {"cache_hit_threshold": bad})
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [(None, None), (True, True), (False, False), (1, True), (0, False), ("true", True),
+     ("False", False)],
+)  # fmt: skip
+def test_parse_flag_takes_booleans_and_their_xargs_forms(raw: object, expected: bool) -> None:
+    assert parse_flag(raw, "x") is expected
+
+
+@pytest.mark.parametrize("bad", [2, -1, 0.5, "yes", "", [True], {}])
+def test_parse_flag_rejects_everything_else(bad: object) -> None:
+    with pytest.raises(InvalidThresholdError, match="must be true or false"):
+        parse_flag(bad, "x")
+
+
+def test_admission_only_from_the_body_then_vllm_xargs() -> None:
+    key = "cache_hit_admission_only"
+    assert request_admission_only({key: True}, {key: "false"}) is True
+    assert request_admission_only({}, {key: "true"}) is True
+    assert request_admission_only({"other": 1}, {}) is None
+    assert request_admission_only(None, None) is None
+    with pytest.raises(InvalidThresholdError, match=key):
+        request_admission_only({key: "maybe"}, None)
+    with pytest.raises(InvalidThresholdError, match=rf"vllm_xargs\.{key}"):
+        request_admission_only(None, {key: 7})
 
 
 def test_flag_merges_into_additional_config() -> None:
