@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal, TypeVar
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from pd_orchestrator.vllm_plugin.policy import parse_flag
+
 __all__ = [
     "MAX_CHOICES",
     "ChatCompletionRequest",
@@ -70,13 +72,7 @@ class _CommonRequest(_Model):
     @field_validator("cache_hit_admission_only", mode="before")
     @classmethod
     def _flag(cls, value: Any) -> Any:
-        if value is None or isinstance(value, bool):
-            return value
-        if isinstance(value, int) and value in (0, 1):
-            return bool(value)
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        raise ValueError("must be true or false")
+        return parse_flag(value, "cache_hit_admission_only")  # as the plugin reads it
 
     @field_validator("n")
     @classmethod

@@ -55,6 +55,7 @@ from pd_orchestrator.sim.instance import (
     until_disconnect,
 )
 from pd_orchestrator.sim.tokenizer import WORD_BASE
+from pd_orchestrator.vllm_plugin.policy import InvalidThresholdError, request_admission_only
 
 __all__ = ["Completions"]
 
@@ -363,10 +364,14 @@ def _extras(request: OpenAIRequest) -> BlockExtras | None:
 
 
 def _admission_only(request: OpenAIRequest) -> bool:
-    """The request's ``cache_hit_admission_only``: the body's (validated by the
-    protocol model), else ``vllm_xargs``' (true, 1 or "true", as the plugin reads it)."""
-    if request.cache_hit_admission_only is not None:
-        return request.cache_hit_admission_only
+    """The request's ``cache_hit_admission_only``, read as the plugin reads it: the
+    body's (validated by the protocol model), else ``vllm_xargs``' (400 when invalid)."""
     xargs = (request.model_extra or {}).get("vllm_xargs")
-    value = xargs.get("cache_hit_admission_only") if isinstance(xargs, dict) else None
-    return value is True or value == 1 or (isinstance(value, str) and value.lower() == "true")
+    try:
+        value = request_admission_only(
+            {"cache_hit_admission_only": request.cache_hit_admission_only},
+            xargs if isinstance(xargs, dict) else None,
+        )
+    except InvalidThresholdError as exc:
+        raise HTTPFailure(400, str(exc), "vllm_xargs") from None
+    return bool(value)

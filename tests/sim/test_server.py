@@ -173,6 +173,10 @@ async def test_forced_rejection_header(sim: Child) -> None:
         ({"model": MODEL, "prompt": ""}, "prompt"),
         ({"model": MODEL, "prompt": [1, 10**9]}, "prompt"),
         ({"model": MODEL, "prompt": 7}, "prompt"),
+        ({"model": MODEL, "prompt": "hi", "cache_hit_admission_only": "yes"},
+         "cache_hit_admission_only"),
+        ({"model": MODEL, "prompt": "hi", "vllm_xargs": {"cache_hit_admission_only": 2}},
+         "vllm_xargs"),
     ],
     ids=[
         "missing-model",
@@ -184,8 +188,10 @@ async def test_forced_rejection_header(sim: Child) -> None:
         "empty-prompt",
         "token-out-of-vocab",
         "prompt-type",
+        "admission-only-body",
+        "admission-only-xargs",
     ],
-)
+)  # fmt: skip
 async def test_bad_requests_get_400_in_vllm_error_shape(
     sim: Child, body: dict[str, Any], param: str
 ) -> None:
