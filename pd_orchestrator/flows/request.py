@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,13 +110,7 @@ class ClientRequest:
     def continuable(self) -> bool:
         """Whether a continuation (prompt + generated tokens as a token prompt) would
         serve exactly what was asked (see :data:`UNCONTINUABLE_FIELDS`)."""
-        body = self.body
-        for name in UNCONTINUABLE_FIELDS:
-            if name in body and body[name] not in _NEUTRAL.get(name, (None,)):
-                if name == "response_format" and _plain_text(body[name]):
-                    continue
-                return False
-        return True
+        return not any(_sets(self.body, UNCONTINUABLE_FIELDS))
 
     @property
     def tokenizable(self) -> bool:
@@ -131,11 +126,7 @@ class ClientRequest:
                     return False
         elif not isinstance(view.prompt, str):
             return False
-        body = self.body
-        for name in UNTOKENIZABLE_FIELDS:
-            if name in body and body[name] not in _NEUTRAL.get(name, (None,)):
-                return False
-        return self.continuable
+        return not any(_sets(self.body, UNTOKENIZABLE_FIELDS)) and self.continuable
 
     @property
     def want_token_ids(self) -> bool:
@@ -180,6 +171,15 @@ class ClientRequest:
         if isinstance(view.prompt, str):
             return view.prompt[:limit]
         return ",".join(map(str, view.prompt[: limit // 4]))
+
+
+def _sets(body: dict[str, Any], names: tuple[str, ...]) -> Iterator[str]:
+    """The fields of ``names`` that ``body`` sets to something other than their
+    neutral value (None; ``_NEUTRAL``'s; a ``text`` response format)."""
+    for name in names:
+        if name in body and body[name] not in _NEUTRAL.get(name, (None,)):
+            if not (name == "response_format" and _plain_text(body[name])):
+                yield name
 
 
 def _plain_text(response_format: Any) -> bool:
