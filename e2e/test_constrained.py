@@ -92,16 +92,6 @@ def test_a_cold_constrained_request_goes_pd_and_a_warm_one_decode(
     assert "pd_orchestrator_constrained_requests_total" in text_metrics
 
 
-LONG_STRING = {
-    "type": "json_schema",
-    "json_schema": {
-        "name": "essay",
-        "schema": {"type": "object", "properties": {"essay": {"type": "string"}},
-                   "required": ["essay"]},
-    },
-}  # fmt: skip
-
-
 async def _preempted_round(target: Target, gateway: str, extra: dict[str, Any]) -> bool:
     """Token prompts that overflow the decoder's KV, warmed (P/D once), then together:
     True when the decoder preempted one. Every answer must be the reference's."""
@@ -125,11 +115,7 @@ async def _preempted_round(target: Target, gateway: str, extra: dict[str, Any]) 
     return preempted_now
 
 
-@pytest.mark.parametrize(
-    "extra",
-    [{"logprobs": 2}, {"response_format": LONG_STRING}],
-    ids=["logprobs", "json-schema"],
-)
+@pytest.mark.parametrize("extra", [{"logprobs": 2}], ids=["logprobs"])
 def test_a_preempted_constrained_request_is_recomputed_by_its_decoder(
     target: Target, gateway: str, extra: dict[str, Any]
 ) -> None:
