@@ -341,8 +341,8 @@ def _live_fleet(fleet: FleetSpec, strategy: Strategy) -> FleetSpec:
 
 def live_threshold(strategy: Strategy) -> dict[str, Any]:
     """The gateway's ``threshold`` block for ``strategy`` (client thresholds ignored).
-    Prefill-first runs as threshold 1 (every attempt rejected: one cheap extra round
-    trip), decode-only as threshold 0, decode-first with the strategy's own block."""
+    Prefill-first runs as threshold 1 (no prompt meets it: the gateway goes straight
+    to P/D), decode-only as threshold 0, decode-first with the strategy's own block."""
     if strategy.threshold is not None:
         return strategy.threshold.model_dump(mode="json", exclude_unset=True)
     value = 1.0 if strategy.mode is Mode.PREFILL_FIRST else 0.0

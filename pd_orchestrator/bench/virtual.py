@@ -15,7 +15,8 @@ latency, the same for every leg):
   compatible prefillers and the policy's threshold -- over candidates that carry load
   snapshots polled from the engines every ``load_interval`` and the flows' own
   in-flight counts (like the live scraper and fleet state); the attempt goes to the
-  plan's decoder. Admitted: it is served there (``decode``).
+  plan's decoder (at threshold 1, which no prompt meets, there is no attempt: straight
+  to the prefiller, as the gateway does). Admitted: it is served there (``decode``).
   Rejected (``cache_threshold`` with no token): the plan's first prefiller for that
   decoder (the prefill profile, with the compatibility filter), which prefills with
   ``do_remote_decode`` and one output token and holds the KV; the decode leg goes
@@ -129,6 +130,8 @@ class _Instance:
         self.stepping = False
         self.expiry_at: float | None = None
         self.in_flight = 0
+        self.backlog = 0
+        self._awaiting: dict[str, int] = {}
         self.busy = 0.0
         self.load: LoadSnapshot | None = None
         self._seen = (0, 0, 0)
@@ -149,7 +152,19 @@ class _Instance:
         )
 
     def candidate(self) -> Candidate:
-        return Candidate(self.endpoint, True, self.in_flight, self.load)
+        return Candidate(self.endpoint, True, self.in_flight, self.load, self.backlog)
+
+    def enter(self, request: EngineRequest) -> None:
+        """One more request in flight, its prompt in the backlog until its first output
+        (as the gateway counts them)."""
+        self.in_flight += 1
+        tokens = max(0, request.num_prompt_tokens - request.external_tokens)
+        self._awaiting[request.request_id] = tokens
+        self.backlog += tokens
+
+    def answered(self, request_id: str) -> None:
+        """The request's first output (or its end) came back: out of the backlog."""
+        self.backlog -= self._awaiting.pop(request_id, 0)
 
 
 class VirtualFleet:
@@ -308,13 +323,14 @@ class VirtualFleet:
     ) -> None:
         """Add ``request`` to ``instance``'s engine at ``when``; outputs go to ``handler``,
         an engine refusal (``ValueError``: too long for the instance) to ``refused``."""
-        instance.in_flight += 1
+        instance.enter(request)
 
         def add(now: float) -> None:
             try:
                 instance.engine.add_request(request)
             except ValueError as exc:
                 instance.in_flight -= 1
+                instance.answered(request.request_id)
                 refused(now, str(exc))
                 return
             instance.handlers[request.request_id] = handler
@@ -341,6 +357,7 @@ class VirtualFleet:
         instance.stepping = False
         handlers = instance.handlers
         for output in outputs:
+            instance.answered(output.request_id)
             if output.finish_reason is None:
                 handlers[output.request_id](now, output)
                 continue
@@ -405,6 +422,10 @@ class _Flow:
             return
         threshold = plan.threshold.value
         self.record.threshold = threshold
+        if threshold >= 1.0:  # no prompt meets it: straight to P/D, as the gateway does
+            self.record.decision = "pd"
+            self.prefill(now + self.hop, self.digest, self.request.max_tokens, 0.0)
+            return
         self.record.decision = "decode"
         attempt = self.leg(self.digest, self.request.max_tokens, threshold)
         fleet.submit(decoder, now + self.hop, attempt, self.on_attempt, self.fail)

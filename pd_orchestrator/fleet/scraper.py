@@ -323,13 +323,17 @@ class LoadScraper:
         self, statuses: Iterable[EndpointStatus], now: float | None = None
     ) -> tuple[Candidate, ...]:
         """Routing candidates for ``statuses`` (a fleet snapshot): healthy when both the
-        health checks and the load polls say so, with the fresh snapshot if any."""
+        health checks and the load polls say so, with the fresh snapshot if any and
+        what the latest, fresh or not, says of ``cache_hit_admission_only``."""
         now = self.clock() if now is None else now
-        return tuple(
-            Candidate.from_status(
-                status,
-                self.snapshot(status.endpoint.name, now),
-                responsive=self.is_responsive(status.endpoint.name),
-            )
-            for status in statuses
+        return tuple(self._candidate(status, now) for status in statuses)
+
+    def _candidate(self, status: EndpointStatus, now: float) -> Candidate:
+        name = status.endpoint.name
+        latest = self._snapshots.get(name)
+        return Candidate.from_status(
+            status,
+            self.snapshot(name, now),
+            responsive=self.is_responsive(name),
+            admission_only=latest is not None and latest.admission_only,
         )

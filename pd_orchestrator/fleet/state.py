@@ -62,6 +62,7 @@ class FleetState:
         self._healthy = dict.fromkeys(self._endpoints, True)
         self._failures = dict.fromkeys(self._endpoints, 0)
         self._in_flight = dict.fromkeys(self._endpoints, 0)
+        self._backlog = dict.fromkeys(self._endpoints, 0)
         self._outliers = {name: Outlier() for name in self._endpoints}
         self._ejected: dict[str, Outlier] = {}
         self._answered: set[str] = set()
@@ -86,8 +87,11 @@ class FleetState:
         """Immutable statuses of the endpoints with ``role`` (all when None); ``healthy``
         means in routing: healthy and not ejected."""
         healthy, ejected, in_flight = self._healthy, self._ejected, self._in_flight
+        backlog = self._backlog
         return tuple(
-            EndpointStatus(e, healthy[e.name] and e.name not in ejected, in_flight[e.name])
+            EndpointStatus(
+                e, healthy[e.name] and e.name not in ejected, in_flight[e.name], backlog[e.name]
+            )
             for e in self.endpoints(role)
         )
 
@@ -107,7 +111,9 @@ class FleetState:
     def status(self, name: str) -> EndpointStatus:
         """A snapshot of one configured endpoint."""
         endpoint = self._endpoints[name]
-        return EndpointStatus(endpoint, self.is_healthy(name), self._in_flight[name])
+        return EndpointStatus(
+            endpoint, self.is_healthy(name), self._in_flight[name], self._backlog[name]
+        )
 
     def is_healthy(self, name: str) -> bool:
         """In routing: healthy (active checks) and not ejected (passive)."""
@@ -137,6 +143,7 @@ class FleetState:
         self._healthy[name] = True
         self._failures[name] = 0
         self._in_flight[name] = 0
+        self._backlog[name] = 0
         self._outliers[name] = Outlier()
         if len(named) > self.max_named:
             self._forget_one_idle(name)
@@ -145,7 +152,8 @@ class FleetState:
         for old in self._named:
             if old != keep and not self._in_flight[old]:
                 del self._named[old]
-                for table in (self._healthy, self._failures, self._in_flight, self._outliers):
+                tables = (self._healthy, self._failures, self._in_flight, self._backlog)
+                for table in (*tables, self._outliers):
                     del table[old]
                 for keyed in (self._ejected, self._learned):
                     keyed.pop(old, None)
@@ -255,11 +263,20 @@ class FleetState:
             del self._ejected[name]
             logger.warning("%s back in routing after its ejection", name)
 
-    def enter(self, name: str) -> None:
-        """One more request in flight on ``name`` (pair with :meth:`leave`)."""
+    def enter(self, name: str, backlog: int = 0) -> None:
+        """One more request in flight on ``name`` (pair with :meth:`leave`), with
+        ``backlog`` prompt tokens to prefill before its first answer (pair with
+        :meth:`answered`)."""
         if name not in self._in_flight:
             self._track(name)
         self._in_flight[name] += 1
+        self._backlog[name] += backlog
+
+    def answered(self, name: str, backlog: int) -> None:
+        """A request on ``name`` had its first answer (or ended): its ``backlog`` is
+        out of the endpoint's."""
+        if name in self._backlog:
+            self._backlog[name] -= backlog
 
     def leave(self, name: str) -> None:
         """One request in flight on ``name`` ended."""

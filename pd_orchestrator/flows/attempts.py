@@ -7,7 +7,10 @@ rejected, the decoder that takes the request now (through P/D, or ``local``: on 
 own with threshold 0).
 
 * :class:`Single` (decode-first): the plan's first decoder; its answer decides. (When
-  it fails, the flow starts over with the plan's next decoder.)
+  it fails, the flow starts over with the plan's next decoder.) At threshold 1 it is
+  not asked: no prompt reaches a hit ratio of 1 (vLLM computes a prompt's last token
+  whatever it holds), so the request goes straight to P/D on it, without the attempt's
+  leg and its wait in the decoder's queue.
 * :class:`Race` (ask-all): every asked decoder at once, always streamed, so admission
   is known at the first decisive chunk. The first to admit serves; every other leg is
   closed at once (closing the connection is how vLLM aborts) and nothing of it reaches
@@ -117,6 +120,8 @@ class Single:
 
     async def run(self, route: Route, plan: Plan, legs: Legs, body: Json) -> Attempted:
         decoder = plan.asked[0]
+        if plan.threshold.value >= 1.0:
+            return Attempted(decoder, None)
         leg = await legs.open(decoder, route.path, body, Phase.DECODE_ATTEMPT, kind=route.kind)
         if admits(await leg.read_until_decisive()):
             return Attempted(decoder, leg)

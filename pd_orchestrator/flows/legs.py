@@ -4,7 +4,9 @@ A :class:`Legs` object belongs to one client request. Every upstream request of 
 request goes through it, so every one is treated alike:
 
 * counted in flight on its endpoint from the moment it is sent until it is read to
-  the end or closed (a stream for as long as it streams);
+  the end or closed (a stream for as long as it streams), and its prompt's tokens in
+  the endpoint's backlog until its first decisive chunk or answer (none for a
+  ``/tokenize`` or a decode leg whose KV a connector brings: nothing to prefill);
 * its success or failure reported to the fleet: a failure when it happens
   (:meth:`FleetState.record_error`: a connection that cannot be made counts as a
   failed check; outlier detection counts 5xx answers, broken connections, timeouts
@@ -98,6 +100,8 @@ class Leg:
     ``kind``: the API its chunks speak. ``whole``: its one batch is a whole answer.
     ``original_prompt``: it serves the client's prompt (not a continuation).
     ``held``: chunks read ahead (to the first decisive one) and not yet relayed.
+    ``backlog`` and ``on_answer``: the prompt tokens the leg holds in its endpoint's
+    backlog, and what gives them back (called at the first decisive chunk).
     ``tokens`` and ``usage``: the tokens of it the client got and what it reported.
     ``ended``: read to its end; ``error``: what broke it or was wrong with it
     (reported to the fleet when it is closed); ``phase`` and ``span``: how
@@ -121,6 +125,8 @@ class Leg:
     error: UpstreamError | None = None
     phase: str = ""
     span: Span | None = None
+    backlog: int = 0
+    on_answer: Callable[[Leg], None] | None = None
 
     def view(self, chunk: Json) -> ChunkView:
         """What ``chunk`` (an answer when ``whole``) says (read once per held chunk);
@@ -162,6 +168,8 @@ class Leg:
                     if view.rejected and self.threshold <= 0.0:
                         raise self.fault("cache_threshold at threshold 0")
                     self.decisive = view
+                    if self.on_answer is not None:
+                        self.on_answer(self)
                     return view
             if len(self.held) > MAX_HELD:
                 raise self.fault(f"no content in the first {MAX_HELD} chunks")
@@ -308,7 +316,7 @@ class Legs:
         if self._prefill_failed and name == "prefill":
             self._prefill_failed = False
             self.metrics.prefill_retries.inc()
-        with self._leg(endpoint, name, span, held=False):
+        with self._leg(endpoint, name, span, self._backlog(phase, body), held=False):
             return await self.upstream.post_json(
                 endpoint, path, body, phase=phase,
                 headers=self._headers(endpoint, span, extra), prompt_tokens=self.prompt_tokens,
@@ -316,26 +324,44 @@ class Legs:
 
     @contextmanager
     def _leg(
-        self, endpoint: Endpoint, name: str, span: Span | None, *, held: bool
+        self, endpoint: Endpoint, name: str, span: Span | None, backlog: int, *, held: bool
     ) -> Iterator[None]:
         """One upstream request: counted in :attr:`sent`, in flight on ``endpoint``
         while it runs (and after it succeeded when ``held``: a stream, until it is
-        closed); a failure or a cancellation accounted for here, the one place."""
+        closed; its ``backlog`` until its first decisive chunk); a failure or a
+        cancellation accounted for here, the one place."""
         self.sent += 1
-        fleet = self.fleet
-        fleet.enter(endpoint.name)
+        fleet, where = self.fleet, endpoint.name
+        fleet.enter(where, backlog)
         try:
             yield
         except UpstreamError as exc:
-            fleet.leave(endpoint.name)
+            fleet.answered(where, backlog)
+            fleet.leave(where)
             self._failed_leg(endpoint, exc, name, span)
             raise
         except BaseException:
-            fleet.leave(endpoint.name)
+            fleet.answered(where, backlog)
+            fleet.leave(where)
             self._cancelled_leg(endpoint, name, span)
             raise
         if not held:
-            fleet.leave(endpoint.name)
+            fleet.answered(where, backlog)
+            fleet.leave(where)
+
+    def _backlog(self, phase: Phase, body: Json) -> int:
+        """Prompt tokens the leg asks its endpoint to prefill (see the module docstring)."""
+        if phase is Phase.TOKENIZE or phase is Phase.PROBE:
+            return 0
+        if phase is Phase.DECODE and "kv_transfer_params" in body:
+            return 0
+        return self.prompt_tokens
+
+    def _answered(self, leg: Leg) -> None:
+        """``leg``'s first decisive chunk came (or it closed first): its backlog is out."""
+        if leg.backlog:
+            self.fleet.answered(leg.endpoint.name, leg.backlog)
+            leg.backlog = 0
 
     def _failed_leg(
         self, endpoint: Endpoint, exc: UpstreamError, phase: str, span: Span | None
@@ -376,14 +402,18 @@ class Legs:
         span = self._span(span_name, endpoint, name)
         started = self.clock()
         stream: ChunkStream | None = None
+        backlog = 0
         if body.get("stream"):
-            stream = await self._open_stream(endpoint, path, body, phase, span, headers)
+            backlog = self._backlog(phase, body)
+            stream = await self._open_stream(endpoint, path, body, phase, span, headers, backlog)
             source: AsyncIterator[list[Json]] = stream
         else:
             source = _Whole(await self._post(endpoint, path, body, phase, name, span, headers))
         leg = Leg(endpoint, kind, source, stream is None, original_prompt, started, threshold)
         leg.phase = name
         leg.span = span
+        if backlog:
+            leg.backlog, leg.on_answer = backlog, self._answered
         self._open.append((leg, stream))
         return leg
 
@@ -395,9 +425,10 @@ class Legs:
         phase: Phase,
         span: Span | None,
         extra: Mapping[str, str] | None,
+        backlog: int,
     ) -> ChunkStream:
         """The stream answering ``body``, in flight on ``endpoint`` until it is closed."""
-        with self._leg(endpoint, phase, span, held=True):
+        with self._leg(endpoint, phase, span, backlog, held=True):
             stream = await self.upstream.open_stream(
                 endpoint, path, body, phase=phase,
                 headers=self._headers(endpoint, span, extra), prompt_tokens=self.prompt_tokens,
@@ -456,6 +487,7 @@ class Legs:
                         with anyio.move_on_after(CLOSE_SECONDS, shield=True):
                             await stream.aclose()
                 finally:
+                    self._answered(leg)
                     self.fleet.leave(leg.endpoint.name)
                     self._closed(leg, stream.done)
                 return

@@ -159,10 +159,9 @@ class CompletionPath:
             return
         for candidate in candidates:
             name = candidate.endpoint.name
-            load = candidate.load
             if not candidate.endpoint.role.decodes or name in self._told:
                 continue
-            if load is not None and not load.admission_only:
+            if candidate.load is not None and not candidate.admission_only:
                 self._told.add(name)
                 logger.warning(
                     "decoder %s does not take cache_hit_admission_only (an older threshold "

@@ -46,6 +46,7 @@ def status_document(state: GatewayState, now: float) -> dict[str, Any]:
                 "healthy": status.healthy and state.scraper.is_responsive(endpoint.name),
                 "ejected": _ejection(state, endpoint.name, now),
                 "in_flight": status.in_flight,
+                "backlog": status.backlog,
                 "load": None
                 if load is None
                 else {

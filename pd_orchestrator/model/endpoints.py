@@ -66,8 +66,11 @@ class Endpoint:
 
 @dataclass(frozen=True, slots=True)
 class EndpointStatus:
-    """A snapshot of one endpoint."""
+    """A snapshot of one endpoint; ``backlog``: prompt tokens of the gateway's requests
+    in flight there that have not had their first answer yet (their prefill is queued
+    or under way)."""
 
     endpoint: Endpoint
     healthy: bool
     in_flight: int
+    backlog: int = 0

@@ -64,16 +64,34 @@ class Candidate:
     ``healthy``: the caller's verdict (health checks and load polls).
     ``in_flight``: requests the gateway itself has on the endpoint now.
     ``load``: the latest fresh reading; None when stale or never read.
+    ``backlog``: prompt tokens of the gateway's requests on the endpoint that have
+    not had their first answer yet (their prefill is queued or under way; a decode
+    leg whose KV comes through a connector counts none).
+    ``admission_only``: the endpoint's threshold plugin honours
+    ``cache_hit_admission_only``, as its latest reading said -- kept while that
+    reading is stale (a capability, not a load: a server too busy to answer its
+    ``/metrics`` in time has not lost it).
     """
 
     endpoint: Endpoint
     healthy: bool = True
     in_flight: int = 0
     load: LoadSnapshot | None = None
+    backlog: int = 0
+    admission_only: bool = False
 
     @classmethod
     def from_status(
-        cls, status: EndpointStatus, load: LoadSnapshot | None = None, *, responsive: bool = True
+        cls,
+        status: EndpointStatus,
+        load: LoadSnapshot | None = None,
+        *,
+        responsive: bool = True,
+        admission_only: bool | None = None,
     ) -> Candidate:
-        """A candidate from a fleet snapshot; ``responsive`` is the load poller's verdict."""
-        return cls(status.endpoint, status.healthy and responsive, status.in_flight, load)
+        """A candidate from a fleet snapshot; ``responsive`` is the load poller's verdict,
+        ``admission_only`` the latest reading's (default: ``load``'s)."""
+        healthy = status.healthy and responsive
+        if admission_only is None:
+            admission_only = load is not None and load.admission_only
+        return cls(status.endpoint, healthy, status.in_flight, load, status.backlog, admission_only)

@@ -99,7 +99,8 @@ class RequestFacts:
     would honour the request (no tools, structured outputs or logprobs); one that is
     not gets the policy's threshold admission-only (a cold one goes P/D, a decoder
     never hands it back) when every decoder it may be asked on says it honours that
-    (:attr:`~pd_orchestrator.model.load.LoadSnapshot.admission_only`), else threshold 0.
+    (:attr:`~pd_orchestrator.model.load.Candidate.admission_only`, from its latest
+    reading even when stale), else threshold 0.
     """
 
     model: str
@@ -143,7 +144,8 @@ class PrefillRanking:
         self._cache: dict[tuple[str, str], tuple[Endpoint, ...]] = {}
 
     def for_decoder(self, decoder: Endpoint) -> tuple[Endpoint, ...]:
-        """Prefillers whose KV can reach ``decoder``, best first (may be empty)."""
+        """Prefillers whose KV can reach ``decoder``, best first (may be empty); never
+        ``decoder`` itself (an endpoint of role ``both`` does not prefill for itself)."""
         key = compatibility_class(decoder)
         ranked = self._cache.get(key)
         if ranked is None:
@@ -153,6 +155,8 @@ class PrefillRanking:
                 request = _for_prefill(self._routing, decoder, self._pairs, self._connector_pairs)
                 ranked = self._profile.run(request, self._candidates).endpoints
             self._cache[key] = ranked
+        if decoder.role.prefills:
+            return tuple(e for e in ranked if e.name != decoder.name)
         return ranked
 
 
@@ -380,7 +384,7 @@ class Planner:
         """Whether every decoder the request may be asked on takes a threshold at
         admission only: decode-first's pick; ask-all's every healthy decoder."""
         asked = (decoder,) if self.width is None else (decoder, *decoders)
-        return all(c.load is not None and c.load.admission_only for c in asked if c.healthy)
+        return all(c.admission_only for c in asked if c.healthy)
 
     def learn(self, plan: Plan, facts: RequestFacts, served: Served) -> None:
         """Feed a finished request back: the decode profile's learning plugins see

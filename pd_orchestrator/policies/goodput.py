@@ -3,19 +3,20 @@ the least cost to everyone else.
 
 For the chosen decoder and a prompt of ``L`` tokens, ``u`` of them uncached there:
 
-* **remote** (P/D): the best compatible prefiller's wait plus the prompt's prefill
-  there, the KV transfer and the extra legs::
+* **wait** at the decoder: the prompt tokens queued there before this one (its
+  *backlog*: the gateway's own requests sent there that have had no first answer
+  yet, or what a reading's ``waiting`` counts times the mean prompt, the larger: a
+  reading carries what other gateways sent), less its prefix-cache hit rate, over its
+  prefill rate. Both paths pay it: the decode attempt is admitted or rejected only
+  when the decoder's scheduler reaches it.
+* **remote** (P/D), beyond that wait: the best compatible prefiller's backlog and the
+  prompt itself, less that prefiller's hit rate, at its rate, the KV transfer and the
+  extra legs::
 
-      remote = min over prefillers p of  queued_p * L_mean / rate_p + L / rate_p
+      remote = min over p of (backlog_p + L) * (1 - hit_p) / rate_p
                + L / transfer_rate + 3 * hop
 
-  ``queued_p`` counts the requests at ``p`` (the larger of the gateway's own
-  in-flight count, the freshest, and a scraped ``running + waiting``, which carries
-  what other gateways sent); ``L_mean`` is the mean prompt the policy has seen.
-* **local**: the decoder's wait plus ``u`` of its own prefill::
-
-      local(u) = waiting_d * L_mean * (1 - hit_d) / rate_d + u / rate_d + hop
-
+* **local**, beyond that wait: ``u / rate_d``.
 * **stall**: what a local prefill of ``u`` tokens costs the ``B`` streams decoding
   there. Steps are memory-bound until compute catches up (a roofline), so the first
   ``free`` tokens of each step ride free; beyond, the prefill's time lands on every
@@ -23,12 +24,16 @@ For the chosen decoder and a prompt of ``L`` tokens, ``u`` of them uncached ther
   its time per output token by ``stall(u) / out_mean``, against the room
   ``tpot - itl_d`` left under the TPOT target (``itl_d``: the pool's observed ITL).
 
-The decoder should keep the prompt iff ``local(u)`` is within ``max(remote, ttft *
-slack)`` (local is cheaper for the fleet whenever it still meets the target, even
-when remote would be a little faster) and -- when remote would meet the TTFT target,
-so that there is a real alternative -- the stall fits. The largest such ``u`` is
-``u*``, and the policy sends ``t = 1 - (u* + 1/2) / L``: the decoder admits iff
-``u <= u*``. No compatible prefiller: 0 (local is the only choice).
+A decoder whose wait already spends its share of the TTFT target (``wait + hop >=
+ttft * slack``) keeps nothing: the policy sends threshold 1, which no prompt meets,
+so the gateway skips the decode attempt (and its wait in that queue) and the
+request goes P/D at once; the queue drains (reason ``drain``). Otherwise it keeps
+``u`` when ``u / rate_d`` is within ``max(remote, ttft * slack - wait)`` (local costs
+the fleet less whenever it still meets the target, even when remote would be a
+little faster) and -- when the wait and the remote path together meet the TTFT
+target, so that there is a real alternative -- the stall fits. The largest such
+``u`` is ``u*``, and the policy sends ``t = 1 - (u* + 1/2) / L``: the decoder admits
+iff ``u <= u*``. No compatible prefiller: 0.
 
 Learning (``observe``): per decoder pool, the ITL (an EWMA) and two prefill rates
 from the requests the gateway served, each sample ``tokens / (ttft - overhead)``:
@@ -69,7 +74,8 @@ _Positive = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
 
 class GoodputParams(NoParams):
     """SLO targets ``ttft`` and ``tpot`` (seconds); ``slack``: the share of the TTFT
-    target a local prefill may use when remote would be faster; the seeds
+    target a local prefill may use when remote would be faster, and the decoder wait
+    from which it drains; the seeds
     ``prefill_tokens_per_s`` (when no hardware profile is known) and
     ``transfer_tokens_per_s`` (KV moved per second: 40 GB/s at 128 KiB a token);
     ``hop`` (one leg's one-way latency), ``out_mean`` (the seed of the mean output,
@@ -77,7 +83,7 @@ class GoodputParams(NoParams):
 
     ttft: _Positive = 1.0
     tpot: _Positive = 0.03
-    slack: Annotated[float, Field(ge=0.0, le=1.0)] = 0.8
+    slack: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5
     prefill_tokens_per_s: _Positive = 20_000.0
     transfer_tokens_per_s: _Positive = 300_000.0
     hop: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.002
@@ -120,7 +126,7 @@ class PoolModel:
 
 @dataclass(slots=True)
 class GoodputPolicy:
-    """See the module docstring. Reasons: ``no-prefiller``, ``local-meets-slo``
+    """See the module docstring. Reasons: ``no-prefiller``, ``drain``, ``local``
     (u* covers the whole prompt), ``cost-model`` (u* < L), ``stall`` (the stall bound
     set u*)."""
 
@@ -146,17 +152,17 @@ class GoodputPolicy:
             return None
         tokens, p = context.prompt_tokens, self.params
         mean = self.prompt_mean or tokens
-        wait = min(_outstanding(c) for c in context.prefillers) * mean / model.rate_remote
-        return wait + tokens / model.rate_remote + tokens / p.transfer_tokens_per_s + 3 * p.hop
+        prefill = min(_remote_seconds(c, tokens, mean) for c in context.prefillers)
+        return prefill / model.rate_remote + tokens / p.transfer_tokens_per_s + 3 * p.hop
 
     def local_wait(self, context: ThresholdContext, model: PoolModel) -> float:
         """Seconds of prefill queued at the decoder before this request's own."""
         load = context.decoder_load
-        if load is None or not load.waiting:
-            return 0.0
-        hit = load.prefix_hit_rate or 0.0
-        mean = self.prompt_mean or context.prompt_tokens
-        return load.waiting * mean * (1.0 - hit) / model.rate_local
+        hit = (load.prefix_hit_rate if load is not None else None) or 0.0
+        backlog: float = context.decoder.backlog
+        if load is not None and load.waiting:
+            backlog = max(backlog, load.waiting * (self.prompt_mean or context.prompt_tokens))
+        return backlog * (1.0 - hit) / model.rate_local
 
     def stall_limit(self, context: ThresholdContext, model: PoolModel) -> float:
         """The most uncached tokens a local prefill may have before the streams
@@ -180,9 +186,12 @@ class GoodputPolicy:
         if remote is None:
             return ThresholdDecision(0.0, self.name, "no-prefiller")
         p = self.params
-        budget = max(remote, p.ttft * p.slack) - self.local_wait(context, model) - p.hop
-        by_ttft = max(0.0, budget) * model.rate_local
-        by_stall = self.stall_limit(context, model) if remote <= p.ttft else math.inf
+        wait = self.local_wait(context, model)
+        room = p.ttft * p.slack - wait - p.hop
+        if room <= 0.0:
+            return ThresholdDecision(1.0, self.name, "drain")
+        by_ttft = max(remote - p.hop, room) * model.rate_local
+        by_stall = self.stall_limit(context, model) if wait + remote <= p.ttft else math.inf
         keep = min(by_ttft, by_stall)
         if keep >= tokens:
             return ThresholdDecision(0.0, self.name, "local")
@@ -229,6 +238,16 @@ class GoodputPolicy:
 
 _MIN_SAMPLE = 512
 """Prompt tokens below which a TTFT says more about fixed costs than about a rate."""
+
+
+def _remote_seconds(candidate: Candidate, tokens: int, mean: float) -> float:
+    """Prompt tokens a prefiller computes before this one's first token, this one's
+    included: its backlog (the gateway's own requests, or what a reading counts
+    times the mean prompt, the larger) and ``tokens``, less its prefix-cache hit rate."""
+    load = candidate.load
+    hit = (load.prefix_hit_rate if load is not None else None) or 0.0
+    queued = max(candidate.backlog, _outstanding(candidate) * mean)
+    return (queued + tokens) * (1.0 - hit)
 
 
 def _outstanding(candidate: Candidate) -> int:

@@ -452,3 +452,20 @@ def test_the_admission_only_gauge_marks_the_reading_and_its_snapshot() -> None:
     assert not parse_metrics(base, "m").admission_only  # an older plugin, or none
     reading = parse_metrics(base + gauge, "m")
     assert reading.admission_only and load_snapshot(reading, 1.0).admission_only
+
+
+@pytest.mark.anyio
+async def test_a_stale_reading_keeps_what_it_said_of_admission_only() -> None:
+    endpoint = _endpoint("d0", "http://d0.test")
+    gauge = exposition({**BASE, "vllm:cache_threshold_admission_only": 1}, MODEL)
+    fleet = FleetState([endpoint])
+    async with upstream(MockTransport(Scripted([gauge, _text(1)]))) as up:
+        scraper = LoadScraper(fleet, up, LoadConfig(stale_after=5.0), clock=Clock(50.0))
+        await scraper.poll(endpoint)
+        [fresh] = scraper.candidates(fleet.snapshot(), now=51.0)
+        [stale] = scraper.candidates(fleet.snapshot(), now=60.0)  # too old to route on
+        assert fresh.load is not None and fresh.admission_only
+        assert stale.load is None and stale.admission_only
+        await scraper.poll(endpoint)  # restarted with an older plugin: it says so
+        [older] = scraper.candidates(fleet.snapshot(), now=51.0)
+        assert older.load is not None and not older.admission_only

@@ -77,3 +77,18 @@ def test_endpoints_a_request_named_are_forgotten_past_the_bound_least_recent_idl
     assert fleet.outlier_of("a:1") is None and fleet.outlier_of("b:1") is None
     assert fleet.outlier_of("busy:1") is not None and fleet.outlier_of("d:1") is not None
     fleet.leave("busy:1")
+
+
+def test_the_backlog_counts_prompt_tokens_until_their_first_answer() -> None:
+    fleet = FleetState([D0])
+    fleet.enter("d0", 3000)
+    fleet.enter("d0", 500)
+    assert fleet.status("d0").backlog == 3500 and fleet.status("d0").in_flight == 2
+    fleet.answered("d0", 3000)  # its first token: still in flight, out of the backlog
+    assert fleet.status("d0").backlog == 500 and fleet.status("d0").in_flight == 2
+    [status] = fleet.snapshot()
+    assert status.backlog == 500
+    fleet.answered("gone:1", 7)  # never seen: nothing to take off
+    fleet.enter("named:1", 42)  # an endpoint a request named is tracked alike
+    fleet.answered("named:1", 42)
+    fleet.leave("named:1")

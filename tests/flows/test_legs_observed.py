@@ -94,6 +94,7 @@ async def _serve(
     tracing: bool = False,
     attempt: Attempt | None = None,
     handback: HandbackConfig | None = None,
+    state: FleetState | None = None,
 ) -> Observed:
     metrics = GatewayMetrics()
     transport = MockTransport(script)
@@ -112,7 +113,7 @@ async def _serve(
         anyio.current_time,
     )
     legs = Legs(
-        upstream, FleetState(fleet), metrics, "rid", anyio.current_time,
+        upstream, state or FleetState(fleet), metrics, "rid", anyio.current_time,
         forward=forward, trace=trace,
     )  # fmt: skip
     flow = Flow(request, _plan_over(fleet), legs, attempt or Single(), settings)
@@ -382,3 +383,47 @@ async def test_a_leg_cancelled_while_it_connects_leaves_nothing_in_flight() -> N
     assert run.sample(counted, upstream="d1", phase="decode_attempt", outcome="cancelled") == 1
     [loser] = [s for s in run.spans if dict(s.attributes or {}).get("pd.endpoint") == "d1"]
     assert dict(loser.attributes or {})["pd.outcome"] == "cancelled"
+
+
+async def test_a_prompt_is_in_its_endpoint_s_backlog_until_its_first_answer() -> None:
+    """The decode attempt's prompt counts at the decoder until its rejection, the
+    prefill's at the prefiller until its answer; the decode leg that brings its KV
+    through the connector counts none; at the end every backlog is empty."""
+    state = FleetState((D0, D1, P0))
+    seen: list[tuple[str, int, int]] = []
+
+    def watching(name: str, answer: Any) -> Any:
+        def handler(request: Request) -> MockResponse:
+            seen.append((name, state.status(name).backlog, state.status(name).in_flight))
+            response: MockResponse = answer(request)
+            return response
+
+        return handler
+
+    script = Script(
+        {
+            "d0": [
+                watching("d0", _stream(_completion_chunk([], "cache_threshold", first=True))),
+                watching("d0", _stream(_completion_chunk([5, 6], "length", first=True))),
+            ],
+            "p0": [watching("p0", _whole(PREFILL))],
+        }
+    )
+    run = await _serve(script, STREAM, state=state)
+    assert run.flow.decision == "pd"
+    tokens = run.legs.prompt_tokens
+    assert tokens > 0
+    assert seen == [("d0", tokens, 1), ("p0", tokens, 1), ("d0", 0, 1)]
+    assert [state.status(n).backlog for n in ("d0", "d1", "p0")] == [0, 0, 0]
+    assert [state.status(n).in_flight for n in ("d0", "d1", "p0")] == [0, 0, 0]
+
+
+async def test_a_failed_leg_gives_its_backlog_back() -> None:
+    state = FleetState((D0, D1, P0))
+    script = Script(
+        {"d0": [lambda request: MockResponse(503, json={"error": "busy"})],
+         "d1": [_stream(_completion_chunk([5, 6], "length", first=True))]}
+    )  # fmt: skip
+    run = await _serve(script, STREAM, state=state)
+    assert run.flow.decoder == D1
+    assert [state.status(n).backlog for n in ("d0", "d1", "p0")] == [0, 0, 0]

@@ -22,9 +22,10 @@ def decoder(
     in_flight: int = 0,
     reading: LoadSnapshot | None = None,
     healthy: bool = True,
+    backlog: int = 0,
 ) -> Candidate:
     endpoint = Endpoint(name, f"http://{name}:8000", Role.DECODE, "h200", pool=pool)
-    return Candidate(endpoint, healthy, in_flight, reading)
+    return Candidate(endpoint, healthy, in_flight, reading, backlog)
 
 
 def prefiller(
@@ -33,9 +34,10 @@ def prefiller(
     in_flight: int = 0,
     reading: LoadSnapshot | None = None,
     healthy: bool = True,
+    backlog: int = 0,
 ) -> Candidate:
     endpoint = Endpoint(name, f"http://{name}:8000", Role.PREFILL, "h200", pool="prefill")
-    return Candidate(endpoint, healthy, in_flight, reading)
+    return Candidate(endpoint, healthy, in_flight, reading, backlog)
 
 
 IDLE_PREFILL = (prefiller(reading=load()),)

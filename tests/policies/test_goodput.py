@@ -8,7 +8,7 @@ import math
 import pytest
 
 from pd_orchestrator.model.endpoints import Endpoint, Role
-from pd_orchestrator.model.load import Candidate
+from pd_orchestrator.model.load import Candidate, LoadSnapshot
 from pd_orchestrator.policies import LatencyObservation
 from pd_orchestrator.policies.goodput import GoodputParams, GoodputPolicy, PoolModel, seed_rate
 from tests.policies.helpers import build, context, decoder, load, prefiller
@@ -35,6 +35,16 @@ def test_remote_ttft_is_the_best_prefiller_s_wait_prefill_and_transfer() -> None
     # p1: 1 request of the 20k mean ahead (2 s), 20k tokens (2 s), transfer 0.2 s
     assert policy.remote_ttft(ctx, policy.pools["decode"]) == pytest.approx(2.0 + 2.0 + 0.2)
     assert policy.remote_ttft(context(prefillers=()), policy.pools["decode"]) is None
+    # the gateway's backlog in tokens beats a count times the mean, and a prefiller's
+    # prefix-cache hit rate takes its share off both
+    queued = prefiller("p2", in_flight=1, backlog=50_000)
+    assert policy.remote_ttft(
+        context(tokens=20_000, prefillers=(queued,)), policy.pools["decode"]
+    ) == pytest.approx(5.0 + 2.0 + 0.2)
+    warm = prefiller("p3", reading=LoadSnapshot(1, 0, 0.0, 0.0, prefix_hit_rate=0.75))
+    assert policy.remote_ttft(
+        context(tokens=20_000, prefillers=(warm,)), policy.pools["decode"]
+    ) == pytest.approx((20_000 + 20_000) * 0.25 / RATE + 0.2)
 
 
 def test_local_wait_counts_the_uncached_work_queued_at_the_decoder() -> None:
@@ -44,6 +54,12 @@ def test_local_wait_counts_the_uncached_work_queued_at_the_decoder() -> None:
     reading = type(reading)(2, 3, 0.0, 0.0, prefix_hit_rate=0.5)
     ctx = context(tokens=4000, dec=decoder(reading=reading))
     assert policy.local_wait(ctx, policy.pools["decode"]) == pytest.approx(3 * 2000 / RATE)
+    # the prompts the gateway sent there and that had no first token yet, when more
+    ctx = context(tokens=4000, dec=decoder(reading=reading, backlog=30_000))
+    assert policy.local_wait(ctx, policy.pools["decode"]) == pytest.approx(15_000 / RATE)
+    assert policy.local_wait(
+        context(dec=decoder(backlog=30_000)), policy.pools["decode"]
+    ) == pytest.approx(3.0)  # no reading: no hit rate to take off
 
 
 def test_the_stall_limit_is_the_tpot_room_over_a_stream_s_output() -> None:
@@ -76,19 +92,25 @@ def test_a_long_prompt_that_misses_either_way_stays_where_it_is_cheaper() -> Non
     assert decision.value == 0.0  # local 3 s, remote 3.3 s: no transfer for nothing
 
 
-def test_an_idle_decoder_keeps_what_meets_the_target_a_queued_one_sends_it_away() -> None:
+def test_an_idle_decoder_keeps_what_meets_the_target_a_queued_one_drains() -> None:
     policy = _policy()
     prefillers = (prefiller(reading=load()),)
     idle = policy.decide(context(tokens=5_000, prefillers=prefillers))
     assert idle.value == 0.0 and idle.reason == "local"  # 0.5 s locally
-    policy.prompt_mean = 5_000
-    queued = load(running=0, waiting=4)  # 2 s of prefill ahead on the decoder
-    decision = policy.decide(
-        context(tokens=5_000, dec=decoder(reading=queued), prefillers=prefillers)
-    )
+    queued = decoder(backlog=20_000)  # 2 s of prefill ahead: past its 0.8 s share
+    decision = policy.decide(context(tokens=5_000, dec=queued, prefillers=prefillers))
+    assert decision.reason == "drain" and decision.value == 1.0  # P/D, no attempt
+
+
+def test_a_queued_decoder_keeps_what_fits_its_room_the_rest_goes_to_a_warm_prefiller() -> None:
+    policy = _policy()
+    warm = (prefiller(reading=LoadSnapshot(0, 0, 0.0, 0.0, prefix_hit_rate=0.9)),)
+    # wait 0.4 s; room 0.8 - 0.4 = 0.4 s; remote 8000 * 0.1 / RATE + 0.08 = 0.16 s
+    ctx = context(tokens=8_000, dec=decoder(backlog=4_000), prefillers=warm)
+    decision = policy.decide(ctx)
     assert decision.reason == "cost-model"
-    assert not _admits(decision.value, 5_000, 5_000)  # cold: remote (1.05 s) beats 2.5 s
-    assert _admits(decision.value, 5_000, 0)
+    assert decision.value == pytest.approx(1 - 4000.5 / 8000)
+    assert _admits(decision.value, 8_000, 4_000) and not _admits(decision.value, 8_000, 4_001)
 
 
 def test_no_compatible_prefiller_means_local() -> None:

@@ -230,7 +230,7 @@ def test_the_fallback_prefers_a_partial_holder_within_the_slack() -> None:
 
 def _loaded(endpoint: Endpoint, admission_only: bool) -> Candidate:
     load = LoadSnapshot(0, 0, 0.1, 0.0, admission_only=admission_only)
-    return Candidate(endpoint, load=load)
+    return Candidate(endpoint, load=load, admission_only=admission_only)
 
 
 def _constrained() -> RequestFacts:
@@ -263,3 +263,27 @@ def test_ask_all_takes_admission_only_only_when_every_decoder_does() -> None:
     assert ask_all.plan(_constrained(), every, 0.0, 0).threshold.admission_only
     one_older = [_loaded(e, admission_only=e.name != "ad0") for e in FLEET]
     assert ask_all.plan(_constrained(), one_older, 0.0, 0).threshold.reason == "not-continuable"
+
+
+def test_an_endpoint_of_role_both_never_prefills_for_itself() -> None:
+    both = [_endpoint(f"b{i}", Role.BOTH, "nvidia") for i in range(3)]
+    policy = _Fixed()
+    plan = _planner(policy=policy).plan(_request(), [Candidate(e) for e in both], 0.0, 0)
+    decoder = plan.decoder
+    others = {e.name for e in both} - {decoder.name}
+    assert {e.name for e in plan.prefillers_for(decoder)} == others
+    [seen] = policy.seen
+    assert {c.endpoint.name for c in seen.prefillers} == others
+    for endpoint in both:  # the ranking is worked out once; each decoder is left out of its own
+        assert endpoint.name not in {e.name for e in plan.prefillers_for(endpoint)}
+
+
+def test_admission_only_is_kept_while_the_reading_is_stale() -> None:
+    """A decoder too busy to answer its ``/metrics`` in time has a stale reading (no
+    load), but its plugin still honours admission-only: the constrained request keeps
+    the policy's threshold."""
+    stale = [Candidate(e, load=None, admission_only=True) for e in FLEET]
+    plan = _planner().plan(_constrained(), stale, 0.0, 0)
+    assert plan.threshold == ThresholdDecision(0.5, "static", "fixed", admission_only=True)
+    unknown = [Candidate(e) for e in FLEET]  # never read: not known to honour it
+    assert _planner().plan(_constrained(), unknown, 0.0, 0).threshold.value == 0.0
