@@ -25,12 +25,9 @@ For the chosen decoder and a prompt of ``L`` tokens, ``u`` of them uncached ther
   ``tpot - itl_d`` left under the TPOT target (``itl_d``: the pool's observed ITL).
 
 A decoder whose wait already spends its share of the TTFT target (``wait + hop >=
-ttft * slack``) keeps nothing when P/D is no slower -- ``max(remote, wait)`` (the
-decode leg still waits for the decoder's queue, which drains meanwhile) within
-``wait + L * (1 - hit_d) / rate_d`` (the prompt's expected local prefill): the policy
-sends threshold 1, which no prompt meets, so the gateway skips the decode attempt
-(and its wait in that queue) and the request goes P/D at once; the queue drains
-(reason ``drain``). A prefill pool queued as deep keeps the prompt. Otherwise it keeps
+ttft * slack``) keeps nothing: the policy sends threshold 1, which no prompt meets,
+so the gateway skips the decode attempt (and its wait in that queue) and the
+request goes P/D at once; the queue drains (reason ``drain``). Otherwise it keeps
 ``u`` when ``u / rate_d`` is within ``max(remote, ttft * slack - wait)`` (local costs
 the fleet less whenever it still meets the target, even when remote would be a
 little faster) and -- when the wait and the remote path together meet the TTFT
@@ -167,12 +164,6 @@ class GoodputPolicy:
             backlog = max(backlog, load.waiting * (self.prompt_mean or context.prompt_tokens))
         return backlog * (1.0 - hit) / model.rate_local
 
-    def _cold_seconds(self, context: ThresholdContext, model: PoolModel) -> float:
-        """The prompt's expected local prefill: its tokens less the decoder's hit rate."""
-        load = context.decoder_load
-        hit = (load.prefix_hit_rate if load is not None else None) or 0.0
-        return context.prompt_tokens * (1.0 - hit) / model.rate_local
-
     def stall_limit(self, context: ThresholdContext, model: PoolModel) -> float:
         """The most uncached tokens a local prefill may have before the streams
         decoding on the decoder miss the TPOT target (inf: nothing decodes there)."""
@@ -197,7 +188,7 @@ class GoodputPolicy:
         p = self.params
         wait = self.local_wait(context, model)
         room = p.ttft * p.slack - wait - p.hop
-        if room <= 0.0 and max(remote, wait) <= wait + self._cold_seconds(context, model):
+        if room <= 0.0:
             return ThresholdDecision(1.0, self.name, "drain")
         by_ttft = max(remote - p.hop, room) * model.rate_local
         by_stall = self.stall_limit(context, model) if wait + remote <= p.ttft else math.inf
