@@ -5,8 +5,10 @@ request goes through it, so every one is treated alike:
 
 * counted in flight on its endpoint from the moment it is sent until it is read to
   the end or closed (a stream for as long as it streams), and its prompt's tokens in
-  the endpoint's backlog until its first decisive chunk or answer (none for a
-  ``/tokenize`` or a decode leg whose KV a connector brings: nothing to prefill);
+  the endpoint's backlog until its first decisive chunk or its one-token answer
+  (a prefill, a probe). None for a ``/tokenize`` or a decode leg whose KV a
+  connector brings (nothing to prefill), nor for a whole answer of more tokens
+  (it comes after its last token, not its first: the endpoint's reading covers it);
 * its success or failure reported to the fleet: a failure when it happens
   (:meth:`FleetState.record_error`: a connection that cannot be made counts as a
   failed check; outlier detection counts 5xx answers, broken connections, timeouts
@@ -316,7 +318,8 @@ class Legs:
         if self._prefill_failed and name == "prefill":
             self._prefill_failed = False
             self.metrics.prefill_retries.inc()
-        with self._leg(endpoint, name, span, self._backlog(phase, body), held=False):
+        backlog = self._backlog(phase, body, stream=False)
+        with self._leg(endpoint, name, span, backlog, held=False):
             return await self.upstream.post_json(
                 endpoint, path, body, phase=phase,
                 headers=self._headers(endpoint, span, extra), prompt_tokens=self.prompt_tokens,
@@ -349,11 +352,13 @@ class Legs:
             fleet.answered(where, backlog)
             fleet.leave(where)
 
-    def _backlog(self, phase: Phase, body: Json) -> int:
-        """Prompt tokens the leg asks its endpoint to prefill (see the module docstring)."""
+    def _backlog(self, phase: Phase, body: Json, *, stream: bool) -> int:
+        """Prompt tokens the leg holds in its endpoint's backlog (module docstring)."""
         if phase is Phase.TOKENIZE or phase is Phase.PROBE:
             return 0
         if phase is Phase.DECODE and "kv_transfer_params" in body:
+            return 0
+        if not stream and body.get("max_tokens") != 1:
             return 0
         return self.prompt_tokens
 
@@ -404,7 +409,7 @@ class Legs:
         stream: ChunkStream | None = None
         backlog = 0
         if body.get("stream"):
-            backlog = self._backlog(phase, body)
+            backlog = self._backlog(phase, body, stream=True)
             stream = await self._open_stream(endpoint, path, body, phase, span, headers, backlog)
             source: AsyncIterator[list[Json]] = stream
         else:

@@ -385,21 +385,29 @@ async def test_a_leg_cancelled_while_it_connects_leaves_nothing_in_flight() -> N
     assert dict(loser.attributes or {})["pd.outcome"] == "cancelled"
 
 
+def _watcher(state: FleetState, seen: list[tuple[str, int, int]]) -> Any:
+    """Wraps a scripted answer: it records the endpoint's backlog and in-flight count
+    when the request arrives."""
+
+    def watching(name: str, answer: Any) -> Any:
+        def handler(request: Request) -> MockResponse:
+            status = state.status(name)
+            seen.append((name, status.backlog, status.in_flight))
+            response: MockResponse = answer(request)
+            return response
+
+        return handler
+
+    return watching
+
+
 async def test_a_prompt_is_in_its_endpoint_s_backlog_until_its_first_answer() -> None:
     """The decode attempt's prompt counts at the decoder until its rejection, the
     prefill's at the prefiller until its answer; the decode leg that brings its KV
     through the connector counts none; at the end every backlog is empty."""
     state = FleetState((D0, D1, P0))
     seen: list[tuple[str, int, int]] = []
-
-    def watching(name: str, answer: Any) -> Any:
-        def handler(request: Request) -> MockResponse:
-            seen.append((name, state.status(name).backlog, state.status(name).in_flight))
-            response: MockResponse = answer(request)
-            return response
-
-        return handler
-
+    watching = _watcher(state, seen)
     script = Script(
         {
             "d0": [
@@ -426,4 +434,33 @@ async def test_a_failed_leg_gives_its_backlog_back() -> None:
     )  # fmt: skip
     run = await _serve(script, STREAM, state=state)
     assert run.flow.decoder == D1
+    assert [state.status(n).backlog for n in ("d0", "d1", "p0")] == [0, 0, 0]
+
+
+async def test_a_whole_answer_of_many_tokens_holds_no_backlog() -> None:
+    """A client that wants a whole answer gets a whole decode attempt: its answer
+    comes after the last token, so it is not counted (the reading covers it); the
+    prefill's one-token answer is."""
+    state = FleetState((D0, D1, P0))
+    seen: list[tuple[str, int, int]] = []
+    watching = _watcher(state, seen)
+    rejected = {
+        "id": "a",
+        "object": "text_completion",
+        "model": "m",
+        "choices": [{"index": 0, "text": "", "finish_reason": "cache_threshold"}],
+    }
+    served = {"id": "d", "object": "text_completion", "model": "m",
+              "choices": [{"index": 0, "text": " t5", "token_ids": [5],
+                           "finish_reason": "length"}]}  # fmt: skip
+    script = Script(
+        {
+            "d0": [watching("d0", _whole(rejected)), watching("d0", _whole(served))],
+            "p0": [watching("p0", _whole(PREFILL))],
+        }
+    )
+    whole = {"model": "m", "prompt": "hello", "max_tokens": 4}
+    run = await _serve(script, whole, state=state)
+    assert run.flow.decision == "pd"
+    assert seen == [("d0", 0, 1), ("p0", run.legs.prompt_tokens, 1), ("d0", 0, 1)]
     assert [state.status(n).backlog for n in ("d0", "d1", "p0")] == [0, 0, 0]
