@@ -40,6 +40,10 @@ late. (Routing does not depend on them being quick: a late check does not count
 against an endpoint that answers requests, and with none healthy the gateway routes
 to all of them.)"""
 READY_SECONDS = 120.0
+METRICS_SECONDS = 60.0
+"""A ``/metrics`` read's timeout: a one-core CPU vLLM on a loaded 2-core machine has
+taken over 10 s to render it right after a KV hand-over (the suite's tests have
+minutes each)."""
 
 
 @dataclass(frozen=True)
@@ -196,4 +200,4 @@ def metric_in(text: str, name: str, **labels: str) -> float:
 
 def metric(url: str, name: str, **labels: str) -> float:
     """:func:`metric_in` over the ``/metrics`` of the server at ``url``."""
-    return metric_in(httpx.get(f"{url}/metrics", timeout=10).text, name, **labels)
+    return metric_in(httpx.get(f"{url}/metrics", timeout=METRICS_SECONDS).text, name, **labels)

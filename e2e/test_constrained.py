@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from targets import Target, metric
+from targets import METRICS_SECONDS, Target, metric
 from test_gateway_pd import _generate, _post, _preemption_shape, _reference, _text_of
 
 pytestmark = pytest.mark.timeout(900)
@@ -88,7 +88,7 @@ def test_a_cold_constrained_request_goes_pd_and_a_warm_one_decode(
     warm = _post(gateway, "/v1/chat/completions", body)
     assert warm.status_code == 200 and warm.headers["x-pd-decision"] == "decode"
     assert _answer_of(warm.json()) == _answer_of(cold.json())
-    text_metrics = httpx.get(f"{gateway}/metrics", timeout=10).text
+    text_metrics = httpx.get(f"{gateway}/metrics", timeout=METRICS_SECONDS).text
     assert "pd_orchestrator_constrained_requests_total" in text_metrics
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+from targets import METRICS_SECONDS
 
 from pd_orchestrator.vllm_plugin import SUPPORTED_VLLM_VERSIONS
 
@@ -69,7 +70,7 @@ def choice_events(events: Sequence[dict[str, Any] | str]) -> list[dict[str, Any]
 
 def metric(url: str, name: str, **labels: str) -> float:
     """Sum of the samples of ``name`` whose labels include ``labels``."""
-    text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    text = httpx.get(f"{url}/metrics", timeout=METRICS_SECONDS).text
     total = 0.0
     for line in text.splitlines():
         match = re.match(r"^([^{# ]+)(?:\{(.*)\})? ([0-9.eE+-]+)$", line)
