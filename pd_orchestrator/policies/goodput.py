@@ -152,7 +152,7 @@ class GoodputPolicy:
             return None
         tokens, p = context.prompt_tokens, self.params
         mean = self.prompt_mean or tokens
-        prefill = min(_remote_seconds(c, tokens, mean) for c in context.prefillers)
+        prefill = min(_remote_tokens(c, tokens, mean) for c in context.prefillers)
         return prefill / model.rate_remote + tokens / p.transfer_tokens_per_s + 3 * p.hop
 
     def local_wait(self, context: ThresholdContext, model: PoolModel) -> float:
@@ -240,10 +240,10 @@ _MIN_SAMPLE = 512
 """Prompt tokens below which a TTFT says more about fixed costs than about a rate."""
 
 
-def _remote_seconds(candidate: Candidate, tokens: int, mean: float) -> float:
+def _remote_tokens(candidate: Candidate, tokens: int, mean: float) -> float:
     """Prompt tokens a prefiller computes before this one's first token, this one's
-    included: its backlog (the gateway's own requests, or what a reading counts
-    times the mean prompt, the larger) and ``tokens``, less its prefix-cache hit rate."""
+    included: its backlog or its request count (:func:`_outstanding`) times the mean
+    prompt, the larger, and ``tokens``; less its prefix-cache hit rate."""
     load = candidate.load
     hit = (load.prefix_hit_rate if load is not None else None) or 0.0
     queued = max(candidate.backlog, _outstanding(candidate) * mean)
