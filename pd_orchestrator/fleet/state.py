@@ -278,9 +278,10 @@ class FleetState:
         if name in self._backlog:
             self._backlog[name] -= backlog
 
-    def leave(self, name: str) -> None:
-        """One request in flight on ``name`` ended."""
+    def leave(self, name: str, backlog: int = 0) -> None:
+        """One request in flight on ``name`` ended, with the ``backlog`` it still held."""
         self._in_flight[name] -= 1
+        self._backlog[name] -= backlog
 
     @contextmanager
     def in_flight(self, name: str) -> Iterator[None]:

@@ -339,18 +339,15 @@ class Legs:
         try:
             yield
         except UpstreamError as exc:
-            fleet.answered(where, backlog)
-            fleet.leave(where)
+            fleet.leave(where, backlog)
             self._failed_leg(endpoint, exc, name, span)
             raise
         except BaseException:
-            fleet.answered(where, backlog)
-            fleet.leave(where)
+            fleet.leave(where, backlog)
             self._cancelled_leg(endpoint, name, span)
             raise
         if not held:
-            fleet.answered(where, backlog)
-            fleet.leave(where)
+            fleet.leave(where, backlog)
 
     def _backlog(self, phase: Phase, body: Json, *, stream: bool) -> int:
         """Prompt tokens the leg holds in its endpoint's backlog (module docstring)."""
@@ -492,8 +489,8 @@ class Legs:
                         with anyio.move_on_after(CLOSE_SECONDS, shield=True):
                             await stream.aclose()
                 finally:
-                    self._answered(leg)
-                    self.fleet.leave(leg.endpoint.name)
+                    self.fleet.leave(leg.endpoint.name, leg.backlog)
+                    leg.backlog = 0
                     self._closed(leg, stream.done)
                 return
         if leg.error is not None:  # an answer in hand (its leg was accounted) found faulty

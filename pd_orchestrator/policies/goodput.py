@@ -158,7 +158,7 @@ class GoodputPolicy:
     def local_wait(self, context: ThresholdContext, model: PoolModel) -> float:
         """Seconds of prefill queued at the decoder before this request's own."""
         load = context.decoder_load
-        hit = (load.prefix_hit_rate if load is not None else None) or 0.0
+        hit = _hit_rate(context.decoder)
         backlog: float = context.decoder.backlog
         if load is not None and load.waiting:
             backlog = max(backlog, load.waiting * (self.prompt_mean or context.prompt_tokens))
@@ -244,10 +244,14 @@ def _remote_tokens(candidate: Candidate, tokens: int, mean: float) -> float:
     """Prompt tokens a prefiller computes before this one's first token, this one's
     included: its backlog or its request count (:func:`_outstanding`) times the mean
     prompt, the larger, and ``tokens``; less its prefix-cache hit rate."""
-    load = candidate.load
-    hit = (load.prefix_hit_rate if load is not None else None) or 0.0
     queued = max(candidate.backlog, _outstanding(candidate) * mean)
-    return (queued + tokens) * (1.0 - hit)
+    return (queued + tokens) * (1.0 - _hit_rate(candidate))
+
+
+def _hit_rate(candidate: Candidate) -> float:
+    """The prefix-cache hit rate of ``candidate``'s reading (0 when unknown)."""
+    load = candidate.load
+    return (load.prefix_hit_rate if load is not None else None) or 0.0
 
 
 def _outstanding(candidate: Candidate) -> int:
