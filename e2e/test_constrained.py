@@ -1,7 +1,9 @@
-"""Requests a continuation cannot honour (tools, structured outputs, logprobs) against a
-target pair: sent admission-only with the policy's threshold, a cold one goes P/D with
-its constraint on the decode leg, a warm one is admitted, a preempted one is recomputed
-by its decoder and never handed back; every answer is the reference's (greedy)."""
+"""Constrained requests (tools, structured outputs, logprobs) against a target pair: a
+cold one goes P/D with its constraint on the decode leg, a warm one is admitted.
+Preempted, a structured output is handed back and continued with its grammar advanced
+over the tokens already generated (the plugin's ``cache_hit_resume_tokens``); a request
+a continuation cannot honour (logprobs) is sent admission-only and recomputed by its
+decoder, never handed back. Every answer is the reference's (greedy)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import json
 import random
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -37,16 +40,20 @@ CONSTRAINTS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-def _admission_only_known(gateway: str, timeout: float = 60.0) -> None:
-    """Until the gateway has read that the decoder takes admission-only thresholds."""
+def _admission_only_known(
+    gateway: str, capability: str = "admission_only", timeout: float = 60.0
+) -> None:
+    """Until the gateway has read that the decoders take admission-only thresholds
+    (``capability`` ``resumes``: that every endpoint resumes a grammar)."""
+    roles = ("decode",) if capability == "admission_only" else ("decode", "prefill")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         status = httpx.get(f"{gateway}/status", timeout=10).json()
-        loads = [e["load"] for e in status["endpoints"] if e["role"] == "decode"]
-        if loads and all(load and load["admission_only"] for load in loads):
+        loads = [e["load"] for e in status["endpoints"] if e["role"] in roles]
+        if loads and all(load and load[capability] for load in loads):
             return
         time.sleep(0.2)
-    pytest.fail("the gateway never read vllm:cache_threshold_admission_only from the decoder")
+    pytest.fail(f"the gateway never read the plugin's {capability} gauge from every endpoint")
 
 
 def _answer_of(body: dict[str, Any]) -> tuple[list[int], str]:
@@ -115,7 +122,7 @@ async def _preempted_round(target: Target, gateway: str, extra: dict[str, Any]) 
     return preempted_now
 
 
-@pytest.mark.parametrize("extra", [{"logprobs": 2}], ids=["logprobs"])
+@pytest.mark.parametrize("extra", [{"prompt_logprobs": 1}], ids=["prompt-logprobs"])
 def test_a_preempted_constrained_request_is_recomputed_by_its_decoder(
     target: Target, gateway: str, extra: dict[str, Any]
 ) -> None:
@@ -133,3 +140,242 @@ def test_a_preempted_constrained_request_is_recomputed_by_its_decoder(
     assert metric(gateway, "pd_orchestrator_handbacks_total") == handbacks
     after = metric(decoder, "vllm:cache_threshold_rejections_total", phase="preemption")
     assert after == rejected
+
+
+DIGITS = 80
+"""Items of the array the resumed schema asks for: about 160-240 tokens (digits and
+", " separators), enough for three of them to overflow the CPU decoder's KV cache
+and within its 512-token context with the 161-token prompt (``MAX_TOKENS``)."""
+MAX_TOKENS = 340
+ARRAY_SCHEMA = {
+    "type": "array",
+    "items": {"type": "integer", "minimum": 0, "maximum": 9},
+    "minItems": DIGITS,
+    "maxItems": DIGITS,
+}
+RESUMED: dict[str, dict[str, Any]] = {
+    "json-schema": {"response_format": {"type": "json_schema",
+                                        "json_schema": {"name": "digits", "schema": ARRAY_SCHEMA}}},
+    "logprobs": {"logprobs": 2},
+}  # fmt: skip
+_LOGPROB_LISTS = ("tokens", "text_offset")
+
+
+Reader = Callable[[httpx.AsyncClient, str, dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+async def _warm_then_together(
+    target: Target, gateway: str, path: str, bodies: list[dict[str, Any]], read: Reader
+) -> tuple[bool, list[dict[str, Any]], list[dict[str, Any]]]:
+    """Each body once with one token (cold: P/D, so the decoder holds its prompt), then
+    all together through the gateway; whether the gateway handed one back, what
+    ``read`` made of each answer, and of the reference's (whole, threshold 0)."""
+    async with httpx.AsyncClient(timeout=600) as client:
+        for body in bodies:
+            once = body | {"max_tokens": 1, "stream": False}
+            warm = await client.post(f"{gateway}{path}", json=once)
+            assert warm.status_code == 200, warm.text
+        handbacks = metric(gateway, "pd_orchestrator_handbacks_total")
+        results = await asyncio.gather(*(read(client, gateway, b) for b in bodies))
+        handed_back = metric(gateway, "pd_orchestrator_handbacks_total") > handbacks
+        plain = {"stream": False, "cache_hit_threshold": 0}
+        references = [await read(client, target.reference, b | plain) for b in bodies]
+    return handed_back, list(results), references
+
+
+async def _answer(client: httpx.AsyncClient, gateway: str, body: dict[str, Any]) -> dict[str, Any]:
+    """Token ids, text and logprob tokens and offsets of a completions answer, streamed
+    (the pieces joined) or whole."""
+    if not body.get("stream"):
+        answer = await client.post(f"{gateway}/v1/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        return _parts([answer.json()["choices"][0]])
+    choices: list[dict[str, Any]] = []
+    async with client.stream("POST", f"{gateway}/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                choices += chunk["choices"]
+    return _parts(choices)
+
+
+def _parts(choices: list[dict[str, Any]]) -> dict[str, Any]:
+    parts: dict[str, Any] = {"ids": [], "text": "", **{name: [] for name in _LOGPROB_LISTS}}
+    for choice in choices:
+        parts["ids"] += choice.get("token_ids") or []
+        parts["text"] += choice.get("text") or ""
+        for name in _LOGPROB_LISTS:
+            parts[name] += (choice.get("logprobs") or {}).get(name) or []
+    return parts
+
+
+async def _handed_back_round(target: Target, gateway: str, extra: dict[str, Any]) -> bool:
+    """Token prompts that overflow the decoder's KV, warmed (P/D once), then together,
+    streamed and whole: True when the gateway handed one back. Every answer is the
+    reference's: its tokens, its logprob tokens and text offsets (one offset sequence
+    across legs), and on real vLLM a structured one is valid against the schema."""
+    count, prompt_tokens, output = _preemption_shape(target)
+    rng = random.Random(uuid.uuid4().hex)
+    prompts = [[rng.randrange(1000, 3000) for _ in range(prompt_tokens)] for _ in range(count)]
+    # the simulator ignores the constraint: its answers run to the shape's length
+    length = {"max_tokens": output, "ignore_eos": True} if target.name == "sim" else {}
+    bodies = [{"model": target.model, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0,
+               "return_token_ids": True, "stream": i % 2 == 0, "cache_hit_threshold": 0.9}
+              | length | extra for i, p in enumerate(prompts)]  # fmt: skip
+    handed_back, results, references = await _warm_then_together(
+        target, gateway, "/v1/completions", bodies, _answer
+    )
+    for result, reference in zip(results, references, strict=True):
+        assert result["ids"] == reference["ids"], "the output differs from the reference"
+        if "logprobs" in extra and target.name != "sim":  # the simulator returns none
+            assert len(result["tokens"]) == len(result["ids"])
+            for name in _LOGPROB_LISTS:
+                assert result[name] == reference[name], f"logprobs {name} differ"
+        if "response_format" in extra and target.name == "vllm":
+            digits = json.loads(result["text"])
+            assert len(digits) == DIGITS and all(0 <= d <= 9 for d in digits)
+    return handed_back
+
+
+@pytest.mark.parametrize("constraint", list(RESUMED))
+def test_a_preempted_structured_output_or_logprobs_request_is_handed_back_and_continued(
+    target: Target, gateway: str, constraint: str
+) -> None:
+    """A structured output resumes with its grammar advanced (counted ``resumable``); a
+    logprobs request needs no plugin support: its continuation asks for them."""
+    if not target.preemption:
+        pytest.skip("this target's decoder cannot be forced to preempt (PDO_E2E_PREEMPTION=1)")
+    _admission_only_known(gateway, "resumes")
+    decoder = target.decoders[0]
+    rejected = metric(decoder, "vllm:cache_threshold_rejections_total", phase="preemption")
+    resumable = metric(gateway, "pd_orchestrator_constrained_requests_total", threshold="resumable")
+    for _ in range(4):
+        if asyncio.run(_handed_back_round(target, gateway, RESUMED[constraint])):
+            break
+    else:
+        pytest.fail("the gateway handed nothing back in 4 rounds")
+    after = metric(decoder, "vllm:cache_threshold_rejections_total", phase="preemption")
+    assert after > rejected
+    now = metric(gateway, "pd_orchestrator_constrained_requests_total", threshold="resumable")
+    assert now > resumable if constraint == "json-schema" else now == resumable
+
+
+DIGITS_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "digits",
+        "description": "Record digits.",
+        "parameters": {"type": "object", "properties": {"digits": ARRAY_SCHEMA},
+                       "required": ["digits"], "additionalProperties": False},
+    },
+}  # fmt: skip
+NAMED_DIGITS = {"tools": [DIGITS_TOOL],
+                "tool_choice": {"type": "function", "function": {"name": "digits"}}}  # fmt: skip
+CHAT_PROMPT_TOKENS = 161
+"""Chat prompt tokens, about: within the decoder's context with ``MAX_TOKENS`` of
+output. A named call's JSON has no spaces (about 170 tokens) and the prompts share
+the template's rendering of the tools, so one request more than the completions
+rounds overflows the decoder's KV cache as much."""
+
+
+async def _tool_answer(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """Token ids, content, the named call's arguments (its deltas joined) and the call
+    ids of a chat answer, streamed or whole."""
+    if not body.get("stream"):
+        answer = await client.post(f"{url}/v1/chat/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        choice = answer.json()["choices"][0]
+        calls = choice["message"].get("tool_calls") or []
+        return {"ids": list(choice["token_ids"]), "text": choice["message"].get("content") or "",
+                "arguments": "".join(c["function"]["arguments"] for c in calls),
+                "call_ids": [c["id"] for c in calls]}  # fmt: skip
+    ids: list[int] = []
+    text: list[str] = []
+    arguments: list[str] = []
+    call_ids: list[str] = []
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            for choice in chunk["choices"]:
+                ids += choice.get("token_ids") or []
+                delta = choice.get("delta") or {}
+                text.append(delta.get("content") or "")
+                for call in delta.get("tool_calls") or []:
+                    arguments.append((call.get("function") or {}).get("arguments") or "")
+                    call_ids += [call["id"]] if call.get("id") else []
+    return {"ids": ids, "text": "".join(text), "arguments": "".join(arguments),
+            "call_ids": call_ids}  # fmt: skip
+
+
+def _chat_tokens(target: Target, text: str) -> int:
+    """Tokens of the chat prompt of ``text`` with the tools (the template renders them)."""
+    body = {"model": target.model, "messages": [{"role": "user", "content": text}],
+            "tools": NAMED_DIGITS["tools"]}  # fmt: skip
+    return int(httpx.post(f"{target.reference}/tokenize", json=body, timeout=30).json()["count"])
+
+
+def _chat_text_of(target: Target, tokens: int, seed: str) -> str:
+    """A user message whose chat prompt (template and tools included) has ``tokens``
+    tokens or a few more, one past a whole number of 32-token blocks: warm, all but
+    that token hit, so a threshold of 0.9 admits it."""
+    overhead = _chat_tokens(target, "")
+    text = _text_of(target.reference, target.model, max(8, tokens - overhead - 8), seed)
+    for step in range(96):
+        if _chat_tokens(target, text) % 32 == 1:
+            return text
+        text += " a" if step % 2 else "."  # one token or two, whatever the tokenizer
+    pytest.fail("no chat prompt length one past a block boundary")
+
+
+async def _named_tool_round(target: Target, gateway: str) -> bool:
+    """Chat requests that must call ``digits``, overflowing the decoder's KV together:
+    True when the gateway handed one back. Every answer is the reference's tokens and
+    arguments, one call id each (streamed), and on real vLLM valid for the tool."""
+    count, _, _ = _preemption_shape(target)
+    texts = [_chat_text_of(target, CHAT_PROMPT_TOKENS, uuid.uuid4().hex) for _ in range(count + 1)]
+    bodies = [{"model": target.model, "messages": [{"role": "user", "content": text}],
+               "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True,
+               "stream": i % 2 == 0, "cache_hit_threshold": 0.9} | NAMED_DIGITS
+              for i, text in enumerate(texts)]  # fmt: skip
+    handed_back, results, references = await _warm_then_together(
+        target, gateway, "/v1/chat/completions", bodies, _tool_answer
+    )
+    for result, reference in zip(results, references, strict=True):
+        assert result["ids"] == reference["ids"], "the output differs from the reference"
+        assert result["arguments"] == reference["arguments"]
+        assert result["text"] == reference["text"]
+        if target.name == "vllm":
+            assert len(result["call_ids"]) == 1 and result["text"] == ""
+            digits = json.loads(result["arguments"])["digits"]
+            assert len(digits) == DIGITS and all(0 <= d <= 9 for d in digits)
+    return handed_back
+
+
+def test_a_preempted_named_tool_call_is_handed_back_and_continued_as_the_same_call(
+    target: Target, gateway: str
+) -> None:
+    if not target.preemption:
+        pytest.skip("this target's decoder cannot be forced to preempt (PDO_E2E_PREEMPTION=1)")
+    if target.name == "sim":
+        pytest.skip("the simulator answers a tool choice as text (it parses no tool calls)")
+    if target.name == "live":
+        probe = _post(target.reference, "/v1/chat/completions",
+                      {"model": target.model, "messages": [{"role": "user", "content": "x"}],
+                       "max_tokens": 1} | NAMED_DIGITS)  # fmt: skip
+        if probe.status_code == 400 and "tool-call-parser" in probe.text:
+            pytest.skip("the target's servers run no tool-call parser (--tool-call-parser)")
+    _admission_only_known(gateway, "resumes")
+    resumable = metric(gateway, "pd_orchestrator_constrained_requests_total", threshold="resumable")
+    for _ in range(4):
+        if asyncio.run(_named_tool_round(target, gateway)):
+            break
+    else:
+        pytest.fail("the gateway handed nothing back in 4 rounds")
+    now = metric(gateway, "pd_orchestrator_constrained_requests_total", threshold="resumable")
+    assert now > resumable

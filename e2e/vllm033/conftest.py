@@ -24,7 +24,7 @@ import itertools
 import os
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -156,6 +156,31 @@ def fresh_prompt(num_tokens: int) -> list[int]:
     return [(seed * 7919 + i * 31) % 4000 + 50 for i in range(num_tokens)]
 
 
+def engine_core_request(
+    request_id: str, prompt: list[int], params: SamplingParams
+) -> EngineCoreRequest:
+    """The request the API server hands the engine core."""
+    return EngineCoreRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        mm_features=None,
+        sampling_params=params,
+        pooling_params=None,
+        arrival_time=time.time(),
+        lora_request=None,
+        cache_salt=None,
+        data_parallel_rank=None,
+        external_req_id=request_id,
+    )
+
+
+def detached_request(request_id: str, prompt: list[int], params: SamplingParams) -> Request:
+    """An engine request no scheduler holds (to compare a scheduled one against)."""
+    return Request.from_engine_core_request(
+        engine_core_request(request_id, prompt, params), BLOCK_HASHER
+    )
+
+
 @dataclass
 class Finished:
     """What one request ended with: the engine's last output and the API server's."""
@@ -191,25 +216,18 @@ class Loop:
         max_tokens: int = 8,
         extra_args: dict[str, Any] | None = None,
         sampling_params: SamplingParams | None = None,
+        before_add: Callable[[Request], None] | None = None,
     ) -> Request:
-        """Submit a request to both sides, as the API server and the engine core do."""
+        """Submit a request to both sides, as the API server and the engine core do
+        (``before_add``: what the engine core does to it first, e.g. start its grammar)."""
         params = sampling_params or SamplingParams(
             max_tokens=max_tokens, temperature=0.0, extra_args=extra_args
         )
-        core_request = EngineCoreRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt,
-            mm_features=None,
-            sampling_params=params,
-            pooling_params=None,
-            arrival_time=time.time(),
-            lora_request=None,
-            cache_salt=None,
-            data_parallel_rank=None,
-            external_req_id=request_id,
-        )
+        core_request = engine_core_request(request_id, prompt, params)
         self.processor.add_request(core_request, prompt=None)
         request = Request.from_engine_core_request(core_request, BLOCK_HASHER)
+        if before_add is not None:
+            before_add(request)
         self.scheduler.add_request(request)
         return request
 

@@ -9,16 +9,18 @@ is always recomputed), ratio 96/97 = 0.9897.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import BLOCK_SIZE, Loop, fresh_prompt
+from conftest import BLOCK_SIZE, Loop, detached_request, fresh_prompt
 from prometheus_client import REGISTRY
 from vllm.engine.arg_utils import EngineArgs
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.exceptions import VLLMValidationError
+from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.v1.engine import FinishReason
 
@@ -196,6 +198,137 @@ def test_a_bad_admission_only_value_is_a_validation_error(value: object) -> None
         openai_params(
             CompletionRequest, {"prompt": "x", "vllm_xargs": {"cache_hit_admission_only": value}}
         )
+
+
+# --- resume: a structured output's grammar advanced over resumed tokens -------------
+
+REGEX = "[0-9]{2,40}(,[a-z]{1,30}){1,5}"
+
+
+def regex_params(**extra: Any) -> SamplingParams:
+    """A regex constraint on xgrammar (the API server's input processor picks the
+    backend; the engine core expects it picked)."""
+    constraint = StructuredOutputsParams(regex=REGEX)
+    constraint._backend = "xgrammar"
+    return SamplingParams(
+        max_tokens=8, temperature=0.0, structured_outputs=constraint, extra_args=extra or None
+    )
+
+
+def structured(loop: Loop, request_id: str, prompt: list[int], **extra: Any) -> Any:
+    """A request with a regex constraint, its grammar compiled as the engine core does."""
+    manager = loop.scheduler.structured_output_manager
+    params = regex_params(**extra)
+    return loop.add(request_id, prompt, sampling_params=params, before_add=manager.grammar_init)
+
+
+def allowed(loop: Loop, request: Any) -> frozenset[int]:
+    """The token ids ``request``'s grammar allows next."""
+    manager = loop.scheduler.structured_output_manager
+    bitmask = manager.backend.allocate_token_bitmask(1)
+    request.structured_output_request.grammar.fill_bitmask(bitmask, 0)
+    words = bitmask[0].tolist()
+    return frozenset(
+        word_index * 32 + bit
+        for word_index, word in enumerate(words)
+        for bit in range(32)
+        if (word >> bit) & 1
+    )
+
+
+def walk(loop: Loop, request: Any, steps: int) -> list[int]:
+    """``steps`` tokens the grammar allows, one after another (the smallest allowed id
+    that differs from the last), accepted by ``request``'s grammar as decoding would."""
+    tokens: list[int] = []
+    for _ in range(steps):
+        choices = sorted(allowed(loop, request) - set(tokens[-1:]))
+        token = choices[len(choices) // 2]
+        assert loop.scheduler.structured_output_manager.accept_tokens(request, [token])
+        tokens.append(token)
+    return tokens
+
+
+def wait_for_grammars(loop: Loop, *requests: Any) -> None:
+    for request in requests:
+        for _ in range(400):
+            if request.structured_output_request.grammar is not None:
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError("the grammar never compiled")
+
+
+def test_a_resumed_request_starts_from_the_grammar_state_of_an_uninterrupted_run(
+    make_loop: Any,
+) -> None:
+    """The uninterrupted run's grammar took ``generated``; the continuation's prompt ends
+    with them and says so: after its first step, both allow exactly the same next
+    tokens. Without the count, the continuation's grammar starts over (the test can
+    fail)."""
+    loop = make_loop()
+    prompt = fresh_prompt(PROMPT_LEN)
+    reference = detached_request("reference", prompt, regex_params())
+    loop.scheduler.structured_output_manager.grammar_init(reference)
+    wait_for_grammars(loop, reference)
+    generated = walk(loop, reference, 6)
+    resumed = structured(loop, "resumed", [*prompt, *generated], cache_hit_resume_tokens=6)
+    restarted = structured(loop, "restarted", [*prompt, *generated])
+    wait_for_grammars(loop, resumed, restarted)
+    scheduled = loop.scheduler.schedule().num_scheduled_tokens  # what samples next
+    assert set(scheduled) == {"resumed", "restarted"}
+    assert allowed(loop, resumed) == allowed(loop, reference)
+    assert allowed(loop, restarted) != allowed(loop, reference)
+
+
+def test_resume_tokens_the_grammar_rejects_finish_the_request_with_an_error(
+    make_loop: Any,
+) -> None:
+    loop = make_loop()
+    prompt = fresh_prompt(PROMPT_LEN)
+    request = structured(loop, "bad", prompt, cache_hit_resume_tokens=4)
+    too_many = structured(loop, "too-many", prompt, cache_hit_resume_tokens=PROMPT_LEN + 1)
+    wait_for_grammars(loop, request, too_many)
+    scheduled = loop.step()
+    assert "bad" not in scheduled and "too-many" not in scheduled
+    loop.run(steps=2, until=["bad", "too-many"])
+    for name in ("bad", "too-many"):
+        assert loop.finished[name].engine.finish_reason == FinishReason.ERROR
+        assert loop.delivered[name] == []
+
+
+def test_a_resume_count_on_an_unconstrained_request_changes_nothing(make_loop: Any) -> None:
+    loop = make_loop()
+    loop.add("plain", fresh_prompt(PROMPT_LEN), extra_args={"cache_hit_resume_tokens": 5})
+    assert loop.step() == {"plain": PROMPT_LEN}
+
+
+@pytest.mark.parametrize(
+    ("request_cls", "body"),
+    [
+        (CompletionRequest, {"prompt": [1, 2, 3], "cache_hit_resume_tokens": 2}),
+        (CompletionRequest, {"prompt": "x", "vllm_xargs": {"cache_hit_resume_tokens": "2"}}),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": "x"}], "cache_hit_resume_tokens": 2},
+        ),
+    ],
+    ids=["completions-body", "completions-xargs", "chat-body"],
+)
+def test_the_resume_count_reaches_the_engine_from_both_apis(request_cls: Any, body: Any) -> None:
+    assert openai_params(request_cls, body).extra_args["cache_hit_resume_tokens"] == 2
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, "many", True])
+def test_a_bad_resume_count_is_a_validation_error(value: object) -> None:
+    with pytest.raises(VLLMValidationError, match="cache_hit_resume_tokens"):
+        openai_params(CompletionRequest, {"prompt": "x", "cache_hit_resume_tokens": value})
+
+
+def test_the_plugin_says_it_resumes_grammars(make_loop: Any) -> None:
+    loop = make_loop()
+    model_name = loop.scheduler.vllm_config.model_config.served_model_name
+    labels = {"model_name": model_name, "engine": "0"}
+    assert REGISTRY.get_sample_value("vllm:cache_threshold_resume", labels) == 1.0
 
 
 # --- metric ---------------------------------------------------------------------------

@@ -59,9 +59,11 @@ _PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_tota
 _HIT_RATE_GAUGE = ("vllm:gpu_prefix_cache_hit_rate",)
 _PREEMPTIONS = ("vllm:num_preemptions_total",)
 _ADMISSION_ONLY = ("vllm:cache_threshold_admission_only",)
+_RESUMES = ("vllm:cache_threshold_resume",)
 _WANTED = frozenset(
     [
         *_ADMISSION_ONLY,
+        *_RESUMES,
         *_RUNNING,
         *_WAITING,
         *_KV_USAGE,
@@ -89,7 +91,8 @@ class MetricsReading:
     server), clamped to [0, 1]; counters are cumulative; ``prefix_hit_rate_gauge``
     is the hit-rate gauge older vLLM servers export. None: series absent.
     ``admission_only``: the threshold plugin's gauge says it honours
-    ``cache_hit_admission_only``.
+    ``cache_hit_admission_only``; ``resumes``: that it honours
+    ``cache_hit_resume_tokens``.
     """
 
     running: float
@@ -100,6 +103,7 @@ class MetricsReading:
     prefix_hit_rate_gauge: float | None = None
     preemptions: float | None = None
     admission_only: bool = False
+    resumes: bool = False
 
 
 def _samples(text: str) -> list[tuple[str, str | None, float]]:
@@ -174,6 +178,7 @@ def parse_metrics(text: str, model: str | None = None) -> MetricsReading:
         prefix_hit_rate_gauge=None if gauge is None else _ratio(gauge[0]),
         preemptions=_sum(values, _PREEMPTIONS),
         admission_only=bool(_sum(values, _ADMISSION_ONLY)),
+        resumes=bool(_sum(values, _RESUMES)),
     )
 
 
@@ -219,6 +224,7 @@ def load_snapshot(
         preemptions=round(preempted),
         prefix_queries=reading.prefix_queries,
         admission_only=reading.admission_only,
+        resumes=reading.resumes,
     )
 
 
@@ -324,7 +330,7 @@ class LoadScraper:
     ) -> tuple[Candidate, ...]:
         """Routing candidates for ``statuses`` (a fleet snapshot): healthy when both the
         health checks and the load polls say so, with the fresh snapshot if any and
-        what the latest, fresh or not, says of ``cache_hit_admission_only``."""
+        what the latest, fresh or not, says of the plugin's capabilities."""
         now = self.clock() if now is None else now
         return tuple(self._candidate(status, now) for status in statuses)
 
@@ -335,5 +341,5 @@ class LoadScraper:
             status,
             self.snapshot(name, now),
             responsive=self.is_responsive(name),
-            admission_only=latest is not None and latest.admission_only,
+            latest=latest,
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pd_orchestrator.flows.logprobs import continuation_logprobs
 from pd_orchestrator.flows.request import CHAT_ONLY_FIELDS, ClientRequest
 from pd_orchestrator.openai.responses import Kind
 
@@ -72,7 +73,13 @@ def continuation_body(
 
     The prompt becomes the token ids of the original prompt and of every token
     generated so far; ``max_tokens`` and ``min_tokens`` shrink by ``generated``.
-    Chat-only fields are dropped (chat requests continue as token prompts).
+    Chat-only fields are dropped (chat requests continue as token prompts); a
+    structured output's constraint (``response_format``, ``structured_outputs``: both
+    APIs take them) stays, with ``cache_hit_resume_tokens`` = ``generated`` so the
+    decoder advances its grammar over the generated tokens first (only for a
+    :attr:`~ClientRequest.resumable` request: an older plugin is never sent the field).
+    Logprobs are asked as completions asks them (:func:`continuation_logprobs`). A
+    named tool choice continues as ``structured_outputs.json`` of the tool's parameters.
     ``stream`` as in :func:`leg_body`.
     """
     body = {k: v for k, v in request.body.items() if k not in CHAT_ONLY_FIELDS}
@@ -86,6 +93,14 @@ def continuation_body(
         body["min_tokens"] = max(0, int(body["min_tokens"] or 0) - generated)
     body["cache_hit_threshold"] = threshold
     body["return_token_ids"] = True
+    named = request.named_tool
+    if named is not None:  # as vLLM's chat API constrains it
+        body["structured_outputs"] = {"json": named.parameters}
+    if generated and request.resumable:
+        body["cache_hit_resume_tokens"] = generated
+    logprobs = continuation_logprobs(request.body, request.kind)
+    if logprobs is not None:
+        body["logprobs"] = logprobs
     _streaming(body, request.stream if stream is None else stream, None)
     return body
 

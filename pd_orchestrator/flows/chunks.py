@@ -56,6 +56,10 @@ class ChunkView(NamedTuple):
     prompt_token_ids: tuple[int, ...] | None
     usage: Json | None
     other_delta: bool = False
+    logprobs: Any = None
+    """The choice's logprobs as the upstream sent them (None: none)."""
+    arguments: str = ""
+    """A chat answer's first tool call's arguments (text a named tool choice produced)."""
 
     @property
     def decisive(self) -> bool:
@@ -164,6 +168,7 @@ def view_chunk(chunk: Json, kind: Kind) -> ChunkView:
         token_ids = (ids[0],)  # a decode step's one token: the common case, inline
     else:
         token_ids = _ids(ids, "token_ids")
+    arguments = ""
     if kind == "completion":
         text = choice.get("text")
         raw_prompt = choice.get("prompt_token_ids")
@@ -177,6 +182,8 @@ def view_chunk(chunk: Json, kind: Kind) -> ChunkView:
         raw_prompt = chunk.get("prompt_token_ids")
         # tool calls or reasoning make a chunk decisive (only asked when it has no text)
         other = not text and any(delta.get(k) for k in _OTHER_DELTAS)
+        if other:
+            arguments = _arguments(delta)
     if type(text) is not str:  # checked inline: this runs once per relayed chunk
         _absent(text, str, "text")
         text = ""
@@ -184,13 +191,24 @@ def view_chunk(chunk: Json, kind: Kind) -> ChunkView:
     if finish is not None and type(finish) is not str:
         _absent(finish, str, "finish_reason")
     prompt_ids = None if raw_prompt is None else _ids(raw_prompt, "prompt_token_ids")
-    return ChunkView(True, text, token_ids, finish, prompt_ids, usage, other)
+    logprobs = choice.get("logprobs")
+    return ChunkView(True, text, token_ids, finish, prompt_ids, usage, other, logprobs, arguments)
+
+
+def _arguments(message: Json) -> str:
+    """The arguments text of a chat delta's or message's first tool call ("" if none)."""
+    calls = message.get("tool_calls")
+    call = calls[0] if type(calls) is list and calls else None
+    function = call.get("function") if type(call) is dict else None
+    arguments = function.get("arguments") if type(function) is dict else None
+    return arguments if type(arguments) is str else ""
 
 
 def view_answer(answer: Json, kind: Kind) -> ChunkView:
     """Read a whole (non-streamed) answer of ``kind`` (:class:`MalformedChunk` as for
     :func:`view_chunk`)."""
     choice = _first_choice(answer) or {}
+    arguments = ""
     if kind == "completion":
         text = _text(choice.get("text"), "text")
         prompt_ids = _ids(choice.get("prompt_token_ids"), "prompt_token_ids")
@@ -201,6 +219,7 @@ def view_answer(answer: Json, kind: Kind) -> ChunkView:
             message = {}
         text = _text(message.get("content"), "content")
         prompt_ids = _ids(answer.get("prompt_token_ids"), "prompt_token_ids")
+        arguments = _arguments(message)
     return ChunkView(
         has_choice=bool(choice),
         text=text,
@@ -208,6 +227,8 @@ def view_answer(answer: Json, kind: Kind) -> ChunkView:
         finish_reason=_finish(choice),
         prompt_token_ids=prompt_ids,
         usage=_usage(answer),
+        logprobs=choice.get("logprobs"),
+        arguments=arguments,
     )
 
 
@@ -246,8 +267,10 @@ def render_chunk(
     keep_ids: bool,
     finish: str | None,
     index: int = 0,
+    logprobs: Any = None,
 ) -> Json:
-    """A client chunk of ``kind`` made from a chunk of another API."""
+    """A client chunk of ``kind`` made from a chunk of another API (``logprobs``:
+    already in the client's shape)."""
     chunk = stream_chunk(
         kind=kind,
         response_id=identity.response_id,
@@ -259,6 +282,8 @@ def render_chunk(
     )
     if index:
         chunk["choices"][0]["index"] = index
+    if logprobs is not None:
+        chunk["choices"][0]["logprobs"] = logprobs
     return chunk
 
 

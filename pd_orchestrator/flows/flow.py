@@ -23,8 +23,12 @@ One client request, from its plan to the last byte the client gets:
 5. **Hand-back** (``cache_threshold`` after tokens: the decoder preempted the
    request): prompt ids plus every generated id go back through the same P/D leg as
    a token prompt on ``/v1/completions`` with ``max_tokens`` reduced and
-   ``handback.leg_threshold``; after ``handback.max_handbacks`` hand-backs, straight
-   to a decoder with threshold 0.
+   ``handback.leg_threshold`` (a structured output or named tool with its constraint
+   and ``cache_hit_resume_tokens``, logprobs asked as completions asks them:
+   :func:`~pd_orchestrator.flows.bodies.continuation_body`); after
+   ``handback.max_handbacks`` hand-backs, straight to a decoder with threshold 0.
+   Only a plan that is :attr:`~pd_orchestrator.planner.plan.Plan.continuable` is
+   continued (a hand-back or a recovery).
 6. **Outcome**: :meth:`Flow.run` returns what happened (:class:`Outcome`); the
    gateway learns from it. Nothing here calls back into the gateway or the planner.
 
@@ -338,6 +342,7 @@ class Flow:
         """
         last: tuple[Json, ChunkView] | None = None
         complete = False
+        leg.text_offset = self.transcript.offset
         try:
             while (batch := await leg.next_batch()) is not None:
                 for chunk in batch:
@@ -401,7 +406,7 @@ class Flow:
                 not retryable(exc)
                 or self.recoveries >= self.settings.handback.max_recoveries
                 or self.transcript.prompt_ids is None
-                or not self.request.continuable
+                or not self.plan.continuable
             ):
                 raise exc
             if exc.phase in _DECODER_PHASES:
@@ -422,7 +427,7 @@ class Flow:
         self._within_budget()
         transcript = self.transcript
         handback = self.settings.handback
-        if not self.request.continuable:
+        if not self.plan.continuable:
             raise GatewayError(
                 502,
                 "the decoder handed back a request a continuation cannot honour "

@@ -105,6 +105,8 @@ class Leg:
     ``backlog`` and ``on_answer``: the prompt tokens the leg holds in its endpoint's
     backlog, and what gives them back (called at the first decisive chunk).
     ``tokens`` and ``usage``: the tokens of it the client got and what it reported.
+    ``text_offset``: characters of answer the client got before this leg (its
+    completions logprobs' offsets start there).
     ``ended``: read to its end; ``error``: what broke it or was wrong with it
     (reported to the fleet when it is closed); ``phase`` and ``span``: how
     :class:`Legs` accounts for it when it closes.
@@ -129,6 +131,7 @@ class Leg:
     span: Span | None = None
     backlog: int = 0
     on_answer: Callable[[Leg], None] | None = None
+    text_offset: int = 0
 
     def view(self, chunk: Json) -> ChunkView:
         """What ``chunk`` (an answer when ``whole``) says (read once per held chunk);

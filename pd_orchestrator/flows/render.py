@@ -7,13 +7,15 @@ client should see to a renderer:
   known (:meth:`begin`); chunks of a leg that speaks the client's API are relayed
   as they came (every field vLLM sent survives) with the client's id and time and
   token ids only if asked; chunks of a continuation (completions API) are re-rendered
-  in the client's API; a chat client gets exactly one role chunk; everything one
-  upstream read produced goes out in one write (:meth:`flush`); the end adds the
-  merged usage (if asked) and ``[DONE]``, held by the sink until the gateway
-  closes the response.
+  in the client's API, logprobs included (a continuation's completions offsets carry
+  on past the tokens already sent), a named tool choice's text as that call's argument
+  deltas; a hand-back's chunk is relayed without its finish; a chat client gets
+  exactly one role chunk; everything one upstream read produced goes out in one
+  write (:meth:`flush`); the end adds the merged usage (if asked) and ``[DONE]``,
+  held by the sink until the gateway closes the response.
 * :class:`WholeRenderer` writes one JSON answer at the end: the first whole answer
   in the client's API is the template (tool calls, logprobs and the like survive),
-  text, finish reason, token ids and usage are the merged ones.
+  text, finish reason, token ids, usage and (when asked) logprobs are the merged ones.
 
 Both measure the time to first token (arrival to the first content the client
 gets) and the mean gap between later content (ITL).
@@ -30,7 +32,7 @@ from pd_orchestrator.flows.chunks import ChunkView, identity_fields, relay_chunk
 from pd_orchestrator.flows.legs import Leg
 from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.flows.sink import ClientSink
-from pd_orchestrator.flows.transcript import Transcript
+from pd_orchestrator.flows.transcript import Transcript, tool_call_id
 from pd_orchestrator.openai.sse import DONE, encode_event
 
 __all__ = ["Renderer", "StreamRenderer", "WholeRenderer", "renderer_for"]
@@ -117,6 +119,7 @@ class StreamRenderer(_Rendering):
         self._keep_ids = self.request.want_token_ids
         self._chat = self.request.kind == "chat"
         self._contents = 0
+        self._tool_started = False
         self.transcript.keep_text = False
 
     async def begin(self, headers: Mapping[str, str]) -> None:
@@ -129,17 +132,30 @@ class StreamRenderer(_Rendering):
         if leg.kind == "chat" and not view.decisive and self._role_sent:
             return  # a second role chunk (a later chat leg's opening)
         first = not self._first_sent
-        if leg.kind == self.request.kind and not leg.whole and finish == view.finish_reason:
+        top = self.transcript.top
+        if leg.kind == self.request.kind and not leg.whole:
             out = relay_chunk(
                 chunk, identity, keep_ids=self._keep_ids, first=first, index=self.index
             )
+            if finish != view.finish_reason:  # a hand-back's tokens, not its finish
+                out["choices"][0]["finish_reason"] = finish
+            if view.arguments:
+                self._tool_started = True
+            if top is not None and view.logprobs is not None:
+                shaped = self.transcript.shape_logprobs(view.logprobs, leg.kind, leg.text_offset)
+                out["choices"][0]["logprobs"] = shaped
         else:
             if self._chat and not self._role_sent:
                 self._out.append(encode_event(self._role_chunk()))
+            logprobs = None
+            if top is not None and view.logprobs is not None:
+                logprobs = self.transcript.shape_logprobs(view.logprobs, leg.kind, leg.text_offset)
             out = render_chunk(
                 view, identity, self.request.kind, keep_ids=self._keep_ids, finish=finish,
-                index=self.index,
+                index=self.index, logprobs=logprobs,
             )  # fmt: skip
+            if self._chat and self.transcript.tool is not None:
+                out["choices"][0]["delta"] = self._tool_delta(view.text)
             if self._keep_ids and not self._first_sent and view.prompt_token_ids is not None:
                 self._prompt_ids(out, view.prompt_token_ids)
         self._role_sent = self._role_sent or self._chat
@@ -147,6 +163,19 @@ class StreamRenderer(_Rendering):
         self._out.append(encode_event(out))
         if view.text or view.token_ids:
             self._contents += 1
+
+    def _tool_delta(self, arguments: str) -> Json:
+        """A named tool choice's delta for continued ``arguments``, as vLLM streams it:
+        the first one of the answer with the call's id, type and name."""
+        tool = self.transcript.tool
+        if not arguments or tool is None:
+            return {}
+        call: Json = {"index": 0, "function": {"arguments": arguments}}
+        if not self._tool_started:
+            self._tool_started = True
+            call = {"id": tool_call_id(), "type": "function", "index": 0,
+                    "function": {"name": tool.name, "arguments": arguments}}  # fmt: skip
+        return {"tool_calls": [call]}
 
     def _role_chunk(self) -> Json:
         identity = self.transcript.identity
@@ -205,6 +234,9 @@ class WholeRenderer(_Rendering):
         transcript = self.transcript
         if transcript.template is None and leg.whole and leg.kind == self.request.kind:
             transcript.template = chunk
+        record = transcript.logprobs
+        if record is not None and view.logprobs is not None:
+            record.add(transcript.shape_logprobs(view.logprobs, leg.kind, leg.text_offset))
 
     async def flush(self) -> None:
         return None

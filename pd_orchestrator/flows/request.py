@@ -11,11 +11,13 @@ from pd_orchestrator.openai.protocol import ChatCompletionRequest, OpenAIRequest
 from pd_orchestrator.openai.responses import Kind
 
 __all__ = [
+    "CARRIED_FIELDS",
     "CHAT_ONLY_FIELDS",
     "TOKEN_ID_CHARS",
     "UNCONTINUABLE_FIELDS",
     "UNTOKENIZABLE_FIELDS",
     "ClientRequest",
+    "NamedTool",
 ]
 
 TOKEN_ID_CHARS = 4
@@ -31,7 +33,6 @@ CHAT_ONLY_FIELDS = frozenset(
         "tools",
         "tool_choice",
         "parallel_tool_calls",
-        "response_format",
         "documents",
         "max_completion_tokens",
         "logprobs",
@@ -42,25 +43,33 @@ CHAT_ONLY_FIELDS = frozenset(
         "reasoning_effort",
     }
 )
-"""Fields dropped when a request continues as a token prompt on ``/v1/completions``."""
+"""Fields dropped when a request continues as a token prompt on ``/v1/completions``
+(``response_format`` and ``structured_outputs`` are fields of both APIs: kept)."""
+
+CARRIED_FIELDS = ("response_format", "structured_outputs")
+"""Constraints a continuation carries: both APIs take them, and a decoder whose plugin
+honours ``cache_hit_resume_tokens`` advances their grammar over the tokens already
+generated (a request that sets one is :attr:`ClientRequest.resumable`)."""
 
 UNCONTINUABLE_FIELDS = (
     "tools",
     "tool_choice",
     "functions",
-    "response_format",
-    "structured_outputs",
     "guided_json",
     "guided_regex",
     "guided_choice",
     "guided_grammar",
-    "logprobs",
-    "top_logprobs",
     "prompt_logprobs",
 )
-"""Fields a continuation cannot honour: a token prompt on ``/v1/completions`` loses a
-constraint's state (tools, structured outputs) and the chat shape of logprobs. A
-request that sets one (to anything but its neutral value) is never handed back."""
+"""Fields a continuation cannot honour: a token prompt on ``/v1/completions`` loses the
+chat shape of tool calls parsed from free text (a named ``tool_choice`` excepted: see
+:attr:`ClientRequest.named_tool`); its prompt logprobs would be the continuation's prompt's;
+the ``guided_*`` fields are no longer read by vLLM 0.32/0.33 (so nothing can carry
+them). A request that sets one (to anything but its neutral value) is never handed
+back. (``logprobs`` and ``top_logprobs`` are continued: the continuation asks for
+them and the gateway renders them in the client's shape.)"""
+
+_CONSTRAINING = (*UNCONTINUABLE_FIELDS, *CARRIED_FIELDS)
 
 UNTOKENIZABLE_FIELDS = (
     "echo",
@@ -70,10 +79,13 @@ UNTOKENIZABLE_FIELDS = (
     "reasoning_effort",
     "documents",
     "media_io_kwargs",
+    "logprobs",
+    "top_logprobs",
 )
 """Fields that keep a request's prompt as the client sent it (never sent as token ids,
 see :attr:`ClientRequest.tokenizable`): they change what the route does with the
-prompt's text, or how a chat template renders it beyond what ``/tokenize`` reads."""
+prompt's text, or how a chat template renders it beyond what ``/tokenize`` reads, or
+(logprobs) what the original leg's answer carries beyond its text and tokens."""
 
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
@@ -83,6 +95,17 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
     "truncate_prompt_tokens": (None,),
 }
+
+
+_NAMED_TOOL_FIELDS = frozenset({"tools", "tool_choice"})
+
+
+@dataclass(frozen=True, slots=True)
+class NamedTool:
+    """The function a named ``tool_choice`` forces and the JSON schema of its arguments."""
+
+    name: str
+    parameters: Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,8 +132,49 @@ class ClientRequest:
     @property
     def continuable(self) -> bool:
         """Whether a continuation (prompt + generated tokens as a token prompt) would
-        serve exactly what was asked (see :data:`UNCONTINUABLE_FIELDS`)."""
-        return not any(_sets(self.body, UNCONTINUABLE_FIELDS))
+        serve exactly what was asked, on any decoder (sets nothing of
+        :data:`UNCONTINUABLE_FIELDS` or :data:`CARRIED_FIELDS`)."""
+        return not any(_sets(self.body, _CONSTRAINING))
+
+    @property
+    def resumable(self) -> bool:
+        """Whether a continuation serves exactly what was asked where the plugin advances
+        the grammar (``cache_hit_resume_tokens``): the request sets a field of
+        :data:`CARRIED_FIELDS` or names the tool it must call (:attr:`named_tool`), and
+        nothing else of :data:`UNCONTINUABLE_FIELDS`."""
+        if self.uncontinuable_field is not None:
+            return False
+        return self.named_tool is not None or any(_sets(self.body, CARRIED_FIELDS))
+
+    @property
+    def uncontinuable_field(self) -> str | None:
+        """The first field of :data:`UNCONTINUABLE_FIELDS` the request sets, or None
+        (``tools`` and ``tool_choice`` of a :attr:`named_tool` are continued)."""
+        named = self.named_tool is not None
+        for name in _sets(self.body, UNCONTINUABLE_FIELDS):
+            if not (named and name in _NAMED_TOOL_FIELDS):
+                return name
+        return None
+
+    @property
+    def named_tool(self) -> NamedTool | None:
+        """The function a chat request's ``tool_choice`` names, when ``tools`` defines it:
+        vLLM constrains the answer to the JSON of its ``parameters`` (an empty object
+        schema when it has none) and returns the text as that call's arguments."""
+        choice = self.body.get("tool_choice")
+        if self.kind != "chat" or not isinstance(choice, dict) or choice.get("type") != "function":
+            return None
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        tools = self.body.get("tools")
+        if not isinstance(name, str) or not isinstance(tools, list):
+            return None
+        for tool in tools:
+            defined = tool.get("function") if isinstance(tool, dict) else None
+            if isinstance(defined, dict) and defined.get("name") == name:
+                parameters = defined.get("parameters")
+                return NamedTool(name, parameters or {"type": "object", "properties": {}})
+        return None
 
     @property
     def tokenizable(self) -> bool:

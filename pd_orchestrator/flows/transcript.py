@@ -4,19 +4,28 @@ A request may be served by several legs: the decoder's attempt, a decode leg aft
 a prefill, continuations after hand-backs. The transcript records the original
 prompt, every generated token, the text, the finish and the usage figures, and
 builds the merged usage and the whole answer from them. Text is kept only when a
-whole answer will be built (``keep_text``); a stream's text goes straight out.
+whole answer will be built (``keep_text``); a stream's text goes straight out. When
+the client asked logprobs, a whole answer's are merged in its shape, and where the
+next completions offset starts is kept (:mod:`~pd_orchestrator.flows.logprobs`).
 """
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from pd_orchestrator.flows.chunks import ChunkView, Identity
-from pd_orchestrator.flows.request import ClientRequest
-from pd_orchestrator.openai.responses import Usage, completion_body
+from pd_orchestrator.flows.logprobs import (
+    LogprobsRecord,
+    continuation_logprobs,
+    for_client,
+    next_offset,
+)
+from pd_orchestrator.flows.request import ClientRequest, NamedTool
+from pd_orchestrator.openai.responses import Kind, Usage, completion_body
 
-__all__ = ["Transcript"]
+__all__ = ["Transcript", "tool_call_id"]
 
 Json = dict[str, Any]
 
@@ -39,9 +48,24 @@ class Transcript:
     keep_text: bool = True
     limit: int | None = field(init=False)
     """The client's output token limit (None: none), read once: it is asked per chunk."""
+    top: int | None = field(init=False)
+    """Alternatives per token the client asked logprobs with (None: no logprobs)."""
+    offset: int = 0
+    """The completions ``text_offset`` of the next token the client gets logprobs for
+    (vLLM counts each token's string: the last offset plus its token's length); a
+    continuation's offsets start there."""
+    logprobs: LogprobsRecord | None = field(init=False)
+    """A whole answer's logprobs, leg after leg (None: not asked)."""
+
+    tool: NamedTool | None = field(init=False)
+    """The function a named tool choice forces: the answer's text is its arguments."""
 
     def __post_init__(self) -> None:
-        self.limit = self.request.max_tokens
+        request = self.request
+        self.limit = request.max_tokens
+        self.tool = request.named_tool
+        self.top = continuation_logprobs(request.body, request.kind)
+        self.logprobs = None if self.top is None else LogprobsRecord(request.kind)
 
     @property
     def remaining(self) -> int | None:
@@ -70,14 +94,22 @@ class Transcript:
             )
         return self.identity
 
+    def shape_logprobs(self, logprobs: Any, leg: Kind, start: int) -> Any:
+        """A leg's ``logprobs`` in the client's shape (offsets from ``start``, where the
+        leg began); the next offset moves past them."""
+        shaped = for_client(logprobs, leg, self.request.kind, self.top or 0, start)
+        self.offset = next_offset(shaped, self.offset)
+        return shaped
+
     def absorb(self, view: ChunkView, *, original_prompt: bool) -> None:
         """Record a chunk's tokens, text and, for the original prompt's leg, its figures."""
         if view.prompt_token_ids is not None and self.prompt_ids is None and original_prompt:
             self.prompt_ids = list(view.prompt_token_ids)
         if view.token_ids is not None:
             self.generated.extend(view.token_ids)
-        if view.text and self.keep_text:
-            self.text.append(view.text)
+        text = view.text or (view.arguments if self.tool is not None else "")
+        if text and self.keep_text:
+            self.text.append(text)
         if view.finish_reason is not None:
             self.finish_reason = view.finish_reason
 
@@ -134,9 +166,13 @@ class Transcript:
         text = "".join(self.text)
         if self.request.kind == "completion":
             choice["text"] = text
+        elif self.tool is not None:
+            _call(choice.setdefault("message", {"role": "assistant"}), self.tool, text)
         else:
             choice.setdefault("message", {"role": "assistant"})["content"] = text
         choice["finish_reason"] = self.finish_reason
+        if self.logprobs is not None:
+            choice["logprobs"] = self.logprobs.as_dict()
         self._ids(answer, choice)
         answer["usage"] = self.usage().as_dict()
         answer["kv_transfer_params"] = None
@@ -153,3 +189,22 @@ class Transcript:
             choice["prompt_token_ids"] = self.prompt_ids
         else:
             answer["prompt_token_ids"] = self.prompt_ids
+
+
+def tool_call_id() -> str:
+    """A new tool call id, in vLLM's form."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def _call(message: Json, tool: NamedTool, arguments: str) -> None:
+    """Make ``message`` the call of ``tool`` with ``arguments``, as vLLM answers a named
+    tool choice (empty content; the call the first leg made keeps its id)."""
+    calls = message.get("tool_calls")
+    call = calls[0] if isinstance(calls, list) and calls and isinstance(calls[0], dict) else None
+    if call is None:
+        call = {"id": tool_call_id(), "type": "function", "function": {"name": tool.name}}
+    function = call.get("function")
+    call["function"] = {**(function if isinstance(function, dict) else {}), "name": tool.name,
+                        "arguments": arguments}  # fmt: skip
+    message["tool_calls"] = [call]
+    message["content"] = message.get("content") or ""  # vLLM's: an empty string

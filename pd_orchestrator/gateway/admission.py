@@ -61,10 +61,12 @@ TRANSFER_XARGS = ("kv_transfer_params", "ec_transfer_params", "kv_cache_report_m
 """Keys of ``vllm_xargs`` that vLLM reads as the same (``Request`` takes both
 transfer params and the KV-event report mode from the sampling params' extra args)."""
 _NOT_YOURS = "`{}` may not be set by a client: the gateway sets the KV transfer"
-GATEWAY_FIELDS = ("cache_hit_admission_only",)
+GATEWAY_FIELDS = ("cache_hit_admission_only", "cache_hit_resume_tokens")
 """Fields (in the body or ``vllm_xargs``) only the gateway sets: whether a decoder
 may hand a request back is the gateway's decision (it knows what a continuation can
-carry)."""
+carry), and which prompt tokens are output a grammar must be advanced over is the
+gateway's record (a client setting it could walk its own constraint's state past
+what it would allow)."""
 _GATEWAYS = "`{}` may not be set by a client: the gateway sets it"
 
 
@@ -179,6 +181,7 @@ def facts(
         client_threshold=request.view.cache_hit_threshold,
         prefillers=prefillers,
         continuable=request.continuable,
+        resumable=request.resumable,
     )
 
 

@@ -151,8 +151,11 @@ class CompletionPath:
         return admitted, plan
 
     def _constrained(self, plan: Plan, candidates: tuple[Candidate, ...]) -> None:
-        """Count a request a continuation cannot honour by how its threshold went; name
-        once each decoder that made it zero (its plugin takes no admission-only)."""
+        """Count a constrained request by how its threshold went; name once each decoder
+        that made it zero (its plugin takes no admission-only)."""
+        if plan.continuable:
+            self.metrics.constrained.labels("resumable").inc()
+            return
         admission_only = plan.threshold.admission_only
         self.metrics.constrained.labels("admission-only" if admission_only else "zero").inc()
         if admission_only:

@@ -31,7 +31,8 @@ def _ejection(state: GatewayState, name: str, now: float) -> dict[str, Any] | No
 def status_document(state: GatewayState, now: float) -> dict[str, Any]:
     """``GET /status``: the fleet by endpoint name with health (``healthy``: in routing;
     ``ejected``: taken out by outlier detection), in-flight and load (with
-    ``admission_only``: its threshold plugin takes ``cache_hit_admission_only``)."""
+    ``admission_only``: its threshold plugin takes ``cache_hit_admission_only``;
+    ``resumes``: it takes ``cache_hit_resume_tokens``)."""
     endpoints = []
     for status in state.fleet.snapshot():
         endpoint = status.endpoint
@@ -55,6 +56,7 @@ def status_document(state: GatewayState, now: float) -> dict[str, Any]:
                     "kv_usage": load.kv_usage,
                     "prefix_hit_rate": load.prefix_hit_rate,
                     "admission_only": load.admission_only,
+                    "resumes": load.resumes,
                     "age": round(load.age(now), 3),
                 },
             }

@@ -24,7 +24,8 @@ class LoadSnapshot:
     cache since it started (None: not exported); 0 means its cache holds nothing,
     and a drop means it restarted. ``admission_only``: the server's threshold plugin
     honours ``cache_hit_admission_only`` (it exports
-    ``vllm:cache_threshold_admission_only``).
+    ``vllm:cache_threshold_admission_only``); ``resumes``: it advances a structured
+    output's grammar over ``cache_hit_resume_tokens`` (``vllm:cache_threshold_resume``).
     """
 
     running: int
@@ -35,6 +36,7 @@ class LoadSnapshot:
     preemptions: int = 0
     prefix_queries: float | None = None
     admission_only: bool = False
+    resumes: bool = False
 
     def __post_init__(self) -> None:
         if self.running < 0 or self.waiting < 0 or self.preemptions < 0:
@@ -70,7 +72,8 @@ class Candidate:
     ``admission_only``: the endpoint's threshold plugin honours
     ``cache_hit_admission_only``, as its latest reading said -- kept while that
     reading is stale (a capability, not a load: a server too busy to answer its
-    ``/metrics`` in time has not lost it).
+    ``/metrics`` in time has not lost it). ``resumes``: likewise, its plugin
+    continues a structured output over ``cache_hit_resume_tokens``.
     """
 
     endpoint: Endpoint
@@ -79,6 +82,7 @@ class Candidate:
     load: LoadSnapshot | None = None
     backlog: int = 0
     admission_only: bool = False
+    resumes: bool = False
 
     @classmethod
     def from_status(
@@ -87,11 +91,18 @@ class Candidate:
         load: LoadSnapshot | None = None,
         *,
         responsive: bool = True,
-        admission_only: bool | None = None,
+        latest: LoadSnapshot | None = None,
     ) -> Candidate:
-        """A candidate from a fleet snapshot; ``responsive`` is the load poller's verdict,
-        ``admission_only`` the latest reading's (default: ``load``'s)."""
+        """A candidate from a fleet snapshot; ``responsive`` is the load poller's verdict;
+        the capabilities are the ``latest`` reading's, fresh or not (default: ``load``)."""
         healthy = status.healthy and responsive
-        if admission_only is None:
-            admission_only = load is not None and load.admission_only
-        return cls(status.endpoint, healthy, status.in_flight, load, status.backlog, admission_only)
+        latest = load if latest is None else latest
+        return cls(
+            status.endpoint,
+            healthy,
+            status.in_flight,
+            load,
+            status.backlog,
+            latest is not None and latest.admission_only,
+            latest is not None and latest.resumes,
+        )

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from pd_orchestrator.vllm_plugin.policy import parse_flag
+from pd_orchestrator.vllm_plugin.policy import parse_count, parse_flag
 
 __all__ = [
     "MAX_CHOICES",
@@ -69,10 +69,19 @@ class _CommonRequest(_Model):
     """The threshold applies at admission only (a preempted request is recomputed,
     never handed back); true or false (0, 1, "true", "false" as vLLM's plugin takes)."""
 
+    cache_hit_resume_tokens: int | None = None
+    """Output tokens at the prompt's end (a continuation's): the grammar of a structured
+    output is advanced over them first; an integer >= 0 as vLLM's plugin takes."""
+
     @field_validator("cache_hit_admission_only", mode="before")
     @classmethod
     def _flag(cls, value: Any) -> Any:
         return parse_flag(value, "cache_hit_admission_only")  # as the plugin reads it
+
+    @field_validator("cache_hit_resume_tokens", mode="before")
+    @classmethod
+    def _count(cls, value: Any) -> Any:
+        return parse_count(value, "cache_hit_resume_tokens")  # as the plugin reads it
 
     @field_validator("n")
     @classmethod

@@ -36,7 +36,7 @@ What the planner learns comes back after the request: :meth:`Planner.learn`.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -100,7 +100,12 @@ class RequestFacts:
     not gets the policy's threshold admission-only (a cold one goes P/D, a decoder
     never hands it back) when every decoder it may be asked on says it honours that
     (:attr:`~pd_orchestrator.model.load.Candidate.admission_only`, from its latest
-    reading even when stale), else threshold 0.
+    reading even when stale), else threshold 0. ``resumable``: a continuation honours
+    the request where the plugin advances its structured output's grammar
+    (``cache_hit_resume_tokens``): it is continuable when every decoder it may be asked
+    on and every prefiller that can reach its decoder says so
+    (:attr:`~pd_orchestrator.model.load.Candidate.resumes`), else handled as one that
+    is not.
     """
 
     model: str
@@ -111,6 +116,7 @@ class RequestFacts:
     prompt_tokens: int | None = None
     prefillers: tuple[Endpoint, ...] | None = None
     continuable: bool = True
+    resumable: bool = False
 
 
 def compatibility_class(decoder: Endpoint) -> tuple[str, str]:
@@ -176,6 +182,10 @@ class Plan:
     width: Asked | None = None
     """The adaptive width's choice (None: a fixed width): why ``asked`` is what it is,
     and the prompt's block keys, which the planner learns from after the request."""
+    continuable: bool = True
+    """A continuation honours the request on this plan (a hand-back or a recovery may
+    resubmit it): :attr:`RequestFacts.continuable`, or resumable where the plan's
+    endpoints resume its grammar."""
 
     @property
     def decoder(self) -> Endpoint:
@@ -305,8 +315,11 @@ class Planner:
         )
         tokens = self._prompt_tokens(facts)
         decoder = ranking.pick.candidate
+        continuable = facts.continuable or (
+            facts.resumable and self._resumes(decoder, decoders_in, prefillers, prefillers_in)
+        )
         threshold = self._threshold(
-            facts, decoder, decoders_in, prefillers, prefillers_in, now, tokens
+            facts, decoder, decoders_in, prefillers, prefillers_in, now, tokens, continuable
         )
         width = self._adaptive(routing, decoders, candidates, threshold.value)
         return Plan(
@@ -320,6 +333,7 @@ class Planner:
             prompt_tokens=tokens,
             decode_profile=self.profiles.decode,
             width=width,
+            continuable=continuable,
         )
 
     def _prompt_tokens(self, facts: RequestFacts) -> int:
@@ -357,11 +371,12 @@ class Planner:
         candidates: tuple[Candidate, ...],
         now: float,
         tokens: int,
+        continuable: bool,
     ) -> ThresholdDecision:
         resolver = self.threshold
         if resolver is None:
             return DECODE_ONLY
-        if not facts.continuable and not self._admission_only(decoder, decoders):
+        if not continuable and not self._admission_only(decoder, decoders):
             return NOT_CONTINUABLE
         if facts.prefillers == () or (facts.prefillers is None and not candidates):
             return NO_PREFILLER
@@ -378,13 +393,33 @@ class Planner:
             now=now,
         )
         decision = resolver.decide(context)
-        return decision if facts.continuable else replace(decision, admission_only=True)
+        return decision if continuable else replace(decision, admission_only=True)
+
+    def _asked_on(self, decoder: Candidate, decoders: tuple[Candidate, ...]) -> Iterator[Candidate]:
+        """The healthy decoders a request may be asked on: decode-first's pick; ask-all's
+        every healthy decoder."""
+        asked = (decoder,) if self.width is None else (decoder, *decoders)
+        return (c for c in asked if c.healthy)
 
     def _admission_only(self, decoder: Candidate, decoders: tuple[Candidate, ...]) -> bool:
         """Whether every decoder the request may be asked on takes a threshold at
-        admission only: decode-first's pick; ask-all's every healthy decoder."""
-        asked = (decoder,) if self.width is None else (decoder, *decoders)
-        return all(c.admission_only for c in asked if c.healthy)
+        admission only."""
+        return all(c.admission_only for c in self._asked_on(decoder, decoders))
+
+    def _resumes(
+        self,
+        decoder: Candidate,
+        decoders: tuple[Candidate, ...],
+        ranking: PrefillRanking,
+        prefillers: tuple[Candidate, ...],
+    ) -> bool:
+        """Whether every decoder the request may be asked on, and every healthy
+        prefiller that can reach the pick, advances a grammar over resumed tokens (a
+        continuation's prefill leg carries the constraint too)."""
+        if not all(c.resumes for c in self._asked_on(decoder, decoders)):
+            return False
+        reach = {e.name for e in ranking.for_decoder(decoder.endpoint)}
+        return all(c.resumes for c in prefillers if c.healthy and c.endpoint.name in reach)
 
     def learn(self, plan: Plan, facts: RequestFacts, served: Served) -> None:
         """Feed a finished request back: the decode profile's learning plugins see

@@ -171,6 +171,11 @@ class Completions:
             raise HTTPFailure(
                 400, "min_tokens must be less than or equal to max_tokens", "min_tokens"
             )
+        resumed = request.cache_hit_resume_tokens
+        if resumed is not None and resumed > len(job.prompt_ids):
+            raise HTTPFailure(  # the plugin finishes such a request with an error
+                400, "cache_hit_resume_tokens exceeds the prompt", "cache_hit_resume_tokens"
+            )
         return SamplingSpec(
             max_tokens=limit, min_tokens=request.min_tokens, ignore_eos=request.ignore_eos
         )

@@ -7,7 +7,8 @@ latency histograms are observed by the HTTP layer. Every metric carries the
 the same series the project's vLLM plugin exports) and
 ``vllm:prefill_tokens_computed_total`` (prompt tokens actually computed, i.e.
 not served from a cache), ``vllm:cache_threshold_admission_only`` (1: the
-plugin honours ``cache_hit_admission_only``, as the project's plugin exports it) and
+plugin honours ``cache_hit_admission_only``, as the project's plugin exports it;
+``vllm:cache_threshold_resume`` alongside it) and
 ``vllm:prompt_tokens_tokenized_total`` (prompt tokens the
 API server tokenized: text prompts, rendered chats and ``/tokenize``; a token-id
 prompt costs none).
@@ -85,6 +86,11 @@ class _EngineCollector(Collector):
             yield self._gauge(
                 "vllm:cache_threshold_admission_only",
                 "1: the threshold plugin honours cache_hit_admission_only.",
+                1.0,
+            )
+            yield self._gauge(
+                "vllm:cache_threshold_resume",
+                "1: the threshold plugin honours cache_hit_resume_tokens.",
                 1.0,
             )
 

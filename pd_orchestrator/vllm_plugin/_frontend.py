@@ -12,7 +12,7 @@ the original:
   copy the body's ``cache_hit_threshold`` (or ``vllm_xargs.cache_hit_threshold``)
   into ``SamplingParams.extra_args``; a value outside ``[0, 1]`` is a 400. The same
   for ``cache_hit_admission_only`` (true or false; anything else is a 400), stored
-  only when true.
+  only when true; and for ``cache_hit_resume_tokens`` (an integer >= 0).
 * ``RequestState._new_completion_output``: an output the scheduler finished with a
   ``cache_threshold:<phase>`` stop reason gets ``finish_reason = "cache_threshold"``
   and no stop reason.
@@ -30,7 +30,9 @@ the original:
   after vLLM has cleared its own ``vllm:`` collectors and incremented from the
   finished-request stats of the engine that finished the request; and the gauge
   ``vllm:cache_threshold_admission_only{model_name, engine}`` = 1, which tells a
-  gateway scraping ``/metrics`` that this plugin honours ``cache_hit_admission_only``.
+  gateway scraping ``/metrics`` that this plugin honours ``cache_hit_admission_only``,
+  and ``vllm:cache_threshold_resume{model_name, engine}`` = 1: it advances a
+  structured output's grammar over ``cache_hit_resume_tokens``.
 """
 
 from __future__ import annotations
@@ -50,21 +52,24 @@ from pd_orchestrator.vllm_plugin.policy import (
     ADMISSION_ONLY_KEY,
     EXTRA_ARGS_KEY,
     FINISH_REASON,
+    RESUME_KEY,
     InvalidThresholdError,
     Phase,
     PluginContractError,
     parse_threshold,
     phase_of_stop_reason,
     request_admission_only,
+    request_resume_tokens,
     request_threshold,
     with_flag_threshold,
 )
 from pd_orchestrator.vllm_plugin.versions import VLLMHook
 
-__all__ = ["ADMISSION_ONLY_METRIC", "METRIC_NAME", "install"]
+__all__ = ["ADMISSION_ONLY_METRIC", "METRIC_NAME", "RESUME_METRIC", "install"]
 
 METRIC_NAME = "vllm:cache_threshold_rejections"
 ADMISSION_ONLY_METRIC = "vllm:cache_threshold_admission_only"
+RESUME_METRIC = "vllm:cache_threshold_resume"
 _FLAG = "--global-cache-hit-threshold"
 _MAX_NOTED = 4096
 
@@ -163,6 +168,7 @@ def _wrap_to_sampling_params(request_cls: Any) -> None:
 _REQUEST_FIELDS: tuple[tuple[str, Callable[[Any, Any], object]], ...] = (
     (EXTRA_ARGS_KEY, request_threshold),
     (ADMISSION_ONLY_KEY, request_admission_only),
+    (RESUME_KEY, request_resume_tokens),
 )
 """The plugin's request fields, each with its reader (body first, then ``vllm_xargs``)."""
 
@@ -415,6 +421,22 @@ def _install_streams(hook: VLLMHook) -> None:
 # --- metrics ------------------------------------------------------------------------
 
 
+_CAPABILITIES = (
+    (
+        ADMISSION_ONLY_METRIC,
+        "1: this server's cache-hit threshold plugin honours cache_hit_admission_only "
+        "(checked at admission only, never at preemption).",
+    ),
+    (
+        RESUME_METRIC,
+        "1: this server's cache-hit threshold plugin honours cache_hit_resume_tokens "
+        "(a structured output's grammar is advanced over the resumed output tokens).",
+    ),
+)
+"""The plugin's capability gauges (name, help), each 1 per engine."""
+_OUR_METRICS = (METRIC_NAME, *(name for name, _ in _CAPABILITIES))
+
+
 def _install_metrics() -> None:
     from prometheus_client import REGISTRY, Counter, Gauge
     from vllm.v1.metrics.loggers import PrometheusStatLogger
@@ -431,16 +453,12 @@ def _install_metrics() -> None:
         # vLLM has just unregistered every "vllm:" collector; a second logger in the
         # same process (tests) may still find ours registered.
         for collector in list(REGISTRY._collector_to_names):
-            if getattr(collector, "_name", None) in (METRIC_NAME, ADMISSION_ONLY_METRIC):
+            if getattr(collector, "_name", None) in _OUR_METRICS:
                 REGISTRY.unregister(collector)
-        supported = Gauge(
-            ADMISSION_ONLY_METRIC,
-            "1: this server's cache-hit threshold plugin honours cache_hit_admission_only "
-            "(checked at admission only, never at preemption).",
-            labelnames=["model_name", "engine"],
-        )
-        for values in self.per_engine_labelvalues.values():
-            supported.labels(*[str(v) for v in values]).set(1)
+        for name, meaning in _CAPABILITIES:
+            supported = Gauge(name, meaning, labelnames=["model_name", "engine"])
+            for values in self.per_engine_labelvalues.values():
+                supported.labels(*[str(v) for v in values]).set(1)
         counter = Counter(
             METRIC_NAME,
             "Requests finished with finish_reason cache_threshold, by phase "

@@ -33,6 +33,18 @@ How it hooks in (vLLM 0.32 and 0.33; :mod:`.versions` has what differs):
   request sent admission-only (``cache_hit_admission_only``) is never rejected
   there: it resumes as stock vLLM resumes it, recomputing what it lost.
 
+* Resume: the first time the hook sees a request with nothing computed and keeps
+  it, a request whose ``cache_hit_resume_tokens`` is n > 0 and that uses a
+  structured output has its grammar advanced over the prompt's last n tokens
+  (``StructuredOutputManager.accept_tokens``, as ``update_from_output`` advances it
+  over each step's new tokens; it also handles a reasoning parser's end). The
+  request only reaches the hook once its grammar is compiled (``schedule()``
+  handles ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR`` first) and before any token is
+  sampled for it. Done once per request (a preempted request keeps its advanced
+  grammar, as stock vLLM does). An n above the prompt's length, or tokens the
+  grammar rejects, finish the request with ``FINISHED_ERROR`` instead of
+  scheduling it.
+
 Semantics: the check runs at every scheduling attempt of a request that has
 nothing computed yet (as the project's simulator does), so a request that waits
 for memory while other requests evict its cached blocks can be rejected later.
@@ -52,6 +64,7 @@ from pd_orchestrator.vllm_plugin._contract import check_markers, resolve
 from pd_orchestrator.vllm_plugin.policy import (
     ADMISSION_ONLY_KEY,
     EXTRA_ARGS_KEY,
+    RESUME_KEY,
     InvalidThresholdError,
     Phase,
     PluginContractError,
@@ -81,6 +94,7 @@ class ThresholdGate:
     def __init__(self, default_threshold: float) -> None:
         self.default_threshold = default_threshold
         self._rejected: dict[str, Phase] = {}
+        self._failed: list[str] = []
 
     def threshold_for(self, request: Any) -> float:
         """The threshold of one engine request (see :func:`policy.resolve_threshold`)."""
@@ -122,6 +136,31 @@ class ThresholdGate:
         rejected, self._rejected = self._rejected, {}
         return rejected
 
+    def resume(self, request: Any, manager: Any) -> bool:
+        """Advance ``request``'s grammar over its resumed output tokens (see the module
+        docstring), once; False (and recorded as failed) when they cannot be."""
+        if getattr(request, "_pdo_resumed", False):
+            return True
+        request._pdo_resumed = True
+        count = _resume_tokens(request)
+        if not count or not request.use_structured_output:
+            return True
+        prompt = request.prompt_token_ids or []
+        if count > len(prompt) or not manager.accept_tokens(request, list(prompt[-count:])):
+            _log.error(
+                "request %s: the grammar cannot take its %d resumed tokens; finishing it",
+                request.request_id,
+                count,
+            )
+            self._failed.append(request.request_id)
+            return False
+        return True
+
+    def take_failed(self) -> list[str]:
+        """The requests whose resume failed since the last call."""
+        failed, self._failed = self._failed, []
+        return failed
+
 
 def _admission_only(request: Any) -> bool:
     """Whether the front end marked ``request`` admission-only (it validated the value)."""
@@ -129,13 +168,30 @@ def _admission_only(request: Any) -> bool:
     return extra.get(ADMISSION_ONLY_KEY) is True
 
 
+def _resume_tokens(request: Any) -> int:
+    """The request's ``cache_hit_resume_tokens`` (the front end validated it), else 0."""
+    extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
+    value = extra.get(RESUME_KEY)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
 def _finish_rejected(scheduler: Any) -> None:
     """Finish the requests the gate recorded during ``schedule()``; stash their outputs."""
-    rejected = scheduler._pdo_gate.take_rejected()
-    if not rejected:
-        return
-    finished = scheduler.finish_requests(list(rejected), RequestStatus.FINISHED_ABORTED)
+    gate = scheduler._pdo_gate
+    failed = gate.take_failed()
+    if failed:
+        _stash(scheduler, scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR), {})
+    rejected = gate.take_rejected()
+    if rejected:
+        finished = scheduler.finish_requests(list(rejected), RequestStatus.FINISHED_ABORTED)
+        _stash(scheduler, finished, rejected)
+
+
+def _stash(scheduler: Any, finished: Any, rejected: dict[str, Phase]) -> None:
+    """Stash the outputs of requests finished outside a step (a rejection's stop reason
+    names its phase)."""
     for request in finished:
+        phase = rejected.get(request.request_id)
         scheduler._pdo_outputs.append(
             (
                 request.client_index,
@@ -143,7 +199,7 @@ def _finish_rejected(scheduler: Any) -> None:
                     request_id=request.request_id,
                     new_token_ids=[],
                     finish_reason=request.get_finished_reason(),
-                    stop_reason=stop_reason_for(rejected[request.request_id]),
+                    stop_reason=None if phase is None else stop_reason_for(phase),
                     events=request.take_events(),
                     trace_headers=request.trace_headers,
                 ),
@@ -180,10 +236,12 @@ def threshold_scheduler(base: type[Any], hook: VLLMHook) -> type[Any]:
     def _ec_transfer_pending(self: Any, request: Any, num_computed_tokens: int) -> bool:
         # num_computed_tokens: the hit the waiting loop computed (hook.hit_argument)
         # for a request with nothing computed; its KV-arrived call passes through.
-        if request.num_computed_tokens == 0 and self._pdo_gate.rejects(
-            request, num_computed_tokens
-        ):
-            return True
+        if request.num_computed_tokens == 0:
+            gate = self._pdo_gate
+            if gate.rejects(request, num_computed_tokens):
+                return True
+            if not gate.resume(request, self.structured_output_manager):
+                return True
         return bool(base._ec_transfer_pending(self, request, num_computed_tokens))
 
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -218,7 +276,8 @@ def check_contract(hook: VLLMHook | None = None) -> None:
     answer skips the request, all before the waiting request's ``allocate_slots``;
     skipped requests are put back in ``waiting``; ``_preempt_request`` marks
     ``PREEMPTED`` and resets ``num_computed_tokens``; ``finish_requests``,
-    ``update_from_output`` and ``_ec_transfer_pending`` exist.
+    ``update_from_output`` and ``_ec_transfer_pending`` exist, and so does
+    ``StructuredOutputManager.accept_tokens``.
     """
     if hook is None:
         import vllm
@@ -230,6 +289,9 @@ def check_contract(hook: VLLMHook | None = None) -> None:
     for name in ("finish_requests", "update_from_output", "_ec_transfer_pending"):
         if not callable(getattr(scheduler, name, None)):
             raise PluginContractError(f"vLLM's Scheduler has no method {name}()")
+    manager = resolve("vllm.v1.structured_output", "StructuredOutputManager")
+    if not callable(getattr(manager, "accept_tokens", None)):
+        raise PluginContractError("vLLM's StructuredOutputManager has no method accept_tokens()")
 
 
 def install(hook: VLLMHook) -> None:

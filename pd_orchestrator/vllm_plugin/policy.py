@@ -20,6 +20,13 @@ Contracts:
   request is recomputed as stock vLLM does and never rejected (handed back). The
   gateway sets it on requests a continuation could not honour (tools, structured
   outputs, logprobs).
+* Resume: a continuation of a structured output (the gateway resubmits prompt +
+  output tokens after a hand-back) sets ``cache_hit_resume_tokens`` to the number of
+  trailing prompt tokens that are output already generated. Before the request's
+  first new token, its structured-output grammar is advanced over them, once, so
+  the continued answer is constrained exactly as the uninterrupted one would be. A
+  count that is not an integer >= 0 is a validation error; one above the prompt's
+  length, or tokens the grammar rejects, finish the request with an error.
 * Only full blocks are cached, and vLLM always recomputes the last token, so the
   best reachable ratio is ``floor((n - 1) / block_size) * block_size / n``
   (:func:`max_hit_ratio`): a threshold above it rejects even a fully warm prompt.
@@ -37,6 +44,7 @@ __all__ = [
     "ENV_GLOBAL_THRESHOLD",
     "EXTRA_ARGS_KEY",
     "FINISH_REASON",
+    "RESUME_KEY",
     "InvalidThresholdError",
     "Phase",
     "PluginContractError",
@@ -46,10 +54,12 @@ __all__ = [
     "hit_ratio",
     "is_remote_decode_prefill",
     "max_hit_ratio",
+    "parse_count",
     "parse_flag",
     "parse_threshold",
     "phase_of_stop_reason",
     "request_admission_only",
+    "request_resume_tokens",
     "request_threshold",
     "resolve_threshold",
     "stop_reason_for",
@@ -64,6 +74,10 @@ EXTRA_ARGS_KEY = "cache_hit_threshold"
 
 #: Key of the admission-only request field, and of its copy in ``SamplingParams.extra_args``.
 ADMISSION_ONLY_KEY = "cache_hit_admission_only"
+
+#: Key of the resume request field (output tokens at the prompt's end), and of its copy
+#: in ``SamplingParams.extra_args``.
+RESUME_KEY = "cache_hit_resume_tokens"
 
 #: Environment variable holding the server-wide default threshold.
 ENV_GLOBAL_THRESHOLD = "PDO_GLOBAL_CACHE_HIT_THRESHOLD"
@@ -83,8 +97,8 @@ class PluginContractError(RuntimeError):
 
 
 class InvalidThresholdError(ValueError):
-    """A threshold that is not a number within ``[0, 1]``, or a flag that is not a
-    boolean."""
+    """A threshold that is not a number within ``[0, 1]``, a flag that is not a
+    boolean, or a token count that is not an integer >= 0."""
 
 
 class Phase(enum.StrEnum):
@@ -137,6 +151,21 @@ def parse_flag(value: object, source: str) -> bool | None:
     if isinstance(value, str) and value.lower() in _FLAG_WORDS:
         return _FLAG_WORDS[value.lower()]
     raise InvalidThresholdError(f"{source} must be true or false, got {value!r}")
+
+
+def parse_count(value: object, source: str) -> int | None:
+    """Validate a token count from ``source`` (named in errors); ``None`` means unset.
+
+    Accepts integers >= 0, and for ``vllm_xargs`` strings of digits; rejects
+    booleans, floats, negatives and anything else with :class:`InvalidThresholdError`.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str) and value.isdecimal():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidThresholdError(f"{source} must be an integer >= 0, got {value!r}")
+    return value
 
 
 def global_threshold(additional_config: object, environ: Mapping[str, str]) -> float:
@@ -240,6 +269,18 @@ def request_admission_only(
         return parse_flag(body_extra[ADMISSION_ONLY_KEY], ADMISSION_ONLY_KEY)
     if extra_args is not None:
         return parse_flag(extra_args.get(ADMISSION_ONLY_KEY), f"vllm_xargs.{ADMISSION_ONLY_KEY}")
+    return None
+
+
+def request_resume_tokens(
+    body_extra: Mapping[str, object] | None, extra_args: Mapping[str, object] | None
+) -> int | None:
+    """The request's ``cache_hit_resume_tokens`` (the body's, else ``vllm_xargs'``),
+    or ``None`` when it sets none; invalid values raise :class:`InvalidThresholdError`."""
+    if body_extra is not None and body_extra.get(RESUME_KEY) is not None:
+        return parse_count(body_extra[RESUME_KEY], RESUME_KEY)
+    if extra_args is not None:
+        return parse_count(extra_args.get(RESUME_KEY), f"vllm_xargs.{RESUME_KEY}")
     return None
 
 

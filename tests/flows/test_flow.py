@@ -21,6 +21,7 @@ from pd_orchestrator.config.routing import RoutingConfig
 from pd_orchestrator.config.settings import HandbackConfig, TimeoutConfig, UpstreamConfig
 from pd_orchestrator.fleet.state import FleetState
 from pd_orchestrator.flows import Flow, FlowSettings, Legs, Single, renderer_for
+from pd_orchestrator.flows.bodies import continuation_body
 from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.load import Candidate
@@ -158,8 +159,15 @@ def _request(kind: str, body: dict[str, Any]) -> ClientRequest:
 
 
 def _plan(
-    decoders: tuple[Endpoint, ...] = (D0, D1), prefillers: tuple[Endpoint, ...] = (P0,)
+    decoders: tuple[Endpoint, ...] = (D0, D1),
+    prefillers: tuple[Endpoint, ...] = (P0,),
+    *,
+    resumable: bool = False,
+    resumes: bool = True,
 ) -> Plan:
+    """A plan over ``decoders`` and ``prefillers``; ``resumable``: for a structured
+    output (not continuable as a plain token prompt), on endpoints that honour
+    admission-only thresholds and resume a grammar when ``resumes``."""
     routing = RoutingConfig.model_validate(
         {
             "decode": {
@@ -173,8 +181,11 @@ def _plan(
         }
     )
     planner = Planner(build_profiles(routing, builtin_registry()), ThresholdResolver(_Half()))  # type: ignore[arg-type]
-    candidates = [Candidate(e) for e in (*decoders, *prefillers)]
-    return planner.plan(RequestFacts(model="m", prompt_chars=10), candidates, 0.0, 0)
+    candidates = [
+        Candidate(e, admission_only=True, resumes=resumes) for e in (*decoders, *prefillers)
+    ]
+    facts = RequestFacts(model="m", prompt_chars=10, continuable=not resumable, resumable=resumable)
+    return planner.plan(facts, candidates, 0.0, 0)
 
 
 async def _serve(
@@ -331,19 +342,20 @@ async def test_a_prefill_that_finished_is_the_answer() -> None:
     assert len(script.bodies("d0")) == 1  # no decode leg ran
 
 
+def _handback_script(first: Any, continued: Any) -> Script:
+    """``d0`` answers ``first`` (which hands the request back) then ``continued``; ``p0``
+    prefills the continuation."""
+    prefilled = {"id": "p", "choices": [{"index": 0, "text": "", "finish_reason": "length"}],
+                 "kv_transfer_params": {"remote_block_ids": [1]}}  # fmt: skip
+    return Script({"d0": [first, continued], "p0": [_whole(prefilled)]})
+
+
 async def test_a_hand_back_continues_as_a_token_prompt_with_fewer_tokens() -> None:
     handed_back = _completion_chunk([6], "cache_threshold")
-    script = Script(
-        {
-            "d0": [
-                _stream(_completion_chunk([5], first=True), handed_back, _usage(4, 2)),
-                _stream(_completion_chunk([7, 8], "length"), _usage(6, 2)),
-            ],
-            "p0": [_whole({"id": "p", "choices": [{"index": 0, "text": "",
-                                                   "finish_reason": "length"}],
-                           "kv_transfer_params": {"remote_block_ids": [1]}})],
-        }
-    )  # fmt: skip
+    script = _handback_script(
+        _stream(_completion_chunk([5], first=True), handed_back, _usage(4, 2)),
+        _stream(_completion_chunk([7, 8], "length"), _usage(6, 2)),
+    )
     run = await _serve(script, STREAM | {"stream_options": {"include_usage": True}})
     assert _text(run)[0] == " t5 t6 t7 t8"
     [prefill] = script.bodies("p0")
@@ -353,6 +365,58 @@ async def test_a_hand_back_continues_as_a_token_prompt_with_fewer_tokens() -> No
     usage = run.sink.events()[-1]["usage"]
     assert usage["prompt_tokens"] == 4 and usage["completion_tokens"] == 4
     assert run.flow.transcript.handbacks == 1
+
+
+RESUMABLE = [
+    {"response_format": {"type": "json_object"}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {}}}},
+    {"structured_outputs": {"regex": "[0-9]+"}},
+]
+
+
+@pytest.mark.parametrize("field", RESUMABLE, ids=["json-object", "json-schema", "regex"])
+async def test_a_structured_output_is_continued_with_its_constraint_and_resume_count(
+    field: dict[str, Any],
+) -> None:
+    """Both legs of the continuation carry the constraint and how many of the prompt's
+    last tokens are output the grammar must be advanced over."""
+    handed_back = _completion_chunk([6], "cache_threshold")
+    script = _handback_script(
+        _stream(_completion_chunk([5], first=True), handed_back, _usage(4, 2)),
+        _stream(_completion_chunk([7, 8], "length"), _usage(6, 2)),
+    )
+    body = STREAM | field
+    request = _request("completion", body)
+    assert request.resumable and not request.continuable
+    run = await _serve(script, body, plan=_plan(resumable=True))
+    assert _text(run)[0] == " t5 t6 t7 t8"
+    attempt, continuation = script.bodies("d0")
+    assert "cache_hit_resume_tokens" not in attempt
+    [prefill] = script.bodies("p0")
+    for sent in (prefill, continuation):
+        assert sent["prompt"] == [*PROMPT_IDS, 5, 6]
+        assert sent["cache_hit_resume_tokens"] == 2
+        assert {k: sent[k] for k in field} == field
+    assert run.flow.transcript.handbacks == 1
+
+
+def test_a_chat_structured_output_continues_on_completions_with_its_format() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9,
+            "response_format": {"type": "json_object"}, "tools": None}  # fmt: skip
+    request = _request("chat", body)
+    sent = continuation_body(request, [1, 2, 3, 7, 8], 2, 0.5)
+    assert "messages" not in sent and sent["prompt"] == [1, 2, 3, 7, 8]
+    assert sent["response_format"] == {"type": "json_object"}
+    assert sent["cache_hit_resume_tokens"] == 2 and sent["max_tokens"] == 7
+    plain = _request("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert "cache_hit_resume_tokens" not in continuation_body(plain, [1, 2, 3, 7], 1, 0.5)
+
+
+def test_a_structured_output_is_not_handed_back_where_a_decoder_cannot_resume() -> None:
+    """Admission-only, as any request a continuation cannot honour."""
+    plan = _plan(resumable=True, resumes=False)
+    assert not plan.continuable and plan.threshold.admission_only
+    assert _plan(resumable=True).threshold.admission_only is False
 
 
 async def test_a_hand_back_at_the_token_limit_ends_the_answer() -> None:
@@ -431,9 +495,7 @@ CONSTRAINED = [
     ("chat", {"tool_choice": "required"}),
     ("chat", {"response_format": {"type": "json_object"}}),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}}),
-    ("chat", {"logprobs": True}),
-    ("chat", {"logprobs": True, "top_logprobs": 3}),
-    ("completion", {"logprobs": 2}),
+    ("completion", {"prompt_logprobs": 1}),
     ("completion", {"guided_json": {"type": "object"}}),
 ]
 
@@ -468,6 +530,148 @@ async def test_a_request_a_continuation_cannot_honour_is_never_handed_back(
     assert sent["cache_hit_threshold"] == 0.0
     assert {k: sent[k] for k in field} == field
     assert run.flow.decision == "decode"
+
+
+def _chat_chunk(ids: list[int], finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
+    delta = {"content": "".join(f" t{i}" for i in ids)}
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
+              "token_ids": ids}  # fmt: skip
+    return {"id": "chatcmpl-up", "object": "chat.completion.chunk", "created": 7,
+            "model": "m", "choices": [choice], "prompt_token_ids": PROMPT_IDS}  # fmt: skip
+
+
+def _chat_entries(ids: list[int]) -> dict[str, Any]:
+    return {"content": [{"token": f" t{i}", "logprob": -0.5, "bytes": list(f" t{i}".encode()),
+                         "top_logprobs": [{"token": f" t{i}", "logprob": -0.5,
+                                           "bytes": list(f" t{i}".encode())}]}
+                        for i in ids]}  # fmt: skip
+
+
+def _completion_logprobs(ids: list[int]) -> dict[str, Any]:
+    """What vLLM's completions API returns for ``ids`` with ``logprobs: 1`` (the sampled
+    token first, then the top one: here the same, so one entry)."""
+    tokens = [f" t{i}" for i in ids]
+    offsets = [3 * k for k in range(len(ids))]
+    return {"tokens": tokens, "token_logprobs": [-0.5] * len(ids),
+            "top_logprobs": [{t: -0.5, "x": -3.0} for t in tokens],
+            "text_offset": offsets}  # fmt: skip
+
+
+def _handed_back_logprobs(first: dict[str, Any], handed_back: dict[str, Any]) -> Script:
+    """Token 5 then a hand-back with token 6 on d0; the continuation 7, 8 in completions
+    shape, each with logprobs."""
+    continued = _completion_chunk([7, 8], "length")
+    continued["choices"][0]["logprobs"] = _completion_logprobs([7, 8])
+    return _handback_script(
+        _stream(first, handed_back, _usage(4, 2)), _stream(continued, _usage(6, 2))
+    )
+
+
+async def test_a_chat_stream_with_logprobs_is_continued_with_chat_shaped_logprobs() -> None:
+    """The continuation asks ``logprobs: top_logprobs``; its completions logprobs reach
+    the chat client as ``content`` entries, ``top_logprobs`` alternatives each."""
+    first = _chat_chunk([5], logprobs=_chat_entries([5]))
+    handed_back = _chat_chunk([6], "cache_threshold", logprobs=_chat_entries([6]))
+    script = _handed_back_logprobs(first, handed_back)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "stream": True, "logprobs": True, "top_logprobs": 1}  # fmt: skip
+    assert _request("chat", body).continuable
+    run = await _serve(script, body, kind="chat")
+    continuation = script.bodies("d0")[1]
+    assert continuation["logprobs"] == 1 and "top_logprobs" not in continuation
+    entries = [e for event in run.sink.events() for c in event.get("choices", [])
+               for e in ((c.get("logprobs") or {}).get("content") or [])]  # fmt: skip
+    assert entries == _chat_entries([5, 6, 7, 8])["content"]
+
+
+async def test_a_whole_completion_with_logprobs_merges_them_with_moved_offsets() -> None:
+    def answer(ids: list[int], finish: str) -> dict[str, Any]:
+        choice = _completion_chunk(ids, finish, first=True)["choices"][0]
+        return {"id": "up", "object": "text_completion", "created": 7, "model": "m",
+                "choices": [choice | {"logprobs": _completion_logprobs(ids)}],
+                "usage": _usage(4, len(ids))}  # fmt: skip
+
+    script = _handback_script(
+        _whole(answer([5, 6], "cache_threshold")), _whole(answer([7, 8], "length"))
+    )
+    body = {"model": "m", "prompt": "hello", "max_tokens": 4, "logprobs": 1}
+    run = await _serve(script, body)
+    assert script.bodies("d0")[1]["logprobs"] == 1
+    logprobs = orjson.loads(run.sink.data)["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == [" t5", " t6", " t7", " t8"]
+    assert logprobs["text_offset"] == [0, 3, 6, 9]  # the continuation's start after " t5 t6"
+    assert len(logprobs["top_logprobs"]) == 4 and logprobs["token_logprobs"] == [-0.5] * 4
+
+
+TOOL_PARAMETERS = {"type": "object", "properties": {"a": {"type": "integer"}}}
+NAMED_TOOL = {
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": TOOL_PARAMETERS}}],
+    "tool_choice": {"type": "function", "function": {"name": "f"}},
+}
+
+
+def _tool_chunk(ids: list[int], arguments: str, finish: str | None = None) -> dict[str, Any]:
+    chunk = _chat_chunk(ids, finish)
+    call = {"index": 0, "function": {"arguments": arguments}}
+    if ids == [5]:
+        call |= {"id": "chatcmpl-tool-up", "type": "function"}
+        call["function"]["name"] = "f"
+    chunk["choices"][0]["delta"] = {"tool_calls": [call]}
+    return chunk
+
+
+async def test_a_named_tool_call_streamed_is_continued_as_argument_deltas() -> None:
+    """The continuation is constrained to the tool's parameters; its text reaches the
+    client as the same call's argument deltas (no second id, no content)."""
+    first = _stream(_tool_chunk([5], '{"a'), _tool_chunk([6], '": 1', "cache_threshold"))
+    continued = _stream(_completion_chunk([7], "stop", text="2}"), _usage(6, 1))
+    script = _handback_script(first, continued)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "stream": True} | NAMED_TOOL  # fmt: skip
+    request = _request("chat", body)
+    assert request.resumable and request.named_tool is not None
+    run = await _serve(script, body, kind="chat", plan=_plan(resumable=True))
+    continuation = script.bodies("d0")[1]
+    assert continuation["structured_outputs"] == {"json": TOOL_PARAMETERS}
+    assert continuation["cache_hit_resume_tokens"] == 2 and "tools" not in continuation
+    deltas = [c["delta"] for e in run.sink.events() for c in e.get("choices", [])]
+    calls = [call for d in deltas for call in d.get("tool_calls") or []]
+    assert "".join(c["function"]["arguments"] for c in calls) == '{"a": 12}'
+    assert [c.get("id") for c in calls] == ["chatcmpl-tool-up", None, None]
+    assert not any(d.get("content") for d in deltas)
+    finishes = [c["finish_reason"] for e in run.sink.events() for c in e.get("choices", [])]
+    assert [f for f in finishes if f] == ["stop"]
+
+
+async def test_a_named_tool_call_whole_is_continued_into_the_same_call() -> None:
+    first = {"id": "chatcmpl-up", "object": "chat.completion", "created": 7, "model": "m",
+             "choices": [{"index": 0, "finish_reason": "cache_threshold", "token_ids": [5, 6],
+                          "message": {"role": "assistant", "content": None, "tool_calls": [
+                              {"id": "chatcmpl-tool-up", "type": "function",
+                               "function": {"name": "f", "arguments": '{"a": 1'}}]}}],
+             "prompt_token_ids": PROMPT_IDS, "usage": _usage(4, 2)}  # fmt: skip
+    continued = {"id": "up", "object": "text_completion", "created": 7, "model": "m",
+                 "choices": [{"index": 0, "text": "2}", "token_ids": [7],
+                              "finish_reason": "stop"}], "usage": _usage(6, 1)}  # fmt: skip
+    script = _handback_script(_whole(first), _whole(continued))
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    run = await _serve(script, body | NAMED_TOOL, kind="chat", plan=_plan(resumable=True))
+    message = orjson.loads(run.sink.data)["choices"][0]["message"]
+    assert message["content"] == ""
+    [call] = message["tool_calls"]
+    assert call["id"] == "chatcmpl-tool-up" and call["function"] == {
+        "name": "f",
+        "arguments": '{"a": 12}',
+    }
+
+
+def test_a_tool_choice_that_names_no_defined_tool_is_not_resumable() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]} | NAMED_TOOL
+    auto = _request("chat", body | {"tool_choice": "auto"})
+    assert not auto.resumable and auto.uncontinuable_field == "tools"
+    other = _request("chat", body | {"tool_choice": {"type": "function",
+                                                     "function": {"name": "g"}}})  # fmt: skip
+    assert not other.resumable and other.named_tool is None
 
 
 @pytest.mark.parametrize(

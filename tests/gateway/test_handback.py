@@ -184,6 +184,65 @@ async def test_constrained_requests_go_admission_only_and_are_never_handed_back(
     assert metric(decoder_text, "vllm:cache_threshold_rejections_total", phase="preemption") == 0
 
 
+@pytest.mark.parametrize(
+    ("kind", "stream"), [("chat", True), ("completion", False)], ids=["chat-stream", "whole"]
+)
+async def test_a_preempted_structured_output_is_handed_back_and_continued(
+    sim_factory: SimFactory, gateway_factory: GatewayFactory, kind: str, stream: bool
+) -> None:
+    """A structured output on decoders that resume grammars goes with the policy's
+    threshold and no admission-only: preempted, it is handed back and continued (the
+    continuation carries its format and the resume count; the simulated plugin checks
+    the count against the prompt), its answer still the reference's."""
+    decoder = _pressured_decoder(sim_factory)
+    prefiller = sim_factory("--profile", "instant", "--kv-connector", "nixl", name="prefill")
+    reference = sim_factory("--profile", "instant", name="reference")
+    config = gateway_config([decoder], [prefiller], threshold={"policy": {"value": 0.6}})
+    gateway = gateway_factory(config)
+    load = await _load_read(gateway.url)
+    assert load["admission_only"] is True and load["resumes"] is True
+    structured = {"response_format": {"type": "json_object"}}
+    await _warm(gateway.url, kind)
+    answers: list[Answer | None] = [None] * len(PROMPTS)
+
+    async def one(i: int) -> None:
+        answers[i] = await call(gateway.url, kind, _body(kind, i, stream) | structured)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(PROMPTS)):
+            tg.start_soon(one, i)
+    for i, answer in enumerate(answers):
+        assert answer is not None and answer.status == 200, answer
+        expected = await call(reference.url, kind, _body(kind, i, False))
+        assert answer.token_ids == expected.token_ids and answer.text == expected.text
+    text = await metrics_text(gateway.url)
+    assert metric(text, "pd_orchestrator_handbacks_total") >= 1
+    resumable = metric(text, "pd_orchestrator_constrained_requests_total", threshold="resumable")
+    assert resumable == len(PROMPTS)
+    decoder_text = await metrics_text(decoder.url)
+    assert metric(decoder_text, "vllm:cache_threshold_rejections_total", phase="preemption") >= 1
+
+
+async def test_a_client_cannot_set_the_resume_count(
+    sim_factory: SimFactory, gateway_factory: GatewayFactory
+) -> None:
+    """Only the gateway says which prompt tokens are output a grammar is advanced over:
+    a client's count would walk its own constraint past what it allows."""
+    nixl = ("--profile", "instant", "--kv-connector", "nixl")
+    decoder, prefiller = sim_factory(*nixl, name="decoder"), sim_factory(*nixl, name="prefill")
+    gateway = gateway_factory(gateway_config([decoder], [prefiller]))
+    body = {"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}}
+    refused = await call(gateway.url, "completion", body | {"cache_hit_resume_tokens": 1})
+    assert refused.status == 400 and refused.body is not None
+    assert refused.body["error"]["param"] == "cache_hit_resume_tokens"
+    xargs = {"vllm_xargs": {"cache_hit_resume_tokens": 1}}
+    refused = await call(gateway.url, "completion", body | xargs)
+    assert refused.status == 400 and refused.body is not None
+    assert refused.body["error"]["param"] == "vllm_xargs.cache_hit_resume_tokens"
+    direct = await call(decoder.url, "completion", body | {"cache_hit_resume_tokens": 5})
+    assert direct.status == 400  # more than the prompt's tokens
+
+
 async def test_an_older_plugin_gets_constrained_requests_with_threshold_zero(
     sim_factory: SimFactory, gateway_factory: GatewayFactory
 ) -> None:

@@ -96,6 +96,7 @@ def gateway_series() -> set[str]:
     metrics.ask_all_width.labels("likely").inc()
     metrics.ask_all_prompts.labels("tokenized").inc()
     metrics.constrained.labels("admission-only").inc()
+    metrics.constrained.labels("resumable").inc()
     metrics.reloads.labels("applied").inc()
     families = list(text_string_to_metric_families(generate_latest(metrics.registry).decode()))
     silent = [f.name for f in families if not f.samples]

@@ -53,9 +53,10 @@ def test_continuation_of_a_chat_request_is_a_token_prompt() -> None:
     body = continuation_body(_request(CHAT, "chat"), [1, 2, 3, 9, 9], 30, 0.0)
     assert body["prompt"] == [1, 2, 3, 9, 9]
     assert body["max_tokens"] == 20 and body["min_tokens"] == 0
-    for dropped in ("messages", "tools", "logprobs", "max_completion_tokens"):
+    for dropped in ("messages", "tools", "top_logprobs", "max_completion_tokens"):
         assert dropped not in body
     assert body["temperature"] == 0.0 and body["cache_hit_threshold"] == 0.0
+    assert body["logprobs"] == 0  # chat's logprobs: true asks completions for no alternatives
 
 
 def test_continuation_without_a_limit_has_none() -> None:

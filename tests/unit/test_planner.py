@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -287,3 +288,28 @@ def test_admission_only_is_kept_while_the_reading_is_stale() -> None:
     assert plan.threshold == ThresholdDecision(0.5, "static", "fixed", admission_only=True)
     unknown = [Candidate(e) for e in FLEET]  # never read: not known to honour it
     assert _planner().plan(_constrained(), unknown, 0.0, 0).threshold.value == 0.0
+
+
+def _structured() -> RequestFacts:
+    return RequestFacts(
+        model="m", prompt_chars=5, affinity_key="json", continuable=False, resumable=True
+    )
+
+
+def test_a_structured_output_is_continuable_where_its_decoder_and_prefillers_resume() -> None:
+    """Sent with the policy's threshold as it is (a hand-back continues it) when the
+    decoder and every prefiller that can reach it advance grammars; admission-only as
+    soon as one of them does not (a continuation's prefill leg carries the grammar)."""
+    every = [Candidate(e, admission_only=True, resumes=True) for e in FLEET]
+    plan = _planner().plan(_structured(), every, 0.0, 0)
+    assert plan.continuable and plan.threshold == ThresholdDecision(0.5, "static", "fixed")
+    decoder = plan.decoder.name
+    reach = {e.name for e in plan.prefillers_for(plan.decoder)}
+    for older in (decoder, *reach):
+        some = [replace(c, resumes=c.endpoint.name != older) for c in every]
+        plan = _planner().plan(_structured(), some, 0.0, 0)
+        assert not plan.continuable and plan.threshold.admission_only, older
+    unreachable = {e.name for e in FLEET if e.role is Role.PREFILL} - reach
+    for other in unreachable:  # a prefiller that cannot reach the decoder does not count
+        some = [replace(c, resumes=c.endpoint.name != other) for c in every]
+        assert _planner().plan(_structured(), some, 0.0, 0).continuable

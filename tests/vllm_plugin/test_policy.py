@@ -18,10 +18,12 @@ from pd_orchestrator.vllm_plugin.policy import (
     hit_ratio,
     is_remote_decode_prefill,
     max_hit_ratio,
+    parse_count,
     parse_flag,
     parse_threshold,
     phase_of_stop_reason,
     request_admission_only,
+    request_resume_tokens,
     request_threshold,
     resolve_threshold,
     stop_reason_for,
@@ -151,6 +153,26 @@ def test_admission_only_from_the_body_then_vllm_xargs() -> None:
         request_admission_only({key: "maybe"}, None)
     with pytest.raises(InvalidThresholdError, match=rf"vllm_xargs\.{key}"):
         request_admission_only(None, {key: 7})
+
+
+@pytest.mark.parametrize(("raw", "expected"), [(None, None), (0, 0), (17, 17), ("42", 42)])
+def test_parse_count_takes_integers_and_their_xargs_form(raw: object, expected: int | None) -> None:
+    assert parse_count(raw, "x") == expected
+
+
+@pytest.mark.parametrize("bad", [True, False, -1, 2.0, "2.5", "-3", "", [], {}])
+def test_parse_count_rejects_everything_else(bad: object) -> None:
+    with pytest.raises(InvalidThresholdError, match="integer >= 0"):
+        parse_count(bad, "x")
+
+
+def test_resume_tokens_from_the_body_then_vllm_xargs() -> None:
+    key = "cache_hit_resume_tokens"
+    assert request_resume_tokens({key: 3}, {key: "9"}) == 3
+    assert request_resume_tokens({}, {key: "9"}) == 9
+    assert request_resume_tokens(None, None) is None
+    with pytest.raises(InvalidThresholdError, match=f"vllm_xargs.{key}"):
+        request_resume_tokens(None, {key: -2})
 
 
 def test_flag_merges_into_additional_config() -> None:
