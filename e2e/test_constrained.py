@@ -168,16 +168,21 @@ async def _warm_then_together(
     target: Target, gateway: str, path: str, bodies: list[dict[str, Any]], read: Reader
 ) -> tuple[bool, list[dict[str, Any]], list[dict[str, Any]]]:
     """Each body once with one token (cold: P/D, so the decoder holds its prompt), then
-    all together through the gateway; whether the gateway handed one back, what
-    ``read`` made of each answer, and of the reference's (whole, threshold 0)."""
+    all together through the gateway; whether the gateway handed one back (its
+    continuation prefilled on the prefiller), what ``read`` made of each answer, and
+    of the reference's (whole, threshold 0)."""
+    prefiller = target.prefillers[0]
     async with httpx.AsyncClient(timeout=600) as client:
         for body in bodies:
             once = body | {"max_tokens": 1, "stream": False}
             warm = await client.post(f"{gateway}{path}", json=once)
             assert warm.status_code == 200, warm.text
         handbacks = metric(gateway, "pd_orchestrator_handbacks_total")
+        prefilled = metric(prefiller, "vllm:prompt_tokens_total")
         results = await asyncio.gather(*(read(client, gateway, b) for b in bodies))
         handed_back = metric(gateway, "pd_orchestrator_handbacks_total") > handbacks
+        if handed_back:  # the continuation went through the prefiller
+            assert metric(prefiller, "vllm:prompt_tokens_total") > prefilled
         plain = {"stream": False, "cache_hit_threshold": 0}
         references = [await read(client, target.reference, b | plain) for b in bodies]
     return handed_back, list(results), references
