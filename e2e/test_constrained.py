@@ -18,7 +18,15 @@ from typing import Any
 import httpx
 import pytest
 from targets import METRICS_SECONDS, Target, metric
-from test_gateway_pd import _generate, _post, _preemption_shape, _reference, _text_of
+from test_gateway_pd import (
+    LOGPROB_LISTS,
+    _completion_answer,
+    _generate,
+    _post,
+    _preemption_shape,
+    _reference,
+    _text_of,
+)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -158,7 +166,6 @@ RESUMED: dict[str, dict[str, Any]] = {
                                         "json_schema": {"name": "digits", "schema": ARRAY_SCHEMA}}},
     "logprobs": {"logprobs": 2},
 }  # fmt: skip
-_LOGPROB_LISTS = ("tokens", "text_offset")
 
 
 Reader = Callable[[httpx.AsyncClient, str, dict[str, Any]], Awaitable[dict[str, Any]]]
@@ -188,34 +195,6 @@ async def _warm_then_together(
     return handed_back, list(results), references
 
 
-async def _answer(client: httpx.AsyncClient, gateway: str, body: dict[str, Any]) -> dict[str, Any]:
-    """Token ids, text and logprob tokens and offsets of a completions answer, streamed
-    (the pieces joined) or whole."""
-    if not body.get("stream"):
-        answer = await client.post(f"{gateway}/v1/completions", json=body)
-        assert answer.status_code == 200, answer.text
-        return _parts([answer.json()["choices"][0]])
-    choices: list[dict[str, Any]] = []
-    async with client.stream("POST", f"{gateway}/v1/completions", json=body) as response:
-        assert response.status_code == 200
-        async for line in response.aiter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                choices += chunk["choices"]
-    return _parts(choices)
-
-
-def _parts(choices: list[dict[str, Any]]) -> dict[str, Any]:
-    parts: dict[str, Any] = {"ids": [], "text": "", **{name: [] for name in _LOGPROB_LISTS}}
-    for choice in choices:
-        parts["ids"] += choice.get("token_ids") or []
-        parts["text"] += choice.get("text") or ""
-        for name in _LOGPROB_LISTS:
-            parts[name] += (choice.get("logprobs") or {}).get(name) or []
-    return parts
-
-
 async def _handed_back_round(target: Target, gateway: str, extra: dict[str, Any]) -> bool:
     """Token prompts that overflow the decoder's KV, warmed (P/D once), then together,
     streamed and whole: True when the gateway handed one back. Every answer is the
@@ -230,13 +209,13 @@ async def _handed_back_round(target: Target, gateway: str, extra: dict[str, Any]
                "return_token_ids": True, "stream": i % 2 == 0, "cache_hit_threshold": 0.9}
               | length | extra for i, p in enumerate(prompts)]  # fmt: skip
     handed_back, results, references = await _warm_then_together(
-        target, gateway, "/v1/completions", bodies, _answer
+        target, gateway, "/v1/completions", bodies, _completion_answer
     )
     for result, reference in zip(results, references, strict=True):
         assert result["ids"] == reference["ids"], "the output differs from the reference"
         if "logprobs" in extra and target.name != "sim":  # the simulator returns none
             assert len(result["tokens"]) == len(result["ids"])
-            for name in _LOGPROB_LISTS:
+            for name in LOGPROB_LISTS:
                 assert result[name] == reference[name], f"logprobs {name} differ"
         if "response_format" in extra and target.name == "vllm":
             digits = json.loads(result["text"])

@@ -88,21 +88,42 @@ def test_second_turn_is_admitted_and_the_prefiller_sees_nothing(
     assert metric(prefiller, "vllm:prompt_tokens_total") == before
 
 
-async def _generate(client: httpx.AsyncClient, gateway: str, body: dict[str, Any]) -> list[int]:
+LOGPROB_LISTS = ("tokens", "text_offset")
+"""The completions logprobs lists :func:`_completion_answer` joins."""
+
+
+async def _completion_answer(
+    client: httpx.AsyncClient, gateway: str, body: dict[str, Any]
+) -> dict[str, Any]:
+    """Token ids, text and logprob tokens and offsets of a completions answer, streamed
+    (the pieces joined) or whole."""
     if not body.get("stream"):
         answer = await client.post(f"{gateway}/v1/completions", json=body)
         assert answer.status_code == 200, answer.text
-        return _ids(answer.json())
-    ids: list[int] = []
+        return _parts([answer.json()["choices"][0]])
+    choices: list[dict[str, Any]] = []
     async with client.stream("POST", f"{gateway}/v1/completions", json=body) as response:
         assert response.status_code == 200
         async for line in response.aiter_lines():
             if line.startswith("data: {"):
                 chunk = json.loads(line[6:])
                 assert "error" not in chunk, chunk
-                for choice in chunk["choices"]:
-                    ids += choice.get("token_ids") or []
-    return ids
+                choices += chunk["choices"]
+    return _parts(choices)
+
+
+def _parts(choices: list[dict[str, Any]]) -> dict[str, Any]:
+    parts: dict[str, Any] = {"ids": [], "text": "", **{name: [] for name in LOGPROB_LISTS}}
+    for choice in choices:
+        parts["ids"] += choice.get("token_ids") or []
+        parts["text"] += choice.get("text") or ""
+        for name in LOGPROB_LISTS:
+            parts[name] += (choice.get("logprobs") or {}).get(name) or []
+    return parts
+
+
+async def _generate(client: httpx.AsyncClient, gateway: str, body: dict[str, Any]) -> list[int]:
+    return list((await _completion_answer(client, gateway, body))["ids"])
 
 
 def _preemption_shape(target: Target) -> tuple[int, int, int]:

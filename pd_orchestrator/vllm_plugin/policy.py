@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 __all__ = [
     "ADDITIONAL_CONFIG_KEY",
@@ -243,6 +244,25 @@ def phase_of_stop_reason(stop_reason: object) -> Phase | None:
         return None
 
 
+T = TypeVar("T")
+
+
+def _request_field(
+    key: str,
+    parse: Callable[[object, str], T | None],
+    body_extra: Mapping[str, object] | None,
+    extra_args: Mapping[str, object] | None,
+) -> T | None:
+    """Field ``key`` of an OpenAI request read with ``parse``: the body's (its fields
+    unknown to vLLM, ``body_extra``) wins over ``vllm_xargs``' (``extra_args``, as
+    vLLM built them); ``None`` when neither sets it. Errors name where it was read."""
+    if body_extra is not None and body_extra.get(key) is not None:
+        return parse(body_extra[key], key)
+    if extra_args is not None:
+        return parse(extra_args.get(key), f"vllm_xargs.{key}")
+    return None
+
+
 def request_threshold(
     body_extra: Mapping[str, object] | None, extra_args: Mapping[str, object] | None
 ) -> float | None:
@@ -253,11 +273,7 @@ def request_threshold(
     ``vllm_xargs``. The top-level field wins. Invalid values raise
     :class:`InvalidThresholdError`.
     """
-    if body_extra is not None and body_extra.get(EXTRA_ARGS_KEY) is not None:
-        return parse_threshold(body_extra[EXTRA_ARGS_KEY], EXTRA_ARGS_KEY)
-    if extra_args is not None:
-        return parse_threshold(extra_args.get(EXTRA_ARGS_KEY), f"vllm_xargs.{EXTRA_ARGS_KEY}")
-    return None
+    return _request_field(EXTRA_ARGS_KEY, parse_threshold, body_extra, extra_args)
 
 
 def request_admission_only(
@@ -265,11 +281,7 @@ def request_admission_only(
 ) -> bool | None:
     """The request's ``cache_hit_admission_only`` (the body's, else ``vllm_xargs``'),
     or ``None`` when it sets none; invalid values raise :class:`InvalidThresholdError`."""
-    if body_extra is not None and body_extra.get(ADMISSION_ONLY_KEY) is not None:
-        return parse_flag(body_extra[ADMISSION_ONLY_KEY], ADMISSION_ONLY_KEY)
-    if extra_args is not None:
-        return parse_flag(extra_args.get(ADMISSION_ONLY_KEY), f"vllm_xargs.{ADMISSION_ONLY_KEY}")
-    return None
+    return _request_field(ADMISSION_ONLY_KEY, parse_flag, body_extra, extra_args)
 
 
 def request_resume_tokens(
@@ -277,11 +289,7 @@ def request_resume_tokens(
 ) -> int | None:
     """The request's ``cache_hit_resume_tokens`` (the body's, else ``vllm_xargs'``),
     or ``None`` when it sets none; invalid values raise :class:`InvalidThresholdError`."""
-    if body_extra is not None and body_extra.get(RESUME_KEY) is not None:
-        return parse_count(body_extra[RESUME_KEY], RESUME_KEY)
-    if extra_args is not None:
-        return parse_count(extra_args.get(RESUME_KEY), f"vllm_xargs.{RESUME_KEY}")
-    return None
+    return _request_field(RESUME_KEY, parse_count, body_extra, extra_args)
 
 
 def with_flag_threshold(additional_config: object, flag_value: float) -> dict[str, object]:
