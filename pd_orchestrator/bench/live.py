@@ -339,14 +339,39 @@ def _live_fleet(fleet: FleetSpec, strategy: Strategy) -> FleetSpec:
     return replace(fleet, instances=tuple(replace(i, role=Role.BOTH) for i in fleet.instances))
 
 
-def live_threshold(strategy: Strategy) -> dict[str, Any]:
+_SLO_SECONDS = {"goodput": ("ttft", "tpot"), "slo-feedback": ("ttft_p90", "itl_p99")}
+"""Policy parameters that are latency targets, in seconds of the gateway's clock."""
+
+
+def live_threshold(strategy: Strategy, time_scale: float = 1.0) -> dict[str, Any]:
     """The gateway's ``threshold`` block for ``strategy`` (client thresholds ignored).
     Prefill-first runs as threshold 1 (no prompt meets it: the gateway goes straight
-    to P/D), decode-only as threshold 0, decode-first with the strategy's own block."""
+    to P/D), decode-only as threshold 0, decode-first with the strategy's own block.
+
+    The gateway measures latencies on its own clock, on which a simulated second lasts
+    ``time_scale`` seconds; the latency targets a policy block sets (``goodput``'s,
+    ``slo-feedback``'s, at any depth) are stretched by it, so the policy holds the
+    simulated fleet to the targets the strategy names."""
     if strategy.threshold is not None:
-        return strategy.threshold.model_dump(mode="json", exclude_unset=True)
+        block = strategy.threshold.model_dump(mode="json", exclude_unset=True)
+        return _stretched(block, time_scale) if time_scale != 1.0 else block
     value = 1.0 if strategy.mode is Mode.PREFILL_FIRST else 0.0
     return {"policy": {"type": "static", "value": value}, "honour_client": False}
+
+
+def _stretched(block: Any, scale: float) -> Any:
+    """``block`` with every policy's latency targets (:data:`_SLO_SECONDS`) times ``scale``."""
+    if isinstance(block, list):
+        return [_stretched(item, scale) for item in block]
+    if not isinstance(block, dict):
+        return block
+    out = {key: _stretched(value, scale) for key, value in block.items()}
+    params = out.get("params")
+    if isinstance(params, dict):
+        for name in _SLO_SECONDS.get(str(out.get("type")), ()):
+            if isinstance(params.get(name), int | float):
+                params[name] = params[name] * scale
+    return out
 
 
 def run_fleet_strategy(
@@ -362,7 +387,8 @@ def run_fleet_strategy(
         sims = start_fleet(served, options.sim_time_scale, stack)
         urls = {name: child.url for name, child in sims.items()}
         path = Path(tmp) / "gateway.yaml"
-        path.write_text(yaml.safe_dump(_gateway_config(served, urls, live_threshold(strategy))))
+        threshold = live_threshold(strategy, options.sim_time_scale)
+        path.write_text(yaml.safe_dump(_gateway_config(served, urls, threshold)))
         gateway = start_child("gateway", python_command("serve", "--config", str(path)), timeout=60)
         stack.callback(stop_child, gateway)
         return anyio.run(

@@ -17,12 +17,21 @@ For the chosen decoder and a prompt of ``L`` tokens, ``u`` of them uncached ther
                + L / transfer_rate + 3 * hop
 
 * **local**, beyond that wait: ``u / rate_d``.
-* **stall**: what a local prefill of ``u`` tokens costs the ``B`` streams decoding
-  there. Steps are memory-bound until compute catches up (a roofline), so the first
-  ``free`` tokens of each step ride free; beyond, the prefill's time lands on every
-  stream in those steps. Spread over a stream's ``out_mean`` output tokens it raises
-  its time per output token by ``stall(u) / out_mean``, against the room
-  ``tpot - itl_d`` left under the TPOT target (``itl_d``: the pool's observed ITL).
+* **stall**: what local prefills cost the streams decoding there. It is a rate,
+  not one prompt's cost: a stream decodes for about ``W = out_mean * tpot`` seconds,
+  and every prefill kept at its decoder meanwhile lands on it. If a share ``s`` of
+  the decoder's time goes to prefill, a step of ``step`` seconds becomes
+  ``step / (1 - s)`` per output token. The policy counts the uncached tokens it kept
+  at each decoder over the last ``W`` (its *duty cycle*, decaying with time constant
+  ``W``), so ``s = kept / (W * rate_d)``; the observed ITL already carries that
+  share, so ``step = itl_d * (1 - s)``. Per-request TPOTs spread around the mean (a
+  decoder busier than the pool's mean, a burst), so the mean is held to
+  ``tpot * tpot_goal``: the share allowed is ``1 - step / (tpot * tpot_goal)``, and
+  what is left of it over a window is the most a local prefill may add, never less
+  than the ``free`` tokens a memory-bound step carries at no cost. The count is this
+  process's own: with several gateway workers or replicas, each holds its decoders
+  to the share of the traffic it sees (the wait, by contrast, also reads what the
+  servers report).
 
 A decoder whose wait already spends its share of the TTFT target (``wait + hop >=
 ttft * slack``) keeps nothing: the policy sends threshold 1, which no prompt meets,
@@ -30,8 +39,8 @@ so the gateway skips the decode attempt (and its wait in that queue) and the
 request goes P/D at once; the queue drains (reason ``drain``). Otherwise it keeps
 ``u`` when ``u / rate_d`` is within ``max(remote, ttft * slack - wait)`` (local costs
 the fleet less whenever it still meets the target, even when remote would be a
-little faster) and -- when the wait and the remote path together meet the TTFT
-target, so that there is a real alternative -- the stall fits. The largest such
+little faster) and -- when the wait and the remote path together are within
+``ttft * slack``, so that the alternative is a sure one -- the stall fits. The largest such
 ``u`` is ``u*``, and the policy sends ``t = 1 - (u* + 1/2) / L``: the decoder admits
 iff ``u <= u*``. No compatible prefiller: 0.
 
@@ -43,8 +52,9 @@ decaying maximum, ``r <- max(s, r + alpha * (s - r))``: a fast sample (an idle
 engine) lifts it at once, slow ones (queueing, which the wait terms already count)
 pull it down only at ``alpha`` per sample, so it follows a changed engine without
 chasing the load. Seeds: the hardware profile's rate for the endpoint's hardware and
-model when the simulator knows it, else ``prefill_tokens_per_s``; so it needs no
-profile on real vLLM.
+model when the simulator knows it, else ``prefill_tokens_per_s``; until the first
+ITL is observed, the bare step is that profile's decode step for the decoder's
+streams (0 without a profile). So it needs no profile on real vLLM.
 """
 
 from __future__ import annotations
@@ -56,6 +66,7 @@ from typing import Annotated, ClassVar
 from pydantic import Field
 
 from pd_orchestrator.model.endpoints import Endpoint
+from pd_orchestrator.model.hardware import LatencyProfile
 from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.policies.base import (
     POLICY,
@@ -67,15 +78,25 @@ from pd_orchestrator.policies.base import (
 from pd_orchestrator.routing.interfaces import PluginContext
 from pd_orchestrator.routing.registry import NoParams, PluginType
 
-__all__ = ["GOODPUT", "GoodputParams", "GoodputPolicy", "PoolModel", "seed_rate"]
+__all__ = [
+    "GOODPUT",
+    "DutyCycle",
+    "GoodputParams",
+    "GoodputPolicy",
+    "PoolModel",
+    "profile_of",
+    "seed_rate",
+]
 
 _Positive = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
 
 
 class GoodputParams(NoParams):
     """SLO targets ``ttft`` and ``tpot`` (seconds); ``slack``: the share of the TTFT
-    target a local prefill may use when remote would be faster, and the decoder wait
-    from which it drains; the seeds
+    target a local prefill may use when remote would be faster, the decoder wait
+    from which it drains, and the share the remote path must fit in for the stall
+    bound to apply; ``tpot_goal``: the share of ``tpot`` the mean stream is held to
+    (module docstring, **stall**); the seeds
     ``prefill_tokens_per_s`` (when no hardware profile is known) and
     ``transfer_tokens_per_s`` (KV moved per second: 40 GB/s at 128 KiB a token);
     ``hop`` (one leg's one-way latency), ``out_mean`` (the seed of the mean output,
@@ -89,17 +110,25 @@ class GoodputParams(NoParams):
     hop: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.002
     out_mean: _Positive = 256.0
     alpha: Annotated[float, Field(gt=0.0, le=1.0)] = 0.05
+    tpot_goal: Annotated[float, Field(gt=0.0, le=1.0)] = 0.6
 
 
-def seed_rate(endpoint: Endpoint, default: float) -> float:
-    """Prefill tokens per second of ``endpoint`` by its hardware profile (the
-    simulator's calibration) when one matches its hardware and model, else ``default``."""
+def profile_of(endpoint: Endpoint) -> LatencyProfile | None:
+    """The hardware profile (the simulator's calibration) matching ``endpoint``'s
+    hardware and model, if any."""
     from pd_orchestrator.model.hardware import PROFILES
 
     for profile in PROFILES.values():
         if (profile.hardware, profile.model) == (endpoint.hardware, endpoint.model):
-            return 1.0 / profile.lin if profile.lin > 0 else default
-    return default
+            return profile
+    return None
+
+
+def seed_rate(endpoint: Endpoint, default: float) -> float:
+    """Prefill tokens per second of ``endpoint`` by its hardware profile when one
+    matches its hardware and model, else ``default``."""
+    profile = profile_of(endpoint)
+    return 1.0 / profile.lin if profile is not None and profile.lin > 0 else default
 
 
 def _mean(mean: float, sample: float, alpha: float) -> float:
@@ -122,6 +151,24 @@ class PoolModel:
     rate_remote: float
     itl: float | None = None
     free_tokens: float = 150.0
+    profile: LatencyProfile | None = None
+
+
+@dataclass(slots=True)
+class DutyCycle:
+    """Uncached prompt tokens kept at one decoder, decaying with a time constant:
+    about the tokens kept over the last window."""
+
+    tokens: float = 0.0
+    at: float = 0.0
+
+    def decayed(self, now: float, window: float) -> float:
+        """The count at ``now`` (a clock that went back decays nothing)."""
+        return self.tokens * math.exp(-max(0.0, now - self.at) / window)
+
+    def add(self, now: float, tokens: float, window: float) -> None:
+        self.tokens = self.decayed(now, window) + tokens
+        self.at = max(self.at, now)
 
 
 @dataclass(slots=True)
@@ -135,6 +182,7 @@ class GoodputPolicy:
     reads_prefillers: ClassVar[bool] = True
     bounds: ClassVar[tuple[float, float]] = (0.0, 1.0)
     pools: dict[str, PoolModel] = field(default_factory=dict)
+    duty: dict[str, DutyCycle] = field(default_factory=dict)
     prompt_mean: float = 0.0
     out_mean: float = 0.0
 
@@ -142,7 +190,8 @@ class GoodputPolicy:
         model = self.pools.get(decoder.pool)
         if model is None:
             rate = seed_rate(decoder, self.params.prefill_tokens_per_s)
-            model = self.pools[decoder.pool] = PoolModel(rate, rate)
+            profile = profile_of(decoder)
+            model = self.pools[decoder.pool] = PoolModel(rate, rate, profile=profile)
         return model
 
     # -- the estimates (seconds) -------------------------------------------------------------
@@ -164,18 +213,54 @@ class GoodputPolicy:
             backlog = max(backlog, load.waiting * (self.prompt_mean or context.prompt_tokens))
         return backlog * (1.0 - hit) / model.rate_local
 
+    def window(self) -> float:
+        """Seconds a stream decodes for within the TPOT target: the span over which
+        local prefills land on the same streams (the duty cycle's window)."""
+        return (self.out_mean or self.params.out_mean) * self.params.tpot
+
+    def local_share(self, context: ThresholdContext, model: PoolModel) -> float:
+        """The share of the decoder's time its local prefills take: the uncached tokens
+        this policy kept there over the last window, at its prefill rate."""
+        duty = self.duty.get(context.decoder.endpoint.name)
+        if duty is None:
+            return 0.0
+        window = self.window()
+        return duty.decayed(context.now, window) / (window * model.rate_local)
+
     def stall_limit(self, context: ThresholdContext, model: PoolModel) -> float:
         """The most uncached tokens a local prefill may have before the streams
-        decoding on the decoder miss the TPOT target (inf: nothing decodes there)."""
+        decoding on the decoder miss the TPOT target (inf: nothing decodes there).
+
+        A stream's time per output token is its decode step stretched by the share
+        ``s`` of the decoder's time spent prefilling: ``itl / (1 - s)``. The observed
+        ITL already carries the current share, so the bare step is ``itl * (1 - s)``,
+        and the share the target allows is ``1 - step / (tpot * tpot_goal)``. The
+        limit is what is left of that share over a window, in tokens, and never less
+        than the tokens a step carries for free."""
         load = context.decoder_load
         streams = max(context.decoder_in_flight, load.running if load is not None else 0)
         if streams == 0:
             return math.inf
-        room = self.params.tpot - (model.itl or 0.0)
-        if room <= 0.0:
+        share = self.local_share(context, model)
+        step = self._bare_step(context, model, streams, share)
+        allowed = 1.0 - step / (self.params.tpot * self.params.tpot_goal)
+        room = (allowed - share) * self.window() * model.rate_local
+        return max(model.free_tokens, room)
+
+    def _bare_step(
+        self, context: ThresholdContext, model: PoolModel, streams: int, share: float
+    ) -> float:
+        """A decode step without prefill at the decoder: the observed ITL less the
+        prefill share; before any observation, the hardware profile's step for
+        ``streams`` streams of about this prompt's context (0 without a profile)."""
+        if model.itl is not None:
+            return model.itl * (1.0 - min(share, _MAX_SHARE))
+        if model.profile is None:
             return 0.0
-        out = self.out_mean or self.params.out_mean
-        return room * out * model.rate_local + model.free_tokens
+        context_tokens = streams * (
+            context.prompt_tokens + (self.out_mean or self.params.out_mean) / 2
+        )
+        return model.profile.step_seconds(round(context_tokens), streams, 0.0)
 
     def decide(self, context: ThresholdContext) -> ThresholdDecision:
         tokens = context.prompt_tokens
@@ -191,12 +276,26 @@ class GoodputPolicy:
         if room <= 0.0:
             return ThresholdDecision(1.0, self.name, "drain")
         by_ttft = max(remote - p.hop, room) * model.rate_local
-        by_stall = self.stall_limit(context, model) if wait + remote <= p.ttft else math.inf
+        sure = wait + remote <= p.ttft * p.slack  # a real alternative to a stall
+        by_stall = self.stall_limit(context, model) if sure else math.inf
         keep = min(by_ttft, by_stall)
+        self._keep(context, keep)
         if keep >= tokens:
             return ThresholdDecision(0.0, self.name, "local")
         reason = "stall" if by_stall < by_ttft else "cost-model"
         return ThresholdDecision(clamp_ratio(1.0 - (keep + 0.5) / tokens), self.name, reason)
+
+    def _keep(self, context: ThresholdContext, keep: float) -> None:
+        """Count the prompt's expected uncached tokens (its length less the decoder's
+        hit rate) in the decoder's duty cycle when the decoder keeps them."""
+        uncached = context.prompt_tokens * (1.0 - _hit_rate(context.decoder))
+        if uncached > keep:
+            return
+        name = context.decoder.endpoint.name
+        duty = self.duty.get(name)
+        if duty is None:
+            duty = self.duty[name] = DutyCycle()
+        duty.add(context.now, uncached, self.window())
 
     # -- learning ----------------------------------------------------------------------------
     def observe(self, observation: LatencyObservation) -> None:
@@ -235,6 +334,9 @@ class GoodputPolicy:
         if uncached >= _MIN_SAMPLE and spent > 0:
             model.rate_local = _learn_rate(model.rate_local, uncached / spent, p.alpha)
 
+
+_MAX_SHARE = 0.9
+"""The prefill share above which the observed ITL says little of the bare step."""
 
 _MIN_SAMPLE = 512
 """Prompt tokens below which a TTFT says more about fixed costs than about a rate."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from pd_orchestrator.bench.fleet import preset_fleet
-from pd_orchestrator.bench.live import LiveOptions, run_fleet_strategy
+from pd_orchestrator.bench.live import LiveOptions, _stretched, live_threshold, run_fleet_strategy
 from pd_orchestrator.bench.results import Slo, summarize
 from pd_orchestrator.bench.strategies import resolve_strategies
 from pd_orchestrator.bench.virtual import VirtualFleet
@@ -54,3 +54,16 @@ def test_virtual_and_live_agree_on_a_small_workload(name: str) -> None:
         assert abs(live.decisions.get(decision, 0) - virtual.decisions.get(decision, 0)) <= 2
     assert live.prefill_tokens == pytest.approx(virtual.prefill_tokens, rel=0.1)
     assert live.kv_bytes == pytest.approx(virtual.kv_bytes, rel=0.2)
+
+
+def test_a_live_gateway_holds_the_simulated_fleet_to_the_strategy_s_targets() -> None:
+    """At time scale 3 a simulated second lasts three on the gateway's clock: the
+    latency targets of the policy block (at any depth) are stretched by 3, nothing
+    else is."""
+    (goodput, static) = resolve_strategies(["goodput", "static-0.5"], slo=Slo(0.5, 0.02))
+    block = live_threshold(goodput, 3.0)
+    assert block["policy"]["params"] == {"ttft": pytest.approx(1.5), "tpot": pytest.approx(0.06)}
+    assert live_threshold(goodput) == goodput.threshold.model_dump(mode="json", exclude_unset=True)
+    assert live_threshold(static, 3.0)["policy"] == {"type": "static", "value": 0.5}
+    nested = {"type": "min", "children": [{"type": "slo-feedback", "params": {"itl_p99": 0.05}}]}
+    assert _stretched(nested, 2.0)["children"][0]["params"] == {"itl_p99": 0.1}

@@ -10,11 +10,20 @@ import pytest
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.load import Candidate, LoadSnapshot
 from pd_orchestrator.policies import LatencyObservation
-from pd_orchestrator.policies.goodput import GoodputParams, GoodputPolicy, PoolModel, seed_rate
+from pd_orchestrator.policies.goodput import (
+    DutyCycle,
+    GoodputParams,
+    GoodputPolicy,
+    PoolModel,
+    profile_of,
+    seed_rate,
+)
 from tests.policies.helpers import build, context, decoder, load, prefiller
 
 RATE = 10_000.0  # tokens/s, local and remote
-PARAMS = GoodputParams(ttft=1.0, tpot=0.03, slack=0.8, transfer_tokens_per_s=100_000.0, hop=0.0)
+PARAMS = GoodputParams(
+    ttft=1.0, tpot=0.03, slack=0.8, transfer_tokens_per_s=100_000.0, hop=0.0, tpot_goal=0.5
+)
 
 
 def _policy(**params: float) -> GoodputPolicy:
@@ -62,28 +71,66 @@ def test_local_wait_counts_the_uncached_work_queued_at_the_decoder() -> None:
     ) == pytest.approx(3.0)  # no reading: no hit rate to take off
 
 
-def test_the_stall_limit_is_the_tpot_room_over_a_stream_s_output() -> None:
+def test_the_stall_limit_is_what_is_left_of_the_prefill_share_the_tpot_goal_allows() -> None:
     policy = _policy()
-    policy.out_mean = 100
+    policy.out_mean = 100  # a stream decodes for 100 * 0.03 = 3 s: the window
     model = policy.pools["decode"]
     assert policy.stall_limit(context(dec=decoder()), model) == math.inf  # nothing decodes
     busy = context(dec=decoder(in_flight=8))
-    assert policy.stall_limit(busy, model) == pytest.approx((0.03 - 0.01) * 100 * RATE)
-    model.itl = 0.05  # over the target already
-    assert policy.stall_limit(busy, model) == 0.0
+    # no share yet: a 10 ms step may stretch to 0.5 * 30 ms, so prefill may take a
+    # third of the decoder's time: a third of 3 s at 10k tokens/s
+    assert policy.stall_limit(busy, model) == pytest.approx(10_000.0)
+    policy.duty["d0"] = DutyCycle(6_000.0, 0.0)  # a fifth of the window's tokens
+    # the bare step is 10 ms * 0.8; the allowed share 1 - 8/15; less the fifth used
+    left = (1 - 0.008 / 0.015 - 0.2) * 3 * RATE
+    assert policy.stall_limit(busy, model) == pytest.approx(left)
+    model.itl = 0.05  # over the target already: only what a step carries for free
+    model.free_tokens = 150.0
+    assert policy.stall_limit(busy, model) == 150.0
+
+
+def test_the_duty_cycle_decays_over_the_window() -> None:
+    duty = DutyCycle()
+    duty.add(10.0, 1_000.0, 2.0)
+    assert duty.decayed(12.0, 2.0) == pytest.approx(1_000.0 / math.e)
+    assert duty.decayed(9.0, 2.0) == 1_000.0  # a clock that went back decays nothing
+    duty.add(12.0, 500.0, 2.0)
+    assert duty.decayed(12.0, 2.0) == pytest.approx(1_000.0 / math.e + 500.0)
+
+
+def test_a_busy_decoder_keeps_prompts_until_its_share_is_spent_then_they_go_p_d() -> None:
+    policy = _policy()
+    policy.out_mean = 100  # window 3 s; 10 000 tokens of room with no share
+    busy = decoder(in_flight=8)
+    kept = []
+    for _ in range(10):  # 2900 uncached tokens each, all at t = 0
+        kept.append(policy.decide(context(tokens=2_900, dec=busy)).reason)
+    # with a share s the room is 10 000 * (1 - s), s = 2900 k / 30 000 after k kept
+    # prompts: 8 fit, the 9th does not (room 2267)
+    assert kept == ["local"] * 8 + ["stall"] * 2
+    share = policy.local_share(context(dec=busy), policy.pools["decode"])
+    assert share == pytest.approx(8 * 2_900 / 30_000)
+    # a window later the share has decayed by e and prompts stay local again
+    later = policy.decide(context(tokens=2_900, dec=busy, now=3.0))
+    assert later.reason == "local"
+    # an idle decoder keeps everything, whatever another decoder's share
+    assert policy.decide(context(tokens=2_900, dec=decoder("d1"))).reason == "local"
 
 
 def test_an_idle_prefill_pool_takes_what_would_stall_a_saturated_one_leaves_it_local() -> None:
     policy = _policy()
-    policy.out_mean = 10
-    busy_decoder = decoder(in_flight=30)  # a local prefill would stall 30 streams
-    idle = context(tokens=8_000, dec=busy_decoder, prefillers=(prefiller(reading=load()),))
-    decision = policy.decide(idle)  # remote 0.88 s meets the target; the stall bound: 2000
+    policy.out_mean = 10  # window 0.3 s: 1000 tokens of room
+    busy_decoder = decoder(in_flight=30)
+    idle = context(tokens=6_000, dec=busy_decoder, prefillers=(prefiller(reading=load()),))
+    decision = policy.decide(idle)  # remote 0.66 s, within 0.8 s: a sure alternative
     assert decision.reason == "stall"
-    assert decision.value == pytest.approx(1 - 2000.5 / 8000)
+    assert decision.value == pytest.approx(1 - 1000.5 / 6000)
     queue = (prefiller(reading=load(running=1, waiting=40)),)
-    saturated = policy.decide(context(tokens=8_000, dec=busy_decoder, prefillers=queue))
-    assert saturated.value == 0.0 and saturated.reason == "local"  # remote: 33 s
+    saturated = policy.decide(context(tokens=6_000, dec=busy_decoder, prefillers=queue))
+    assert saturated.value == 0.0 and saturated.reason == "local"  # remote: 25 s
+    # remote 0.88 s meets the TTFT target but not its slack share: not sure enough
+    unsure = context(tokens=8_000, dec=busy_decoder, prefillers=(prefiller(reading=load()),))
+    assert policy.decide(unsure).reason == "local"
 
 
 def test_a_long_prompt_that_misses_either_way_stays_where_it_is_cheaper() -> None:
@@ -154,3 +201,23 @@ def test_seeds_come_from_the_hardware_profile_else_the_parameter() -> None:
     assert isinstance(policy, GoodputPolicy) and policy.params.ttft == 2.0
     policy.decide(context(dec=Candidate(h200, True, 0, None)))
     assert policy.pools[h200.pool].rate_local == pytest.approx(1 / 29.5e-6)
+
+
+def test_before_any_itl_the_bare_step_is_the_hardware_profile_s() -> None:
+    h200 = Endpoint(
+        "d", "http://d:1", Role.DECODE, "h200", model="meta-llama/Llama-3.1-8B-Instruct"
+    )
+    policy = GoodputPolicy(PARAMS)
+    policy.out_mean = 100
+    busy = context(tokens=4_000, dec=Candidate(h200, True, 50, None))
+    assert policy.decide(busy).reason == "local"  # its 4000 tokens count in the share
+    model = policy.pools[h200.pool]
+    assert model.itl is None and model.profile is profile_of(h200) is not None
+    # 50 streams of about 4000 + 50 tokens each, no prefill: the profile's roofline
+    step = model.profile.step_seconds(50 * 4_050, 50, 0.0)
+    allowed = 1 - step / (0.03 * 0.5)
+    left = allowed * 3.0 * model.rate_local - 4_000
+    assert left > model.free_tokens
+    assert policy.stall_limit(busy, model) == pytest.approx(left)
+    other = Endpoint("o", "http://o:1", Role.DECODE, "h200", model="some/other-model", pool="o")
+    assert profile_of(other) is None  # no profile: no step until the ITL is observed
