@@ -66,7 +66,7 @@ from typing import Annotated, ClassVar
 from pydantic import Field
 
 from pd_orchestrator.model.endpoints import Endpoint
-from pd_orchestrator.model.hardware import LatencyProfile
+from pd_orchestrator.model.hardware import PROFILES, LatencyProfile
 from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.policies.base import (
     POLICY,
@@ -116,8 +116,6 @@ class GoodputParams(NoParams):
 def profile_of(endpoint: Endpoint) -> LatencyProfile | None:
     """The hardware profile (the simulator's calibration) matching ``endpoint``'s
     hardware and model, if any."""
-    from pd_orchestrator.model.hardware import PROFILES
-
     for profile in PROFILES.values():
         if (profile.hardware, profile.model) == (endpoint.hardware, endpoint.model):
             return profile
