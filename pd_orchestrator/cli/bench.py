@@ -74,6 +74,15 @@ ROUTING_PRESETS: dict[str, dict[str, Any]] = {
             "picker": {"type": "max-score", "params": {"tolerance": 1.0}},
         }
     },
+    # Affinity with bounded loads: the same hashing, but a decoder past 1.25 times
+    # the mean queue depth (plus one) passes the key on to its next decoder in hash
+    # order, so a few hot keys do not pile onto one decoder.
+    "bounded": {
+        "decode": {
+            "scorers": [{"type": "queue-depth", "weight": 1.0}],
+            "picker": {"type": "max-score", "params": {"tolerance": 1.0, "load_bound": 1.25}},
+        }
+    },
     # The gateway's defaults: queue depth (weight 2) and KV usage (weight 1).
     "load": {},
 }
@@ -94,7 +103,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     add("--prefillers", type=int, default=None, help="prefillers of a preset fleet (total)")
     add("--policies", default=",".join(DEFAULT_STRATEGIES), help="comma-separated strategies")
     add("--policy-file", type=Path, default=None, help="YAML {name: threshold.policy block}")
-    add("--routing", default="affinity", help="affinity, load, or a YAML file (routing block)")
+    add("--routing", default="bounded", help="bounded, affinity, load, or a routing YAML file")
     add("--requests", type=int, default=None, help="at most this many requests")
     add("--time-scale", type=float, default=1.0, help="multiply arrival and think times")
     add("--size-scale", type=float, default=1.0, help="multiply prompt and output lengths")

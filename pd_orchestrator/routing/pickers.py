@@ -16,6 +16,7 @@ from pydantic import Field
 
 from pd_orchestrator.routing.interfaces import PluginContext
 from pd_orchestrator.routing.registry import PICKER, NoParams, PluginType
+from pd_orchestrator.routing.scorers import queue_depth
 from pd_orchestrator.routing.types import RoutingRequest, ScoredCandidate
 
 __all__ = [
@@ -36,10 +37,15 @@ def _hash64(*parts: str) -> int:
 class MaxScoreParams(NoParams):
     """``tolerance`` (>= 0, default 1e-9): totals within this of the best count as tied.
     ``ties`` (default ``affinity``): ``affinity`` breaks ties by the request's affinity
-    key when it has one; ``rotate`` always rotates (a round-robin among equals)."""
+    key when it has one; ``rotate`` always rotates (a round-robin among equals).
+    ``load_bound`` (>= 1, default none): affinity with bounded loads -- a key's
+    endpoint keeps it only while its queue depth is at most ``load_bound`` times the
+    candidates' mean depth (plus one); past that, the key's next endpoint in hash
+    order that is within the bound takes it."""
 
     tolerance: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 1e-9
     ties: Literal["affinity", "rotate"] = "affinity"
+    load_bound: Annotated[float, Field(ge=1.0, allow_inf_nan=False)] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,19 +57,29 @@ class MaxScorePicker:
     rendezvous hashing of the key and the endpoint names (the same key goes to
     the same endpoint while it stays among the best); without one, by rotation:
     the tied candidates in input order, starting at ``sequence`` modulo their count.
-    With ``ties: rotate`` the key is ignored: a round-robin among equals.
+    With ``ties: rotate`` the key is ignored: a round-robin among equals. With a
+    ``load_bound`` the key's endpoints are tried in hash order and the first whose
+    :func:`~pd_orchestrator.routing.scorers.queue_depth` is within the bound takes it
+    (consistent hashing with bounded loads): a key stays put until its endpoint is
+    crowded, instead of a few keys piling onto one endpoint.
     """
 
     tolerance: float
     ties: str = "affinity"
+    load_bound: float | None = None
 
     def pick(self, request: RoutingRequest, scored: Sequence[ScoredCandidate]) -> int:
         best = max(s.total for s in scored)
         tied = [i for i, s in enumerate(scored) if s.total >= best - self.tolerance]
         key = request.affinity_key if self.ties == "affinity" else None
-        if key is not None:
+        if key is None:
+            return tied[request.sequence % len(tied)]
+        if self.load_bound is None:
             return max(tied, key=lambda i: _hash64(key, scored[i].endpoint.name))
-        return tied[request.sequence % len(tied)]
+        order = sorted(tied, key=lambda i: _hash64(key, scored[i].endpoint.name), reverse=True)
+        depths = [queue_depth(s.candidate) for s in scored]
+        limit = self.load_bound * sum(depths) / len(depths) + 1.0
+        return next((i for i in order if depths[i] <= limit), order[0])
 
 
 class WeightedRandomParams(NoParams):
@@ -108,7 +124,7 @@ def _weighted_index(weights: Sequence[float], target: float) -> int:
 
 
 def _max_score(params: MaxScoreParams, context: PluginContext) -> MaxScorePicker:
-    return MaxScorePicker(params.tolerance, params.ties)
+    return MaxScorePicker(params.tolerance, params.ties, params.load_bound)
 
 
 def _weighted_random(params: WeightedRandomParams, context: PluginContext) -> WeightedRandomPicker:

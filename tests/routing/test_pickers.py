@@ -11,7 +11,8 @@ from pd_orchestrator.policies.plugins import builtin_registry
 from pd_orchestrator.routing import PluginSpec, RoutingRequest
 from pd_orchestrator.routing.interfaces import Picker
 from pd_orchestrator.routing.registry import PICKER
-from tests.routing.helpers import request, scored
+from pd_orchestrator.routing.types import ScoredCandidate
+from tests.routing.helpers import candidate, request, scored
 
 
 def picker(
@@ -67,6 +68,33 @@ def test_max_score_affinity_key_is_sticky_and_spreads() -> None:
         assert len(picks) == 1
     spread = {plugin.pick(request(affinity_key=f"k{k}"), candidates) for k in range(40)}
     assert spread == {0, 1, 2, 3}
+
+
+def _loaded(*in_flight: int) -> list[ScoredCandidate]:
+    return [ScoredCandidate(candidate(f"e{i}", in_flight=n), 1.0) for i, n in enumerate(in_flight)]
+
+
+def test_max_score_load_bound_keeps_a_key_until_its_endpoint_is_crowded() -> None:
+    free = picker("max-score", {"tolerance": 1.0})
+    bounded = picker("max-score", {"tolerance": 1.0, "load_bound": 1.25})
+    keys = [f"k{k}" for k in range(40)]
+    home = {key: free.pick(request(affinity_key=key), _loaded(0, 0, 0, 0)) for key in keys}
+    for key in keys:  # nothing crowded: the same endpoint as plain affinity
+        assert bounded.pick(request(affinity_key=key), _loaded(2, 2, 2, 2)) == home[key]
+    # endpoint 0 holds 12 of 16 queued requests: mean 4, bound 1.25 * 4 + 1 = 6
+    crowded = _loaded(12, 2, 1, 1)
+    for key in keys:
+        chosen = bounded.pick(request(affinity_key=key), crowded)
+        assert chosen == home[key] if home[key] != 0 else chosen != 0
+        assert free.pick(request(affinity_key=key), crowded) == home[key]
+    # the overflow goes where the key hashes next, not always to the shallowest
+    overflow = {bounded.pick(request(affinity_key=k), crowded) for k in keys if home[k] == 0}
+    assert len(overflow) > 1
+
+
+def test_max_score_load_bound_is_at_least_one() -> None:
+    with pytest.raises(ValueError, match="load_bound"):
+        picker("max-score", {"load_bound": 0.5})
 
 
 def test_max_score_affinity_yields_to_a_better_total() -> None:
