@@ -354,7 +354,8 @@ def live_threshold(strategy: Strategy, time_scale: float = 1.0) -> dict[str, Any
     simulated fleet to the targets the strategy names."""
     if strategy.threshold is not None:
         block = strategy.threshold.model_dump(mode="json", exclude_unset=True)
-        return _stretched(block, time_scale) if time_scale != 1.0 else block
+        stretched: dict[str, Any] = _stretched(block, time_scale)
+        return stretched
     value = 1.0 if strategy.mode is Mode.PREFILL_FIRST else 0.0
     return {"policy": {"type": "static", "value": value}, "honour_client": False}
 

@@ -211,10 +211,14 @@ class GoodputPolicy:
             backlog = max(backlog, load.waiting * (self.prompt_mean or context.prompt_tokens))
         return backlog * (1.0 - hit) / model.rate_local
 
+    def output_tokens(self) -> float:
+        """A stream's mean output in tokens: learnt, or the ``out_mean`` seed."""
+        return self.out_mean or self.params.out_mean
+
     def window(self) -> float:
         """Seconds a stream decodes for within the TPOT target: the span over which
         local prefills land on the same streams (the duty cycle's window)."""
-        return (self.out_mean or self.params.out_mean) * self.params.tpot
+        return self.output_tokens() * self.params.tpot
 
     def local_share(self, context: ThresholdContext, model: PoolModel) -> float:
         """The share of the decoder's time its local prefills take: the uncached tokens
@@ -255,9 +259,7 @@ class GoodputPolicy:
             return model.itl * (1.0 - min(share, _MAX_SHARE))
         if model.profile is None:
             return 0.0
-        context_tokens = streams * (
-            context.prompt_tokens + (self.out_mean or self.params.out_mean) / 2
-        )
+        context_tokens = streams * (context.prompt_tokens + self.output_tokens() / 2)
         return model.profile.step_seconds(round(context_tokens), streams, 0.0)
 
     def decide(self, context: ThresholdContext) -> ThresholdDecision:
@@ -303,16 +305,10 @@ class GoodputPolicy:
         alpha = self.params.alpha
         if observation.itl is not None:
             model.itl = _mean(model.itl or 0.0, observation.itl, alpha)
-        tokens = observation.prompt_tokens
-        if tokens:
-            self.prompt_mean = tokens if not self.prompt_mean else (
-                self.prompt_mean + alpha * (tokens - self.prompt_mean)
-            )  # fmt: skip
+        if observation.prompt_tokens:
+            self.prompt_mean = _mean(self.prompt_mean, observation.prompt_tokens, alpha)
         if observation.output_tokens:
-            out = observation.output_tokens
-            self.out_mean = (
-                out if not self.out_mean else self.out_mean + alpha * (out - self.out_mean)
-            )
+            self.out_mean = _mean(self.out_mean, observation.output_tokens, alpha)
         self._learn_rates(observation, model)
 
     def _learn_rates(self, observation: LatencyObservation, model: PoolModel) -> None:

@@ -74,9 +74,13 @@ class MaxScorePicker:
         key = request.affinity_key if self.ties == "affinity" else None
         if key is None:
             return tied[request.sequence % len(tied)]
+
+        def rank(i: int) -> int:
+            return _hash64(key, scored[i].endpoint.name)
+
         if self.load_bound is None:
-            return max(tied, key=lambda i: _hash64(key, scored[i].endpoint.name))
-        order = sorted(tied, key=lambda i: _hash64(key, scored[i].endpoint.name), reverse=True)
+            return max(tied, key=rank)
+        order = sorted(tied, key=rank, reverse=True)
         depths = [queue_depth(s.candidate) for s in scored]
         limit = self.load_bound * sum(depths) / len(depths) + 1.0
         return next((i for i in order if depths[i] <= limit), order[0])
