@@ -106,6 +106,15 @@ class FleetSpec:
         instances = tuple(replace(i, role=Role.DECODE) for i in self.instances)
         return replace(self, name=f"{self.name}-aggregated", instances=instances)
 
+    def flexible(self) -> FleetSpec:
+        """The same instances, every prefiller also a decoder (role ``both``): decode-first
+        requests may be served on any instance, P/D prefills go to the former
+        prefillers."""
+        instances = tuple(
+            replace(i, role=Role.BOTH) if i.role is Role.PREFILL else i for i in self.instances
+        )
+        return replace(self, name=f"{self.name}-flex", instances=instances)
+
     def describe(self) -> str:
         """``12 decode + 4 prefill (h200-llama3-8b)`` style summary."""
         parts = []

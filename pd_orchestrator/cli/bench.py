@@ -101,6 +101,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     add("--fleet", default="h200", help=f"{', '.join(FLEETS)}, or a gateway config with sim blocks")
     add("--decoders", type=int, default=None, help="decoders of a preset fleet (total)")
     add("--prefillers", type=int, default=None, help="prefillers of a preset fleet (total)")
+    add(
+        "--prefill-role",
+        choices=("prefill", "both"),
+        default="prefill",
+        help="both: a preset's prefillers also decode (a flexible fleet, named *-flex)",
+    )
     add("--policies", default=",".join(DEFAULT_STRATEGIES), help="comma-separated strategies")
     add("--policy-file", type=Path, default=None, help="YAML {name: threshold.policy block}")
     add("--routing", default="bounded", help="bounded, affinity, load, or a routing YAML file")
@@ -146,7 +152,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def _fleet(args: argparse.Namespace) -> FleetSpec:
     if args.fleet in FLEETS:
-        return preset_fleet(args.fleet, args.decoders, args.prefillers)
+        fleet = preset_fleet(args.fleet, args.decoders, args.prefillers)
+        return fleet.flexible() if args.prefill_role == "both" else fleet
     config = load_config(Path(args.fleet))
     return FleetSpec.from_config(config, Path(args.fleet).stem)
 

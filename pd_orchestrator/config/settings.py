@@ -424,9 +424,9 @@ class UpstreamConfig(_Strict):
     )
     prefill_fallback: Literal["local", "error"] = Field(
         default="local",
-        description="when every prefill attempt of a hand-over failed on the prefill side: "
-        "`local` sends the request to the decoder with threshold 0 (it prefills itself), "
-        "`error` answers the failure",
+        description="when every prefill attempt of a hand-over failed on the prefill side, "
+        "or no prefiller can reach the decoder: `local` sends the request to the decoder "
+        "with threshold 0 (it prefills itself), `error` answers the failure (503)",
     )
     decode_attempts: Annotated[int, Field(ge=1, le=10)] = Field(
         default=3,
@@ -698,7 +698,8 @@ class GatewayConfig(BaseSettings):
             if len(decoders) != 1:
                 raise ValueError("sidecar mode serves exactly one local decoder")
             return self
-        orphans = [d for d in decoders if not self.compatible_prefillers(d)]
+        # a `both` endpoint with no other prefiller serves what it is sent on its own
+        orphans = [d for d in decoders if not d.prefills and not self.compatible_prefillers(d)]
         if orphans:
             named = ", ".join(
                 f"{o.name} (group {o.group}, connector {o.connector})" for o in orphans

@@ -278,12 +278,17 @@ class Flow:
 
     async def _pd(self, body: Json, path: str, kind: Kind, *, original_prompt: bool) -> Leg:
         """The P/D leg to :attr:`decoder` (one leg, however reached; see
-        :mod:`~pd_orchestrator.flows.handover`)."""
+        :mod:`~pd_orchestrator.flows.handover`). No prefiller can reach the decoder: the
+        decoder alone (``prefill_fallback: local``), else 503."""
         decoder = self.decoder
         prefillers = self.plan.prefillers_for(decoder)
-        if not prefillers:
-            raise GatewayError(503, f"no prefiller can hand KV over to decoder {decoder.name}")
         settings = self.settings
+        if not prefillers:  # e.g. a `both` decoder alone in its group: it prefills itself
+            if settings.upstream.prefill_fallback != "local":
+                raise GatewayError(503, f"no prefiller can hand KV over to decoder {decoder.name}")
+            if original_prompt:
+                self.decision = "decode"
+            return await self._local(body, path, kind, original_prompt=original_prompt)
         handover = Handover(
             self.legs,
             settings.connectors[decoder.connector],

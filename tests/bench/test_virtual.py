@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,7 +23,8 @@ from pd_orchestrator.bench.workloads import (
     WorkloadOptions,
     build_workload,
 )
-from pd_orchestrator.cli.bench import ROUTING_PRESETS
+from pd_orchestrator.cli.bench import ROUTING_PRESETS, _fleet
+from pd_orchestrator.model.endpoints import Role
 from pd_orchestrator.model.hardware import get_profile
 from pd_orchestrator.policies.plugins import builtin_registry
 from pd_orchestrator.routing import RoutingConfig, build_profiles
@@ -175,3 +177,17 @@ def test_a_fleet_runs_once() -> None:
     fleet.run(COLD_THEN_WARM)
     with pytest.raises(RuntimeError, match="runs once"):
         fleet.run(COLD_THEN_WARM)
+
+
+def test_a_flexible_fleet_decodes_on_its_prefillers_too() -> None:
+    args = argparse.Namespace(fleet="tiny", decoders=None, prefillers=None, prefill_role="both")
+    fleet = _fleet(args)
+    assert fleet.name == "tiny-flex"
+    assert [(i.name, i.role) for i in fleet.instances] == [
+        ("h200-d0", Role.DECODE),
+        ("h200-p0", Role.BOTH),
+    ]
+    prompts = [(0.01 * k, (Segment(100 + k, 2000),)) for k in range(8)]
+    result = _run("goodput", _workload(*prompts), fleet)
+    assert {r.decision for r in result.records} == {"decode"}  # idle: every prompt local
+    assert {r.decoder for r in result.records} == {"h200-d0", "h200-p0"}

@@ -131,6 +131,9 @@ def test_decoders_without_a_compatible_prefiller_are_named() -> None:
     config = parse_config(staged)
     ad0 = next(e for e in config.fleet() if e.name == "ad0")
     assert [p.name for p in config.compatible_prefillers(ad0)] == ["hp0"]
+    # an endpoint that also prefills needs no other: it serves what it is sent itself
+    alone = parse_config({"pools": [_pool("a-b", "both", "amd", "ab0")]})
+    assert [p.name for p in alone.compatible_prefillers(alone.fleet()[0])] == []
 
 
 def test_v1_lists_and_pools_mix() -> None:

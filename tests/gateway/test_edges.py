@@ -158,3 +158,26 @@ async def test_client_disconnect_cancels_the_upstream_request(
                 await client.post("/v1/completions", json=body)
         while metric(await metrics_text(decoder.url), "vllm:num_requests_running") > 0:  # noqa: ASYNC110
             await anyio.sleep(0.05)
+
+
+async def test_a_decoder_no_prefiller_can_reach_prefills_itself_or_is_a_clear_503(
+    sim_factory: SimFactory, gateway_factory: GatewayFactory
+) -> None:
+    both, reference = sim_factory(*NIXL), sim_factory("--profile", "instant")
+    pool = {"name": "flex", "role": "both", "hardware": "h200", "model": MODEL}
+    config = {
+        "pools": [pool | {"endpoints": [{"name": "both-0", "url": both.url}]}],
+        "threshold": {"policy": {"type": "static", "params": {"value": 1.0}}},  # always P/D
+        "health": {"interval": 0.5},
+    }
+    gateway = gateway_factory(config)
+    for stream in (False, True):
+        body = {"model": MODEL, "prompt": f"{stream} {PROMPT}", "max_tokens": 6, "ignore_eos": True}
+        expected = await call(reference.url, "completion", body)
+        answer = await call(gateway.url, "completion", body | {"stream": stream})
+        assert answer.status == 200 and answer.decision == "decode"
+        assert answer.text == expected.text
+    strict = gateway_factory(config | {"upstream": {"prefill_fallback": "error"}})
+    answer = await call(strict.url, "completion", {"model": MODEL, "prompt": PROMPT})
+    assert answer.status == 503 and answer.body is not None
+    assert "no prefiller can hand KV over to decoder both-0" in answer.body["error"]["message"]
