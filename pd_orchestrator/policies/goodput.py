@@ -16,6 +16,11 @@ For the chosen decoder and a prompt of ``L`` tokens, ``u`` of them uncached ther
       remote = min over p of (backlog_p + L) * (1 - hit_p) / rate_p
                + L / transfer_rate + 3 * hop
 
+  A prefiller that also decodes (role ``both``) reports the hit rate of its own
+  conversations, which the router keeps there; a prompt sent to it for P/D is another
+  conversation's, so its hit rate takes its share off the backlog only:
+  ``(backlog_p * (1 - hit_p) + L) / rate_p``.
+
 * **local**, beyond that wait: ``u / rate_d``.
 * **stall**: what local prefills cost the streams decoding there. It is a rate,
   not one prompt's cost: a stream decodes for about ``W = out_mean * tpot`` seconds,
@@ -34,15 +39,22 @@ For the chosen decoder and a prompt of ``L`` tokens, ``u`` of them uncached ther
   servers report).
 
 A decoder whose wait already spends its share of the TTFT target (``wait + hop >=
-ttft * slack``) keeps nothing: the policy sends threshold 1, which no prompt meets,
-so the gateway skips the decode attempt (and its wait in that queue) and the
-request goes P/D at once; the queue drains (reason ``drain``). Otherwise it keeps
+ttft * slack``) keeps nothing when a dedicated prefiller (role ``prefill``) can take
+the prompt: the policy sends threshold 1, which no prompt meets, so the gateway skips
+the decode attempt and the request goes P/D at once; the prompt's prefill leaves the
+decoder's queue, which drains (reason ``drain``). When every compatible prefiller
+also decodes, draining moves the prompt to a queue of the same decode-first work, and
+the drained request's decode leg still waits at this decoder: it stays local (reason
+``queued``; measured on the Mooncake trace, draining there cost 2-3 points of
+attainment). Otherwise it keeps
 ``u`` when ``u / rate_d`` is within ``max(remote, ttft * slack - wait)`` (local costs
 the fleet less whenever it still meets the target, even when remote would be a
-little faster) and -- when the wait and the remote path together are within
-``ttft * slack``, so that the alternative is a sure one -- the stall fits. The largest such
-``u`` is ``u*``, and the policy sends ``t = 1 - (u* + 1/2) / L``: the decoder admits
-iff ``u <= u*``. No compatible prefiller: 0.
+little faster) and -- when a dedicated prefiller can take it and the wait and the
+remote path together are within ``ttft * slack``, so that the alternative is a sure
+one -- the stall fits. (A prefiller that also decodes would take the stall to its own
+streams.) The largest such ``u`` is ``u*``, and the policy sends
+``t = 1 - (u* + 1/2) / L``: the decoder admits iff ``u <= u*``. No compatible
+prefiller: 0.
 
 Learning (``observe``): per decoder pool, the ITL (an EWMA) and two prefill rates
 from the requests the gateway served, each sample ``tokens / (ttft - overhead)``:
@@ -65,7 +77,7 @@ from typing import Annotated, ClassVar
 
 from pydantic import Field
 
-from pd_orchestrator.model.endpoints import Endpoint
+from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.hardware import PROFILES, LatencyProfile
 from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.policies.base import (
@@ -171,9 +183,9 @@ class DutyCycle:
 
 @dataclass(slots=True)
 class GoodputPolicy:
-    """See the module docstring. Reasons: ``no-prefiller``, ``drain``, ``local``
-    (u* covers the whole prompt), ``cost-model`` (u* < L), ``stall`` (the stall bound
-    set u*)."""
+    """See the module docstring. Reasons: ``no-prefiller``, ``drain``, ``queued`` (a
+    drain with no dedicated prefiller: local), ``local`` (u* covers the whole prompt),
+    ``cost-model`` (u* < L), ``stall`` (the stall bound set u*)."""
 
     params: GoodputParams = field(default_factory=GoodputParams)
     name: str = "goodput"
@@ -273,10 +285,12 @@ class GoodputPolicy:
         p = self.params
         wait = self.local_wait(context, model)
         room = p.ttft * p.slack - wait - p.hop
+        dedicated = any(c.endpoint.role is Role.PREFILL for c in context.prefillers)
         if room <= 0.0:
-            return ThresholdDecision(1.0, self.name, "drain")
+            return self._drain(context, dedicated)
         by_ttft = max(remote - p.hop, room) * model.rate_local
-        sure = wait + remote <= p.ttft * p.slack  # a real alternative to a stall
+        # a real alternative to a stall: a prefiller that does not decode, in time
+        sure = dedicated and wait + remote <= p.ttft * p.slack
         by_stall = self.stall_limit(context, model) if sure else math.inf
         keep = min(by_ttft, by_stall)
         self._keep(context, keep)
@@ -284,6 +298,17 @@ class GoodputPolicy:
             return ThresholdDecision(0.0, self.name, "local")
         reason = "stall" if by_stall < by_ttft else "cost-model"
         return ThresholdDecision(clamp_ratio(1.0 - (keep + 0.5) / tokens), self.name, reason)
+
+    def _drain(self, context: ThresholdContext, dedicated: bool) -> ThresholdDecision:
+        """The decoder's wait spends its share of the target. With a dedicated prefiller
+        to take the prompt, P/D at once (threshold 1, ``drain``); when every compatible
+        prefiller also decodes, its queue holds the same decode-first work and the
+        drained request's decode leg waits at this decoder all the same: local
+        (``queued``)."""
+        if dedicated:
+            return ThresholdDecision(1.0, self.name, "drain")
+        self._keep(context, math.inf)
+        return ThresholdDecision(0.0, self.name, "queued")
 
     def _keep(self, context: ThresholdContext, keep: float) -> None:
         """Count the prompt's expected uncached tokens (its length less the decoder's
@@ -341,7 +366,10 @@ def _remote_tokens(candidate: Candidate, tokens: int, mean: float) -> float:
     included: its backlog or its request count (:func:`_outstanding`) times the mean
     prompt, the larger, and ``tokens``; less its prefix-cache hit rate."""
     queued = max(candidate.backlog, _outstanding(candidate) * mean)
-    return (queued + tokens) * (1.0 - _hit_rate(candidate))
+    hit = _hit_rate(candidate)
+    if candidate.endpoint.role is Role.BOTH:
+        return queued * (1.0 - hit) + tokens
+    return (queued + tokens) * (1.0 - hit)
 
 
 def _hit_rate(candidate: Candidate) -> float:

@@ -35,8 +35,9 @@ def prefiller(
     reading: LoadSnapshot | None = None,
     healthy: bool = True,
     backlog: int = 0,
+    role: Role = Role.PREFILL,
 ) -> Candidate:
-    endpoint = Endpoint(name, f"http://{name}:8000", Role.PREFILL, "h200", pool="prefill")
+    endpoint = Endpoint(name, f"http://{name}:8000", role, "h200", pool="prefill")
     return Candidate(endpoint, healthy, in_flight, reading, backlog)
 
 

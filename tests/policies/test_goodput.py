@@ -131,6 +131,10 @@ def test_an_idle_prefill_pool_takes_what_would_stall_a_saturated_one_leaves_it_l
     # remote 0.88 s meets the TTFT target but not its slack share: not sure enough
     unsure = context(tokens=8_000, dec=busy_decoder, prefillers=(prefiller(reading=load()),))
     assert policy.decide(unsure).reason == "local"
+    # a prefiller that also decodes would take the stall to its own streams
+    flexible = (prefiller(reading=load(), role=Role.BOTH),)
+    moved = policy.decide(context(tokens=6_000, dec=busy_decoder, prefillers=flexible))
+    assert moved.value == 0.0 and moved.reason == "local"
 
 
 def test_a_long_prompt_that_misses_either_way_stays_where_it_is_cheaper() -> None:
@@ -147,6 +151,30 @@ def test_an_idle_decoder_keeps_what_meets_the_target_a_queued_one_drains() -> No
     queued = decoder(backlog=20_000)  # 2 s of prefill ahead: past its 0.8 s share
     decision = policy.decide(context(tokens=5_000, dec=queued, prefillers=prefillers))
     assert decision.reason == "drain" and decision.value == 1.0  # P/D, no attempt
+
+
+def test_a_queued_decoder_stays_local_when_every_prefiller_also_decodes() -> None:
+    policy = _policy()
+    policy.out_mean = 100
+    flexible = (prefiller(reading=load(), role=Role.BOTH),)
+    queued = decoder(backlog=20_000)
+    decision = policy.decide(context(tokens=5_000, dec=queued, prefillers=flexible))
+    assert decision.reason == "queued" and decision.value == 0.0
+    assert policy.duty[queued.endpoint.name].tokens == pytest.approx(5_000)  # counted as kept
+    # one dedicated prefiller among them is enough to drain to
+    mixed = (*flexible, prefiller("p1", reading=load()))
+    assert policy.decide(context(tokens=5_000, dec=queued, prefillers=mixed)).reason == "drain"
+
+
+def test_a_prefiller_that_also_decodes_has_no_share_of_this_prompt_cached() -> None:
+    policy = _policy()
+    warm = LoadSnapshot(1, 0, 0.0, 0.0, prefix_hit_rate=0.75)
+    flexible = prefiller(reading=warm, backlog=30_000, role=Role.BOTH)
+    # its hit rate is its own conversations': it takes three quarters off its backlog
+    # (30k queued: 0.75 s) and nothing off this prompt (2 s), plus the transfer
+    assert policy.remote_ttft(
+        context(tokens=20_000, prefillers=(flexible,)), policy.pools["decode"]
+    ) == pytest.approx((30_000 * 0.25 + 20_000) / RATE + 0.2)
 
 
 def test_a_queued_decoder_keeps_what_fits_its_room_the_rest_goes_to_a_warm_prefiller() -> None:
