@@ -51,8 +51,11 @@ attainment). Otherwise it keeps
 the fleet less whenever it still meets the target, even when remote would be a
 little faster) and -- when a dedicated prefiller can take it and the wait and the
 remote path together are within ``ttft * slack``, so that the alternative is a sure
-one -- the stall fits. (A prefiller that also decodes would take the stall to its own
-streams.) The largest such ``u`` is ``u*``, and the policy sends
+one -- the stall fits. A prefiller that also decodes is another decoder: a prompt sent
+there moves its prefill to another decode queue and its stall to other streams, and
+adds a transfer. So with only such prefillers the stall bound does not apply and the
+decoder keeps ``u`` when ``u / rate_d`` is within ``ttft - wait``, or whenever the
+remote path does not meet the target either. The largest such ``u`` is ``u*``, and the policy sends
 ``t = 1 - (u* + 1/2) / L``: the decoder admits iff ``u <= u*``. No compatible
 prefiller: 0.
 
@@ -288,7 +291,7 @@ class GoodputPolicy:
         dedicated = any(c.endpoint.role is Role.PREFILL for c in context.prefillers)
         if room <= 0.0:
             return self._drain(context, dedicated)
-        by_ttft = max(remote - p.hop, room) * model.rate_local
+        by_ttft = self._ttft_limit(model, wait, remote, dedicated)
         # a real alternative to a stall: a prefiller that does not decode, in time
         sure = dedicated and wait + remote <= p.ttft * p.slack
         by_stall = self.stall_limit(context, model) if sure else math.inf
@@ -298,6 +301,20 @@ class GoodputPolicy:
             return ThresholdDecision(0.0, self.name, "local")
         reason = "stall" if by_stall < by_ttft else "cost-model"
         return ThresholdDecision(clamp_ratio(1.0 - (keep + 0.5) / tokens), self.name, reason)
+
+    def _ttft_limit(self, model: PoolModel, wait: float, remote: float, dedicated: bool) -> float:
+        """The most uncached tokens the decoder keeps for the TTFT target. With a
+        dedicated prefiller: what local prefill does within the remote path's time or
+        within the slack share of the target, the longer. With only prefillers that
+        also decode (another decoder's queue and streams, plus a transfer): what local
+        prefill does within the whole target, and everything unless the remote path
+        meets the target."""
+        p = self.params
+        if dedicated:
+            return max(remote - p.hop, p.ttft * p.slack - wait - p.hop) * model.rate_local
+        if wait + remote > p.ttft:
+            return math.inf
+        return (p.ttft - wait - p.hop) * model.rate_local
 
     def _drain(self, context: ThresholdContext, dedicated: bool) -> ThresholdDecision:
         """The decoder's wait spends its share of the target. With a dedicated prefiller

@@ -166,6 +166,25 @@ def test_a_queued_decoder_stays_local_when_every_prefiller_also_decodes() -> Non
     assert policy.decide(context(tokens=5_000, dec=queued, prefillers=mixed)).reason == "drain"
 
 
+def test_with_prefillers_that_also_decode_only_a_remote_path_that_meets_the_target_wins() -> None:
+    policy = _policy()
+    policy.pools["decode"] = PoolModel(RATE / 2, RATE, itl=0.01, free_tokens=0.0)  # 5000/s
+    idle, flexible = prefiller(reading=load()), prefiller(reading=load(), role=Role.BOTH)
+    # 4500 tokens: local 0.9 s, past the 0.8 s slack share; remote 0.495 s
+    moved = policy.decide(context(tokens=4_500, prefillers=(idle,)))
+    assert moved.reason == "cost-model"
+    assert moved.value == pytest.approx(1 - 4000.5 / 4500)  # keeps 0.8 s of prefill
+    # to another decoder's queue: local meets the whole 1 s target, so it stays
+    kept = policy.decide(context(tokens=4_500, prefillers=(flexible,)))
+    assert kept.value == 0.0 and kept.reason == "local"
+    # 9000 tokens: local 1.8 s misses, remote 0.99 s meets it: keeps 1 s of prefill
+    moved = policy.decide(context(tokens=9_000, prefillers=(flexible,)))
+    assert moved.reason == "cost-model"
+    assert moved.value == pytest.approx(1 - 5000.5 / 9000)
+    # both miss (remote 1.65 s for 15 000 tokens): local, where it is cheaper
+    assert policy.decide(context(tokens=15_000, prefillers=(flexible,))).value == 0.0
+
+
 def test_a_prefiller_that_also_decodes_has_no_share_of_this_prompt_cached() -> None:
     policy = _policy()
     warm = LoadSnapshot(1, 0, 0.0, 0.0, prefix_hit_rate=0.75)
