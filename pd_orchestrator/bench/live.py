@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import httpx
@@ -354,8 +354,7 @@ def live_threshold(strategy: Strategy, time_scale: float = 1.0) -> dict[str, Any
     simulated fleet to the targets the strategy names."""
     if strategy.threshold is not None:
         block = strategy.threshold.model_dump(mode="json", exclude_unset=True)
-        stretched: dict[str, Any] = _stretched(block, time_scale)
-        return stretched
+        return cast(dict[str, Any], _stretched(block, time_scale))
     value = 1.0 if strategy.mode is Mode.PREFILL_FIRST else 0.0
     return {"policy": {"type": "static", "value": value}, "honour_client": False}
 

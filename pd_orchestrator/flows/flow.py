@@ -286,9 +286,7 @@ class Flow:
         if not prefillers:  # e.g. a `both` decoder alone in its group: it prefills itself
             if settings.upstream.prefill_fallback != "local":
                 raise GatewayError(503, f"no prefiller can hand KV over to decoder {decoder.name}")
-            if original_prompt:
-                self.decision = "decode"
-            return await self._local(body, path, kind, original_prompt=original_prompt)
+            return await self._alone(body, path, kind, original_prompt=original_prompt)
         handover = Handover(
             self.legs,
             settings.connectors[decoder.connector],
@@ -306,9 +304,7 @@ class Flow:
                 raise
             self.prefiller = None
             self.settings.metrics.count_upstream_error(exc.endpoint, "fell_back")
-            if original_prompt:
-                self.decision = "decode"
-            return await self._local(body, path, kind, original_prompt=original_prompt)
+            return await self._alone(body, path, kind, original_prompt=original_prompt)
         self.prefiller = result.prefiller
         return result.leg
 
@@ -316,6 +312,13 @@ class Flow:
         """Whether a hand-over that failed on the prefill side goes to the decoder alone."""
         fallback = self.settings.upstream.prefill_fallback == "local"
         return fallback and retryable(exc) and exc.endpoint != decoder.name
+
+    async def _alone(self, body: Json, path: str, kind: Kind, *, original_prompt: bool) -> Leg:
+        """:meth:`_local` in place of the P/D path (``prefill_fallback: local``): the
+        original prompt's decision becomes ``decode``."""
+        if original_prompt:
+            self.decision = "decode"
+        return await self._local(body, path, kind, original_prompt=original_prompt)
 
     async def _local(self, body: Json, path: str, kind: Kind, *, original_prompt: bool) -> Leg:
         """The decoder alone, with threshold 0: it prefills the prompt itself."""

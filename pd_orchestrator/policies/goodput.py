@@ -80,7 +80,7 @@ from typing import Annotated, ClassVar
 
 from pydantic import Field
 
-from pd_orchestrator.model.endpoints import Endpoint, Role
+from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.model.hardware import PROFILES, LatencyProfile
 from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.policies.base import (
@@ -288,7 +288,7 @@ class GoodputPolicy:
         p = self.params
         wait = self.local_wait(context, model)
         room = p.ttft * p.slack - wait - p.hop
-        dedicated = any(c.endpoint.role is Role.PREFILL for c in context.prefillers)
+        dedicated = any(not c.endpoint.role.decodes for c in context.prefillers)
         if room <= 0.0:
             return self._drain(context, dedicated)
         by_ttft = self._ttft_limit(model, wait, remote, dedicated)
@@ -384,7 +384,7 @@ def _remote_tokens(candidate: Candidate, tokens: int, mean: float) -> float:
     prompt, the larger, and ``tokens``; less its prefix-cache hit rate."""
     queued = max(candidate.backlog, _outstanding(candidate) * mean)
     hit = _hit_rate(candidate)
-    if candidate.endpoint.role is Role.BOTH:
+    if candidate.endpoint.role.decodes:
         return queued * (1.0 - hit) + tokens
     return (queued + tokens) * (1.0 - hit)
 
