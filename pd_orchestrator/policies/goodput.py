@@ -196,6 +196,7 @@ class GoodputPolicy:
     bounds: ClassVar[tuple[float, float]] = (0.0, 1.0)
     pools: dict[str, PoolModel] = field(default_factory=dict)
     duty: dict[str, DutyCycle] = field(default_factory=dict)
+    hits: dict[str, float] = field(default_factory=dict)
     prompt_mean: float = 0.0
     out_mean: float = 0.0
 
@@ -208,19 +209,33 @@ class GoodputPolicy:
         return model
 
     # -- the estimates (seconds) -------------------------------------------------------------
+    def hit_rate(self, candidate: Candidate) -> float | None:
+        """``candidate``'s prefix-cache hit rate: its reading's, else the last one a
+        reading gave (a window with no prompt, or a stale or missed scrape, leaves the
+        cache as it was); None when no reading ever gave one."""
+        load = candidate.load
+        rate = load.prefix_hit_rate if load is not None else None
+        name = candidate.endpoint.name
+        if rate is None:
+            return self.hits.get(name)
+        self.hits[name] = rate
+        return rate
+
     def remote_ttft(self, context: ThresholdContext, model: PoolModel) -> float | None:
         """The expected TTFT through the best compatible prefiller (None: none)."""
         if not context.prefillers:
             return None
         tokens, p = context.prompt_tokens, self.params
         mean = self.prompt_mean or tokens
-        prefill = min(_remote_tokens(c, tokens, mean) for c in context.prefillers)
+        prefill = min(
+            _remote_tokens(c, tokens, mean, self.hit_rate(c) or 0.0) for c in context.prefillers
+        )
         return prefill / model.rate_remote + tokens / p.transfer_tokens_per_s + 3 * p.hop
 
     def local_wait(self, context: ThresholdContext, model: PoolModel) -> float:
         """Seconds of prefill queued at the decoder before this request's own."""
         load = context.decoder_load
-        hit = _hit_rate(context.decoder)
+        hit = self.hit_rate(context.decoder) or 0.0
         backlog: float = context.decoder.backlog
         if load is not None and load.waiting:
             backlog = max(backlog, load.waiting * (self.prompt_mean or context.prompt_tokens))
@@ -290,7 +305,7 @@ class GoodputPolicy:
         room = p.ttft * p.slack - wait - p.hop
         dedicated = any(not c.endpoint.role.decodes for c in context.prefillers)
         if room <= 0.0:
-            return self._drain(context, dedicated)
+            return self._drain(context, model, wait, remote, dedicated)
         by_ttft = self._ttft_limit(model, wait, remote, dedicated)
         # a real alternative to a stall: a prefiller that does not decode, in time
         sure = dedicated and wait + remote <= p.ttft * p.slack
@@ -316,13 +331,26 @@ class GoodputPolicy:
             return math.inf
         return (p.ttft - wait - p.hop) * model.rate_local
 
-    def _drain(self, context: ThresholdContext, dedicated: bool) -> ThresholdDecision:
+    def _drain(
+        self,
+        context: ThresholdContext,
+        model: PoolModel,
+        wait: float,
+        remote: float,
+        dedicated: bool,
+    ) -> ThresholdDecision:
         """The decoder's wait spends its share of the target. With a dedicated prefiller
-        to take the prompt, P/D at once (threshold 1, ``drain``); when every compatible
-        prefiller also decodes, its queue holds the same decode-first work and the
-        drained request's decode leg waits at this decoder all the same: local
-        (``queued``)."""
-        if dedicated:
+        to take the prompt, P/D at once (threshold 1, ``drain``) when the remote path
+        is the faster one or the local one misses the target anyway (judged only on a
+        known hit rate: without one the wait is an upper bound). Else local
+        (``queued``): when every compatible prefiller also decodes, its queue holds the
+        same decode-first work and the drained request's decode leg waits at this
+        decoder all the same; when the remote path is slower and the local one may
+        still meet the target, the prompt would only join a longer queue."""
+        hit = self.hit_rate(context.decoder)
+        local = wait + context.prompt_tokens * (1.0 - (hit or 0.0)) / model.rate_local
+        lost = hit is not None and local > self.params.ttft
+        if dedicated and (remote <= local or lost):
             return ThresholdDecision(1.0, self.name, "drain")
         self._keep(context, math.inf)
         return ThresholdDecision(0.0, self.name, "queued")
@@ -330,7 +358,7 @@ class GoodputPolicy:
     def _keep(self, context: ThresholdContext, keep: float) -> None:
         """Count the prompt's expected uncached tokens (its length less the decoder's
         hit rate) in the decoder's duty cycle when the decoder keeps them."""
-        uncached = context.prompt_tokens * (1.0 - _hit_rate(context.decoder))
+        uncached = context.prompt_tokens * (1.0 - (self.hit_rate(context.decoder) or 0.0))
         if uncached > keep:
             return
         name = context.decoder.endpoint.name
@@ -378,21 +406,14 @@ _MIN_SAMPLE = 512
 """Prompt tokens below which a TTFT says more about fixed costs than about a rate."""
 
 
-def _remote_tokens(candidate: Candidate, tokens: int, mean: float) -> float:
+def _remote_tokens(candidate: Candidate, tokens: int, mean: float, hit: float) -> float:
     """Prompt tokens a prefiller computes before this one's first token, this one's
     included: its backlog or its request count (:func:`_outstanding`) times the mean
-    prompt, the larger, and ``tokens``; less its prefix-cache hit rate."""
+    prompt, the larger, and ``tokens``; less its prefix-cache hit rate ``hit``."""
     queued = max(candidate.backlog, _outstanding(candidate) * mean)
-    hit = _hit_rate(candidate)
     if candidate.endpoint.role.decodes:
         return queued * (1.0 - hit) + tokens
     return (queued + tokens) * (1.0 - hit)
-
-
-def _hit_rate(candidate: Candidate) -> float:
-    """The prefix-cache hit rate of ``candidate``'s reading (0 when unknown)."""
-    load = candidate.load
-    return (load.prefix_hit_rate if load is not None else None) or 0.0
 
 
 def _outstanding(candidate: Candidate) -> int:

@@ -66,9 +66,14 @@ def test_local_wait_counts_the_uncached_work_queued_at_the_decoder() -> None:
     # the prompts the gateway sent there and that had no first token yet, when more
     ctx = context(tokens=4000, dec=decoder(reading=reading, backlog=30_000))
     assert policy.local_wait(ctx, policy.pools["decode"]) == pytest.approx(15_000 / RATE)
+    # a reading without a hit rate (a window with no prompt, a missed scrape): the last
+    # one read stands
     assert policy.local_wait(
         context(dec=decoder(backlog=30_000)), policy.pools["decode"]
-    ) == pytest.approx(3.0)  # no reading: no hit rate to take off
+    ) == pytest.approx(1.5)
+    assert _policy().local_wait(
+        context(dec=decoder(backlog=30_000)), policy.pools["decode"]
+    ) == pytest.approx(3.0)  # no reading ever: no hit rate to take off
 
 
 def test_the_stall_limit_is_what_is_left_of_the_prefill_share_the_tpot_goal_allows() -> None:
@@ -151,6 +156,25 @@ def test_an_idle_decoder_keeps_what_meets_the_target_a_queued_one_drains() -> No
     queued = decoder(backlog=20_000)  # 2 s of prefill ahead: past its 0.8 s share
     decision = policy.decide(context(tokens=5_000, dec=queued, prefillers=prefillers))
     assert decision.reason == "drain" and decision.value == 1.0  # P/D, no attempt
+
+
+def test_a_queued_decoder_drains_only_to_a_faster_path_or_when_it_misses_anyway() -> None:
+    slow = (prefiller(backlog=30_000, reading=load()),)  # remote 3.5 s + 0.05 s transfer
+    # wait 0.9 s (past the 0.8 s share) + 500 tokens 0.05 s: local may still meet 1 s
+    read = LoadSnapshot(0, 0, 0.0, 0.0, prefix_hit_rate=0.0)
+    near = decoder(backlog=9_000, reading=read)
+    decision = _policy().decide(context(tokens=500, dec=near, prefillers=slow))
+    assert decision.reason == "queued" and decision.value == 0.0
+    # wait 2 s + 0.5 s: lost locally, so it leaves the decoder's queue
+    far = decoder(backlog=20_000, reading=read)
+    assert _policy().decide(context(tokens=5_000, dec=far, prefillers=slow)).reason == "drain"
+    # the same queue with no hit rate ever read: 2 s is only an upper bound, and the
+    # remote path (3.55 s) is no faster, so it stays
+    unread = decoder(backlog=20_000)
+    assert _policy().decide(context(tokens=5_000, dec=unread, prefillers=slow)).reason == "queued"
+    # an idle prefiller (0.55 s) is faster than the 2.5 s the queue promises: drain
+    idle = (prefiller(reading=load()),)
+    assert _policy().decide(context(tokens=5_000, dec=unread, prefillers=idle)).reason == "drain"
 
 
 def test_a_queued_decoder_stays_local_when_every_prefiller_also_decodes() -> None:
