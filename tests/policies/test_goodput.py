@@ -172,9 +172,13 @@ def test_a_queued_decoder_drains_only_to_a_faster_path_or_when_it_misses_anyway(
     # remote path (3.55 s) is no faster, so it stays
     unread = decoder(backlog=20_000)
     assert _policy().decide(context(tokens=5_000, dec=unread, prefillers=slow)).reason == "queued"
-    # an idle prefiller (0.55 s) is faster than the 2.5 s the queue promises: drain
+    # an idle prefiller (0.55 s) is faster than the 2.5 s the queue promises, but only
+    # a remote path within the 0.8 s share is sure enough against an unread wait
     idle = (prefiller(reading=load()),)
     assert _policy().decide(context(tokens=5_000, dec=unread, prefillers=idle)).reason == "drain"
+    assert _policy().decide(context(tokens=9_000, dec=unread, prefillers=idle)).reason == "queued"
+    read_rate = decoder(backlog=20_000, reading=read)  # 0.95 s remote, 2.9 s local
+    assert _policy().decide(context(tokens=9_000, dec=read_rate, prefillers=idle)).reason == "drain"
 
 
 def test_a_queued_decoder_stays_local_when_every_prefiller_also_decodes() -> None:
