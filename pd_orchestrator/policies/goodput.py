@@ -8,7 +8,9 @@ For the chosen decoder and a prompt of ``L`` tokens, ``u`` of them uncached ther
   yet, or what a reading's ``waiting`` counts times the mean prompt, the larger: a
   reading carries what other gateways sent), less its prefix-cache hit rate, over its
   prefill rate. Both paths pay it: the decode attempt is admitted or rejected only
-  when the decoder's scheduler reaches it.
+  when the decoder's scheduler reaches it. A hit rate (the decoder's, a
+  prefiller's) stands until a reading gives another: a window with no prompt, or a
+  stale or missed scrape, leaves the cache as it was.
 * **remote** (P/D), beyond that wait: the best compatible prefiller's backlog and the
   prompt itself, less that prefiller's hit rate, at its rate, the KV transfer and the
   extra legs::
@@ -59,21 +61,18 @@ slack``. Otherwise the prompt stays local (reason ``queued``):
   prompts to four prefillers in the first second, and 98 of 130 drained requests
   missed TTFT (75.5% at x5.66, against 99.5% with these conditions).
 
-A hit rate stands until a reading gives another: a window with no prompt, or a stale
-or missed scrape, leaves the cache as it was.
-
-Otherwise it keeps
-``u`` when ``u / rate_d`` is within ``max(remote, ttft * slack - wait)`` (local costs
-the fleet less whenever it still meets the target, even when remote would be a
-little faster) and -- when a dedicated prefiller can take it and the wait and the
-remote path together are within ``ttft * slack``, so that the alternative is a sure
-one -- the stall fits. A prefiller that also decodes is another decoder: a prompt sent
-there moves its prefill to another decode queue and its stall to other streams, and
-adds a transfer. So with only such prefillers the stall bound does not apply and the
+A decoder whose wait leaves room in its share keeps ``u`` when ``u / rate_d`` is
+within ``max(remote, ttft * slack - wait)`` (local costs the fleet less whenever it
+still meets the target, even when remote would be a little faster) and -- when a
+dedicated prefiller can take it and the wait and the remote path together are within
+``ttft * slack``, so that the alternative is a sure one -- the stall fits. A
+prefiller that also decodes is another decoder: a prompt sent there moves its
+prefill to another decode queue and its stall to other streams, and adds a
+transfer. So with only such prefillers the stall bound does not apply and the
 decoder keeps ``u`` when ``u / rate_d`` is within ``ttft - wait``, or whenever the
-remote path does not meet the target either. The largest such ``u`` is ``u*``, and the policy sends
-``t = 1 - (u* + 1/2) / L``: the decoder admits iff ``u <= u*``. No compatible
-prefiller: 0.
+remote path does not meet the target either. The largest such ``u`` is ``u*``, and
+the policy sends ``t = 1 - (u* + 1/2) / L``: the decoder admits iff ``u <= u*``. No
+compatible prefiller: 0.
 
 Learning (``observe``): per decoder pool, the ITL (an EWMA) and two prefill rates
 from the requests the gateway served, each sample ``tokens / (ttft - overhead)``:
@@ -203,7 +202,8 @@ class DutyCycle:
 @dataclass(slots=True)
 class GoodputPolicy:
     """See the module docstring. Reasons: ``no-prefiller``, ``drain``, ``queued`` (a
-    drain with no dedicated prefiller: local), ``local`` (u* covers the whole prompt),
+    queued decoder that keeps the prompt: no dedicated prefiller, or no drain that
+    pays), ``local`` (u* covers the whole prompt),
     ``cost-model`` (u* < L), ``stall`` (the stall bound set u*)."""
 
     params: GoodputParams = field(default_factory=GoodputParams)
