@@ -250,8 +250,11 @@ class GoodputPolicy:
 
     def local_wait(self, context: ThresholdContext, model: PoolModel) -> float:
         """Seconds of prefill queued at the decoder before this request's own."""
+        return self._wait(context, model, self.hit_rate(context.decoder) or 0.0)
+
+    def _wait(self, context: ThresholdContext, model: PoolModel, hit: float) -> float:
+        """:meth:`local_wait` at the decoder's hit rate ``hit``."""
         load = context.decoder_load
-        hit = self.hit_rate(context.decoder) or 0.0
         backlog: float = context.decoder.backlog
         if load is not None and load.waiting:
             backlog = max(backlog, load.waiting * (self.prompt_mean or context.prompt_tokens))
@@ -317,17 +320,24 @@ class GoodputPolicy:
         if remote is None:
             return ThresholdDecision(0.0, self.name, "no-prefiller")
         p = self.params
-        wait = self.local_wait(context, model)
+        hit = self.hit_rate(context.decoder)
+        uncached = tokens * (1.0 - (hit or 0.0))
+        wait = self._wait(context, model, hit or 0.0)
         room = p.ttft * p.slack - wait - p.hop
         dedicated = any(not c.endpoint.role.decodes for c in context.prefillers)
         if room <= 0.0:
-            return self._drain(context, model, wait, remote, dedicated)
+            local = wait + uncached / model.rate_local
+            if dedicated and self._drains(local, remote, known=hit is not None):
+                return ThresholdDecision(1.0, self.name, "drain")
+            self._keep(context, uncached)
+            return ThresholdDecision(0.0, self.name, "queued")
         by_ttft = self._ttft_limit(model, wait, remote, dedicated)
         # a real alternative to a stall: a prefiller that does not decode, in time
         sure = dedicated and wait + remote <= p.ttft * p.slack
         by_stall = self.stall_limit(context, model) if sure else math.inf
         keep = min(by_ttft, by_stall)
-        self._keep(context, keep)
+        if uncached <= keep:
+            self._keep(context, uncached)
         if keep >= tokens:
             return ThresholdDecision(0.0, self.name, "local")
         reason = "stall" if by_stall < by_ttft else "cost-model"
@@ -347,42 +357,20 @@ class GoodputPolicy:
             return math.inf
         return (p.ttft - wait - p.hop) * model.rate_local
 
-    def _drain(
-        self,
-        context: ThresholdContext,
-        model: PoolModel,
-        wait: float,
-        remote: float,
-        dedicated: bool,
-    ) -> ThresholdDecision:
-        """The decoder's wait spends its share of the target. With a dedicated prefiller
-        to take the prompt, P/D at once (threshold 1, ``drain``) when the remote path
-        is the faster one or the local one misses the target anyway. Before any reading
-        gave the decoder's hit rate, the wait counts its whole backlog as uncached, an
-        upper bound: it drains only to a remote path that is faster and within
-        ``ttft * slack``, and never as "missed anyway". Else local
-        (``queued``): when every compatible prefiller also decodes, its queue holds the
-        same decode-first work and the drained request's decode leg waits at this
-        decoder all the same; when the remote path is slower and the local one may
-        still meet the target, the prompt would only join a longer queue."""
+    def _drains(self, local: float, remote: float, *, known: bool) -> bool:
+        """Whether a queued decoder with a dedicated prefiller drains (module docstring):
+        the remote path is the faster one, or the ``local`` one misses the target
+        anyway; on an unread hit rate (``known`` False, the wait an upper bound), only
+        a faster remote path within ``ttft * slack``. When every compatible prefiller
+        also decodes, the caller keeps the prompt without asking."""
         p = self.params
-        hit = self.hit_rate(context.decoder)
-        local = wait + context.prompt_tokens * (1.0 - (hit or 0.0)) / model.rate_local
-        if hit is None:  # the wait counts the whole backlog: only a sure remote path
-            faster, lost = remote <= min(local, p.ttft * p.slack), False
-        else:
-            faster, lost = remote <= local, local > p.ttft
-        if dedicated and (faster or lost):
-            return ThresholdDecision(1.0, self.name, "drain")
-        self._keep(context, math.inf)
-        return ThresholdDecision(0.0, self.name, "queued")
+        if not known:
+            return remote <= min(local, p.ttft * p.slack)
+        return remote <= local or local > p.ttft
 
-    def _keep(self, context: ThresholdContext, keep: float) -> None:
-        """Count the prompt's expected uncached tokens (its length less the decoder's
-        hit rate) in the decoder's duty cycle when the decoder keeps them."""
-        uncached = context.prompt_tokens * (1.0 - (self.hit_rate(context.decoder) or 0.0))
-        if uncached > keep:
-            return
+    def _keep(self, context: ThresholdContext, uncached: float) -> None:
+        """Count ``uncached`` tokens the decoder keeps (the prompt less the decoder's hit
+        rate) in its duty cycle."""
         name = context.decoder.endpoint.name
         duty = self.duty.get(name)
         if duty is None:
