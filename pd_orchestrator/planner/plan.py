@@ -20,7 +20,10 @@ returns a :class:`Plan`:
    worked out when first asked for (:class:`PrefillRanking`): a request its
    decoder admits needs none, unless the threshold policy reads the prefillers.
 4. **Threshold**: the policy's decision for the first decoder, which sees that
-   decoder's load, the prompt's size and its compatible prefillers' load.
+   decoder's load, the prompt's size, its compatible prefillers' load and, for
+   decode-first, its *peers* (the other ranked decoders those prefillers reach). A
+   decision of 1 (P/D at once, no decode attempt) may name a peer to decode on: it
+   then leads the plan's decoders.
 5. **Prompt size** in tokens (exact when counted, else estimated from its
    characters), which lengthens the read timeouts of the request's legs.
 6. **Spare decoders** (:meth:`Plan.spare_decoders`): the decode profile's ranking
@@ -319,8 +322,10 @@ class Planner:
             facts.resumable and self._resumes(decoder, decoders_in, prefillers, prefillers_in)
         )
         threshold = self._threshold(
-            facts, decoder, decoders_in, prefillers, prefillers_in, now, tokens, continuable
-        )
+            facts, decoder, decoders_in, prefillers, prefillers_in, now, tokens, continuable,
+            ranked=decoders,
+        )  # fmt: skip
+        decoders = _leading(decoders, threshold.decoder)
         width = self._adaptive(routing, decoders, candidates, threshold.value)
         return Plan(
             decoders=decoders,
@@ -372,6 +377,8 @@ class Planner:
         now: float,
         tokens: int,
         continuable: bool,
+        *,
+        ranked: tuple[Endpoint, ...],
     ) -> ThresholdDecision:
         resolver = self.threshold
         if resolver is None:
@@ -381,8 +388,11 @@ class Planner:
         if facts.prefillers == () or (facts.prefillers is None and not candidates):
             return NO_PREFILLER
         compatible: set[str] = set()
+        peers: tuple[Candidate, ...] = ()
         if resolver.reads_prefillers:
             compatible = {e.name for e in prefillers.for_decoder(decoder.endpoint)}
+            if self.width is None:
+                peers = _peers(decoder, ranked, decoders)
         context = ThresholdContext(
             model=facts.model,
             decoder=decoder,
@@ -391,6 +401,7 @@ class Planner:
             prefillers=tuple(c for c in candidates if c.endpoint.name in compatible),
             client_threshold=facts.client_threshold,
             now=now,
+            peers=peers,
         )
         decision = resolver.decide(context)
         return decision if continuable else replace(decision, admission_only=True)
@@ -460,6 +471,30 @@ class Planner:
             adaptive.rejected(width.keys, name, plan.threshold.value, width.blocks)
         if served.decoder is not None:
             adaptive.served(width.keys, served.decoder.name)
+
+
+def _peers(
+    decoder: Candidate, ranked: tuple[Endpoint, ...], candidates: tuple[Candidate, ...]
+) -> tuple[Candidate, ...]:
+    """The decoders of ``ranked`` other than ``decoder`` that the same prefillers reach
+    (its compatibility class), in ranking order, with their load."""
+    chosen = decoder.endpoint
+    kind = compatibility_class(chosen)
+    wanted = {e.name for e in ranked if e.name != chosen.name and compatibility_class(e) == kind}
+    if not wanted:
+        return ()
+    found = {c.endpoint.name: c for c in candidates if c.endpoint.name in wanted}
+    return tuple(found[e.name] for e in ranked if e.name in found)
+
+
+def _leading(decoders: tuple[Endpoint, ...], name: str | None) -> tuple[Endpoint, ...]:
+    """``decoders`` with the one called ``name`` first (unchanged when None or absent)."""
+    if name is None or decoders[0].name == name:
+        return decoders
+    lead = [e for e in decoders if e.name == name]
+    if not lead:
+        return decoders
+    return (lead[0], *(e for e in decoders if e.name != name))
 
 
 def _for_prefill(

@@ -58,7 +58,10 @@ class ThresholdContext:
     ``prefillers``: the prefillers whose KV can reach the decoder, with their
     readings (empty: none is known). ``client_threshold``: the request's own
     ``cache_hit_threshold``, if any. ``now``: the caller's clock, the one load
-    readings are stamped with.
+    readings are stamped with. ``peers``: the other decoders the routing ranked that
+    the same prefillers reach (the chosen decoder's compatibility class), best first,
+    with their readings: where a request sent P/D at once may decode instead (empty
+    for ask-all and for policies that do not read the fleet).
     """
 
     model: str
@@ -68,6 +71,7 @@ class ThresholdContext:
     prefillers: tuple[Candidate, ...] = ()
     client_threshold: float | None = None
     now: float = 0.0
+    peers: tuple[Candidate, ...] = ()
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 0 or self.prompt_chars < 0:
@@ -94,16 +98,23 @@ class ThresholdDecision:
     """A threshold in [0, 1], the policy (instance name) that set it and a short,
     stable reason usable as a metric label (``fixed``, ``decoder-busy``...).
     ``admission_only``: the decoder applies it at admission only (it never hands the
-    request back; set by the planner for requests a continuation cannot honour)."""
+    request back; set by the planner for requests a continuation cannot honour).
+    ``decoder``: for a threshold of 1 (no decoder admits: P/D at once), the name of one
+    of :attr:`ThresholdContext.peers` to decode on instead of the chosen decoder
+    (None: the chosen one). A request that skips the decode attempt needs no prefix
+    of the decoder's own, so its decode leg may go where it starts soonest."""
 
     value: float
     policy: str
     reason: str
     admission_only: bool = False
+    decoder: str | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.value <= 1.0:
             raise ValueError(f"threshold {self.value} is outside [0, 1] ({self.policy})")
+        if self.decoder is not None and self.value < 1.0:
+            raise ValueError(f"only a threshold of 1 names a decoder ({self.policy})")
 
 
 @dataclass(frozen=True, slots=True)

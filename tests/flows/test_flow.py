@@ -284,8 +284,13 @@ async def test_a_rejection_goes_through_the_prefiller_with_the_transfer_params()
 
 
 class _One:
+    reads_prefillers = True
+
+    def __init__(self, decoder: str | None = None) -> None:
+        self.decoder = decoder
+
     def decide(self, context: ThresholdContext) -> ThresholdDecision:
-        return ThresholdDecision(1.0, "goodput", "drain")
+        return ThresholdDecision(1.0, "goodput", "drain", decoder=self.decoder)
 
     def observe(self, observation: object) -> None:
         return None
@@ -316,6 +321,34 @@ async def test_at_threshold_one_the_decoder_is_not_asked_the_request_goes_p_d() 
     assert decode["kv_transfer_params"] == params and decode["cache_hit_threshold"] == 0.0
     assert _text(run)[0] == " t5 t6 t7 t8"
     assert run.flow.rejected == ()
+
+
+async def test_at_threshold_one_the_decode_leg_goes_to_the_decoder_the_policy_names() -> None:
+    """A drained prompt needs no prefix of the decoder's own: the policy may name the
+    peer where it starts soonest, and only that decoder is sent anything."""
+    params = {"remote_block_ids": [9], "remote_engine_id": "p0", "remote_host": "p0"}
+    prefill = {"id": "p", "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+               "kv_transfer_params": params}  # fmt: skip
+    script = Script(
+        {
+            "d1": [_stream(_completion_chunk([5, 6, 7, 8], "length", first=True), _usage(4, 4))],
+            "p0": [_whole(prefill)],
+        }
+    )
+    routing = RoutingConfig.model_validate(
+        {"decode": {"scorers": [], "picker": {"type": "max-score"}}}
+    )
+    planner = Planner(build_profiles(routing, builtin_registry()), ThresholdResolver(_One("d1")))  # type: ignore[arg-type]
+    plan = planner.plan(
+        RequestFacts(model="m", prompt_chars=10), [Candidate(e) for e in FLEET], 0.0, 0
+    )
+    assert plan.ranking.pick is not None and plan.ranking.pick.candidate.endpoint == D0
+    run = await _serve(script, STREAM, plan=plan)
+    assert run.flow.decision == "pd" and run.flow.decoder == D1 and run.flow.prefiller == P0
+    assert script.bodies("d0") == []
+    [decode] = script.bodies("d1")
+    assert decode["kv_transfer_params"] == params and decode["cache_hit_threshold"] == 0.0
+    assert _text(run)[0] == " t5 t6 t7 t8"
 
 
 async def test_a_prefill_that_finished_is_the_answer() -> None:

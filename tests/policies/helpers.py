@@ -52,6 +52,7 @@ def context(
     prefillers: Sequence[Candidate] = IDLE_PREFILL,
     client: float | None = None,
     now: float = 0.0,
+    peers: Sequence[Candidate] = (),
 ) -> ThresholdContext:
     return ThresholdContext(
         model=model,
@@ -61,6 +62,7 @@ def context(
         prefillers=tuple(prefillers),
         client_threshold=client,
         now=now,
+        peers=tuple(peers),
     )
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.load import Candidate, LoadSnapshot
-from pd_orchestrator.policies import LatencyObservation
+from pd_orchestrator.policies import LatencyObservation, ThresholdDecision
 from pd_orchestrator.policies.goodput import (
     DutyCycle,
     GoodputParams,
@@ -179,6 +179,36 @@ def test_a_queued_decoder_drains_only_to_a_faster_path_or_when_it_misses_anyway(
     assert _policy().decide(context(tokens=9_000, dec=unread, prefillers=idle)).reason == "queued"
     read_rate = decoder(backlog=20_000, reading=read)  # 0.95 s remote, 2.9 s local
     assert _policy().decide(context(tokens=9_000, dec=read_rate, prefillers=idle)).reason == "drain"
+
+
+def test_a_drained_request_decodes_on_the_peer_where_it_starts_soonest() -> None:
+    queued = decoder(backlog=20_000)  # 2 s of prefill ahead: it drains
+    behind = decoder("d1", backlog=5_000)  # 0.5 s
+    waiting = decoder("d2", reading=load(waiting=1))  # one prompt's worth: 0.5 s
+    idle, idler = decoder("d3", in_flight=3), decoder("d4", in_flight=1)
+    policy = _policy()
+    peers = (behind, waiting, idle, idler)
+    decision = policy.decide(context(tokens=5_000, dec=queued, peers=peers))
+    assert decision.reason == "drain" and decision.decoder == "d4"  # no queue, fewest streams
+    assert policy.soonest(context(tokens=5_000, dec=queued, peers=peers[:3]), 2.0) == "d3"
+    assert (
+        policy.soonest(context(tokens=5_000, dec=queued, peers=peers[:2]), 2.0) == "d1"
+    )  # ranking order
+    # a peer's cached share of its queue is not queued prefill: 20k at 90% hit is 0.2 s
+    warm = decoder("d5", backlog=20_000, reading=LoadSnapshot(0, 0, 0.0, 0.0, prefix_hit_rate=0.9))
+    assert policy.soonest(context(tokens=5_000, dec=queued, peers=(behind, warm)), 2.0) == "d5"
+    # no peer starts it sooner: the chosen decoder decodes it
+    deeper = decoder("d6", backlog=30_000)
+    decision = policy.decide(context(tokens=5_000, dec=queued, peers=(deeper,)))
+    assert decision.reason == "drain" and decision.decoder is None
+    # a decision that keeps the prompt, or sends it through a decode attempt, names none
+    assert policy.decide(context(tokens=5_000, peers=peers)).decoder is None
+
+
+def test_only_a_threshold_of_one_names_a_decoder() -> None:
+    assert ThresholdDecision(1.0, "goodput", "drain", decoder="d1").decoder == "d1"
+    with pytest.raises(ValueError, match="only a threshold of 1"):
+        ThresholdDecision(0.9, "goodput", "cost-model", decoder="d1")
 
 
 def test_a_queued_decoder_stays_local_when_every_prefiller_also_decodes() -> None:

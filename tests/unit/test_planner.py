@@ -313,3 +313,43 @@ def test_a_structured_output_is_continuable_where_its_decoder_and_prefillers_res
     for other in unreachable:  # a prefiller that cannot reach the decoder does not count
         some = [replace(c, resumes=c.endpoint.name != other) for c in every]
         assert _planner().plan(_structured(), some, 0.0, 0).continuable
+
+
+class _Drain(_Fixed):
+    """A policy that sends every prompt P/D at once, to decode on ``decoder``."""
+
+    def __init__(self, decoder: str | None) -> None:
+        super().__init__()
+        self.decoder = decoder
+
+    def decide(self, context: ThresholdContext) -> ThresholdDecision:
+        self.seen.append(context)
+        return ThresholdDecision(1.0, "goodput", "drain", decoder=self.decoder)
+
+
+def test_a_request_sent_p_d_at_once_decodes_where_the_policy_names() -> None:
+    more = [*FLEET, _endpoint("hd2", Role.DECODE, "nvidia")]
+    candidates = [Candidate(e, in_flight=0 if e.name == "hd2" else 2) for e in more]
+    policy = _Drain("hd1")
+    plan = _planner(policy=policy).plan(_request(), candidates, 0.0, 0)
+    [seen] = policy.seen
+    chosen = seen.decoder.endpoint.name
+    assert chosen == "hd2"  # the least busy
+    # the peers: the other ranked decoders the same prefillers reach, never the AMD one
+    assert [c.endpoint.name for c in seen.peers] == ["hd0", "hd1"]
+    assert [c.in_flight for c in seen.peers] == [2, 2]  # with what the fleet knows of them
+    assert plan.decoder.name == "hd1" and plan.asked[0].name == "hd1"
+    assert {e.name for e in plan.decoders} == {"hd0", "hd1", "hd2", "ad0"}
+    assert {e.name for e in plan.prefillers_for(plan.decoder)} == {"hp0"}
+    # a name the plan does not rank changes nothing
+    elsewhere = _planner(policy=_Drain("nowhere")).plan(_request(), candidates, 0.0, 0)
+    assert elsewhere.decoder.name == chosen
+
+
+def test_ask_all_shows_the_policy_no_peers() -> None:
+    policy = _Fixed()
+    resolver = ThresholdResolver(policy)  # type: ignore[arg-type]
+    ask_all = Planner(build_profiles(RoutingConfig(), builtin_registry()), resolver, width="all")
+    ask_all.plan(_request(), [Candidate(e) for e in FLEET], 0.0, 0)
+    [seen] = policy.seen
+    assert seen.peers == ()
