@@ -87,10 +87,16 @@ cached tokens), ``rate_p`` from P/D requests (``L`` tokens). A rate estimate is 
 decaying maximum, ``r <- max(s, r + alpha * (s - r))``: a fast sample (an idle
 engine) lifts it at once, slow ones (queueing, which the wait terms already count)
 pull it down only at ``alpha`` per sample, so it follows a changed engine without
-chasing the load. Seeds: the hardware profile's rate for the endpoint's hardware and
-model when the simulator knows it, else ``prefill_tokens_per_s``; until the first
-ITL is observed, the bare step is that profile's decode step for the decoder's
-streams (0 without a profile). So it needs no profile on real vLLM.
+chasing the load. A P/D sample counts the whole prompt (the gateway does not learn
+what the prefiller had cached), so one more than twice the best rate the pool has
+known (its seed, ``rate_d``) is taken for a prompt the prefiller held and is not
+learnt: on long-doc, one re-asked document's 0.05 s prefill lifted ``rate_p`` to
+700k tokens/s, and for the next 50 prompts the remote path looked 8-25 times faster
+than it was (4.6 points of attainment lost at x1 on 12:4). Seeds: the hardware
+profile's rate for the endpoint's hardware and model when the simulator knows it,
+else ``prefill_tokens_per_s``; until the first ITL is observed, the bare step is
+that profile's decode step for the decoder's streams (0 without a profile). So it
+needs no profile on real vLLM.
 """
 
 from __future__ import annotations
@@ -178,14 +184,16 @@ def _learn_rate(rate: float, sample: float, alpha: float) -> float:
 @dataclass(slots=True)
 class PoolModel:
     """What the policy knows of one decoder pool: the local and remote prefill rates
-    (tokens/s), the ITL observed there (seconds, None before any) and the free chunk
-    of its steps (tokens a step carries at no cost)."""
+    (tokens/s), the ITL observed there (seconds, None before any), the free chunk
+    of its steps (tokens a step carries at no cost), its hardware profile and the
+    rate both estimates were seeded with (0: none)."""
 
     rate_local: float
     rate_remote: float
     itl: float | None = None
     free_tokens: float = 150.0
     profile: LatencyProfile | None = None
+    seed: float = 0.0
 
 
 @dataclass(slots=True)
@@ -227,7 +235,7 @@ class GoodputPolicy:
         if model is None:
             rate = seed_rate(decoder, self.params.prefill_tokens_per_s)
             profile = profile_of(decoder)
-            model = self.pools[decoder.pool] = PoolModel(rate, rate, profile=profile)
+            model = self.pools[decoder.pool] = PoolModel(rate, rate, profile=profile, seed=rate)
         return model
 
     # -- the estimates (seconds) -------------------------------------------------------------
@@ -425,7 +433,7 @@ class GoodputPolicy:
         p = self.params
         if observation.remote:
             spent = ttft - tokens / p.transfer_tokens_per_s - 4 * p.hop
-            if tokens >= _MIN_SAMPLE and spent > 0:
+            if tokens >= _MIN_SAMPLE and spent > 0 and tokens / spent <= _plausible(model):
                 model.rate_remote = _learn_rate(model.rate_remote, tokens / spent, p.alpha)
             return
         if observation.cached_tokens is None:
@@ -435,6 +443,18 @@ class GoodputPolicy:
         if uncached >= _MIN_SAMPLE and spent > 0:
             model.rate_local = _learn_rate(model.rate_local, uncached / spent, p.alpha)
 
+
+def _plausible(model: PoolModel) -> float:
+    """The fastest remote prefill rate a sample may show and be learnt: a multiple of
+    the best the pool has known (its seed, its local rate). A remote sample counts the
+    whole prompt, as the gateway does not learn what the prefiller had cached; a much
+    faster one is a prompt the prefiller held (a re-asked document), not a faster
+    engine, and the decaying maximum would keep it for many samples."""
+    return _CACHED_FACTOR * max(model.seed, model.rate_local)
+
+
+_CACHED_FACTOR = 2.0
+"""See :func:`_plausible`."""
 
 _MAX_SHARE = 0.9
 """The prefill share above which the observed ITL says little of the bare step."""

@@ -295,6 +295,25 @@ def test_learning_converges_to_a_changed_rate_and_ignores_unknown_caches() -> No
     assert model.itl == pytest.approx(0.012)
 
 
+def test_a_remote_sample_faster_than_the_pool_could_prefill_is_a_cached_prompt() -> None:
+    policy = _policy()
+    model = policy.pools["decode"]  # local 10k tokens/s, no seed: up to 20k/s is plausible
+
+    def remote(tokens: int, prefill: float) -> None:
+        ttft = prefill + tokens / PARAMS.transfer_tokens_per_s
+        policy.observe(
+            LatencyObservation("m", "decode", 0.0, ttft=ttft, prompt_tokens=tokens, remote=True)
+        )
+
+    remote(30_000, 0.05)  # 600k/s: a re-asked document the prefiller held, not learnt
+    assert model.rate_remote == RATE
+    remote(15_000, 1.0)  # an idle prefiller faster than the estimate: learnt at once
+    assert model.rate_remote == pytest.approx(15_000.0)
+    model.seed = 40_000.0  # a hardware profile's seed raises the bound
+    remote(30_000, 0.5)
+    assert model.rate_remote == pytest.approx(60_000.0)
+
+
 def test_seeds_come_from_the_hardware_profile_else_the_parameter() -> None:
     h200 = Endpoint(
         "d", "http://d:1", Role.DECODE, "h200", model="meta-llama/Llama-3.1-8B-Instruct"
@@ -305,7 +324,8 @@ def test_seeds_come_from_the_hardware_profile_else_the_parameter() -> None:
     policy = build({"type": "goodput", "params": {"ttft": 2.0}})
     assert isinstance(policy, GoodputPolicy) and policy.params.ttft == 2.0
     policy.decide(context(dec=Candidate(h200, True, 0, None)))
-    assert policy.pools[h200.pool].rate_local == pytest.approx(1 / 29.5e-6)
+    pool = policy.pools[h200.pool]
+    assert pool.rate_local == pool.rate_remote == pool.seed == pytest.approx(1 / 29.5e-6)
 
 
 def test_before_any_itl_the_bare_step_is_the_hardware_profile_s() -> None:
