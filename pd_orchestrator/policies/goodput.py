@@ -48,19 +48,21 @@ skips the attempt needs no prefix of the decoder's own, and its decode leg would
 wait behind the same queue (its TTFT is about the longer of the two paths), so the
 decision names the peer -- a ranked decoder the same prefillers reach -- where it
 starts soonest: the least prefill queued there (:meth:`GoodputPolicy.soonest`).
-Measured on the Mooncake trace, this moved mean attainment over a band of rates
-from 76.0% to 78.4% on 12:4 H200, from 73.4% to 76.9% on 8:8 and from 70.5% to 74.8%
-on the mixed fleet (decode-only: 75.7%, 73.6%, 72.6%). It drains only to a
-dedicated prefiller (role ``prefill``), and only when the remote path is the faster
-one (``remote <= wait + u / rate_d``) or the local path misses the target anyway
-(``wait + u / rate_d > ttft``). Before any reading gave
+Measured on the Mooncake trace (with the sample bound below), this moved mean
+attainment over nine rates from 76.0% to 78.4% on 12:4 H200, from 73.4% to 77.9% on
+8:8 and from 70.5% to 75.6% on the mixed fleet (decode-only: 76.1%, 73.4%, 72.5%).
+It drains only to a dedicated prefiller (role ``prefill``), and only when the remote
+path is the faster one (``remote <= wait + u / rate_d``) or the local path misses
+the target anyway (``wait + u / rate_d > ttft``). Before any reading gave
 the decoder's hit rate, the wait counts its whole backlog as uncached, an upper
 bound: then it drains only to a remote path that is faster and within ``ttft *
 slack``. Otherwise the prompt stays local (reason ``queued``):
 
 * every compatible prefiller also decodes: draining moves the prompt to a queue of
   the same decode-first work (measured on the Mooncake trace, draining there cost
-  2-3 points of attainment);
+  2-3 points of attainment; with the decode leg on the soonest peer it gained 3 on
+  8:8-flex Mooncake but lost 22 on 8:8-flex shared-prefix, where a drained prompt is
+  prefilled whole, shared prefix included, on an instance that also decodes);
 * the remote path is slower and the local one may still meet the target: a drain
   only joins a longer queue. Measured on shared-prefix on 12:4 H200, where the first
   burst arrives before any reading: draining on the unread wait sent 104 of 400

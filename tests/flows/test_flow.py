@@ -296,59 +296,41 @@ class _One:
         return None
 
 
-async def test_at_threshold_one_the_decoder_is_not_asked_the_request_goes_p_d() -> None:
+@pytest.mark.parametrize(("named", "decoder"), [(None, D0), ("d1", D1)], ids=["chosen", "named"])
+async def test_at_threshold_one_the_decoder_is_not_asked_the_request_goes_p_d(
+    named: str | None, decoder: Endpoint
+) -> None:
     """No prompt meets threshold 1 (vLLM computes the last token whatever it holds):
-    no decode attempt, the prefiller first, then the decode leg on the plan's decoder."""
+    no decode attempt, the prefiller first, then the decode leg on the plan's decoder
+    -- or on the peer the policy names (a drained prompt needs no prefix of the
+    decoder's own), and then nothing goes to the decoder the routing picked."""
     params = {"remote_block_ids": [9], "remote_engine_id": "p0", "remote_host": "p0"}
     prefill = {"id": "p", "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
                "kv_transfer_params": params}  # fmt: skip
     script = Script(
         {
-            "d0": [_stream(_completion_chunk([5, 6, 7, 8], "length", first=True), _usage(4, 4))],
-            "p0": [_whole(prefill)],
-        }
-    )
-    routing = RoutingConfig.model_validate(
-        {"decode": {"scorers": [], "picker": {"type": "max-score", "params": {"ties": "rotate"}}}}
-    )
-    planner = Planner(build_profiles(routing, builtin_registry()), ThresholdResolver(_One()))  # type: ignore[arg-type]
-    candidates = [Candidate(e) for e in FLEET]
-    plan = planner.plan(RequestFacts(model="m", prompt_chars=10), candidates, 0.0, 0)
-    assert plan.threshold.value == 1.0
-    run = await _serve(script, STREAM, plan=plan)
-    assert run.flow.decision == "pd" and run.flow.decoder == D0 and run.flow.prefiller == P0
-    [decode] = script.bodies("d0")  # the decode leg only
-    assert decode["kv_transfer_params"] == params and decode["cache_hit_threshold"] == 0.0
-    assert _text(run)[0] == " t5 t6 t7 t8"
-    assert run.flow.rejected == ()
-
-
-async def test_at_threshold_one_the_decode_leg_goes_to_the_decoder_the_policy_names() -> None:
-    """A drained prompt needs no prefix of the decoder's own: the policy may name the
-    peer where it starts soonest, and only that decoder is sent anything."""
-    params = {"remote_block_ids": [9], "remote_engine_id": "p0", "remote_host": "p0"}
-    prefill = {"id": "p", "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
-               "kv_transfer_params": params}  # fmt: skip
-    script = Script(
-        {
-            "d1": [_stream(_completion_chunk([5, 6, 7, 8], "length", first=True), _usage(4, 4))],
+            decoder.name: [
+                _stream(_completion_chunk([5, 6, 7, 8], "length", first=True), _usage(4, 4))
+            ],
             "p0": [_whole(prefill)],
         }
     )
     routing = RoutingConfig.model_validate(
         {"decode": {"scorers": [], "picker": {"type": "max-score"}}}
     )
-    planner = Planner(build_profiles(routing, builtin_registry()), ThresholdResolver(_One("d1")))  # type: ignore[arg-type]
-    plan = planner.plan(
-        RequestFacts(model="m", prompt_chars=10), [Candidate(e) for e in FLEET], 0.0, 0
-    )
+    planner = Planner(build_profiles(routing, builtin_registry()), ThresholdResolver(_One(named)))  # type: ignore[arg-type]
+    candidates = [Candidate(e) for e in FLEET]
+    plan = planner.plan(RequestFacts(model="m", prompt_chars=10), candidates, 0.0, 0)
+    assert plan.threshold.value == 1.0
     assert plan.ranking.pick is not None and plan.ranking.pick.candidate.endpoint == D0
     run = await _serve(script, STREAM, plan=plan)
-    assert run.flow.decision == "pd" and run.flow.decoder == D1 and run.flow.prefiller == P0
-    assert script.bodies("d0") == []
-    [decode] = script.bodies("d1")
+    assert run.flow.decision == "pd" and run.flow.decoder == decoder and run.flow.prefiller == P0
+    [decode] = script.bodies(decoder.name)  # the decode leg only
     assert decode["kv_transfer_params"] == params and decode["cache_hit_threshold"] == 0.0
     assert _text(run)[0] == " t5 t6 t7 t8"
+    assert run.flow.rejected == ()
+    if named is not None:
+        assert script.bodies("d0") == []
 
 
 async def test_a_prefill_that_finished_is_the_answer() -> None:
