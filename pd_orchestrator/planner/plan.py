@@ -323,7 +323,7 @@ class Planner:
         )
         threshold = self._threshold(
             facts, decoder, decoders_in, prefillers, prefillers_in, now, tokens, continuable,
-            ranked=decoders,
+            ranking=ranking,
         )  # fmt: skip
         decoders = _leading(decoders, threshold.decoder)
         width = self._adaptive(routing, decoders, candidates, threshold.value)
@@ -378,7 +378,7 @@ class Planner:
         tokens: int,
         continuable: bool,
         *,
-        ranked: tuple[Endpoint, ...],
+        ranking: RoutingResult,
     ) -> ThresholdDecision:
         resolver = self.threshold
         if resolver is None:
@@ -388,11 +388,9 @@ class Planner:
         if facts.prefillers == () or (facts.prefillers is None and not candidates):
             return NO_PREFILLER
         compatible: set[str] = set()
-        peers: tuple[Candidate, ...] = ()
         if resolver.reads_prefillers:
             compatible = {e.name for e in prefillers.for_decoder(decoder.endpoint)}
-            if self.width is None:
-                peers = _peers(decoder, ranked, decoders)
+        peers = _peers(ranking) if resolver.reads_peers and self.width is None else ()
         context = ThresholdContext(
             model=facts.model,
             decoder=decoder,
@@ -473,28 +471,20 @@ class Planner:
             adaptive.served(width.keys, served.decoder.name)
 
 
-def _peers(
-    decoder: Candidate, ranked: tuple[Endpoint, ...], candidates: tuple[Candidate, ...]
-) -> tuple[Candidate, ...]:
-    """The decoders of ``ranked`` other than ``decoder`` that the same prefillers reach
-    (its compatibility class), in ranking order, with their load."""
-    chosen = decoder.endpoint
-    kind = compatibility_class(chosen)
-    wanted = {e.name for e in ranked if e.name != chosen.name and compatibility_class(e) == kind}
-    if not wanted:
-        return ()
-    found = {c.endpoint.name: c for c in candidates if c.endpoint.name in wanted}
-    return tuple(found[e.name] for e in ranked if e.name in found)
+def _peers(ranking: RoutingResult) -> tuple[Candidate, ...]:
+    """The ranked decoders after the pick that the same prefillers reach (the pick's
+    compatibility class), in ranking order, with their load."""
+    pick, *rest = ranking.ranked
+    kind = compatibility_class(pick.endpoint)
+    return tuple(s.candidate for s in rest if compatibility_class(s.endpoint) == kind)
 
 
 def _leading(decoders: tuple[Endpoint, ...], name: str | None) -> tuple[Endpoint, ...]:
     """``decoders`` with the one called ``name`` first (unchanged when None or absent)."""
-    if name is None or decoders[0].name == name:
+    lead = next((e for e in decoders if e.name == name), None) if name else None
+    if lead is None or lead is decoders[0]:
         return decoders
-    lead = [e for e in decoders if e.name == name]
-    if not lead:
-        return decoders
-    return (lead[0], *(e for e in decoders if e.name != name))
+    return (lead, *(e for e in decoders if e is not lead))
 
 
 def _for_prefill(

@@ -61,7 +61,7 @@ class ThresholdContext:
     readings are stamped with. ``peers``: the other decoders the routing ranked that
     the same prefillers reach (the chosen decoder's compatibility class), best first,
     with their readings: where a request sent P/D at once may decode instead (empty
-    for ask-all and for policies that do not read the fleet).
+    for ask-all and unless a policy declares ``reads_peers``).
     """
 
     model: str

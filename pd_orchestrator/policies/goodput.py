@@ -225,6 +225,7 @@ class GoodputPolicy:
     params: GoodputParams = field(default_factory=GoodputParams)
     name: str = "goodput"
     reads_prefillers: ClassVar[bool] = True
+    reads_peers: ClassVar[bool] = True
     bounds: ClassVar[tuple[float, float]] = (0.0, 1.0)
     pools: dict[str, PoolModel] = field(default_factory=dict)
     duty: dict[str, DutyCycle] = field(default_factory=dict)
@@ -266,10 +267,7 @@ class GoodputPolicy:
 
     def local_wait(self, context: ThresholdContext, model: PoolModel) -> float:
         """Seconds of prefill queued at the decoder before this request's own."""
-        return self._wait(context, model, self.hit_rate(context.decoder) or 0.0)
-
-    def _wait(self, context: ThresholdContext, model: PoolModel, hit: float) -> float:
-        """:meth:`local_wait` at the decoder's hit rate ``hit``."""
+        hit = self.hit_rate(context.decoder) or 0.0
         return self._queued(context.decoder, context.prompt_tokens, model, hit)
 
     def _queued(self, decoder: Candidate, tokens: int, model: PoolModel, hit: float) -> float:
@@ -357,7 +355,7 @@ class GoodputPolicy:
         p = self.params
         hit = self.hit_rate(context.decoder)
         uncached = tokens * (1.0 - (hit or 0.0))
-        wait = self._wait(context, model, hit or 0.0)
+        wait = self._queued(context.decoder, tokens, model, hit or 0.0)
         room = p.ttft * p.slack - wait - p.hop
         dedicated = any(not c.endpoint.role.decodes for c in context.prefillers)
         if room <= 0.0:

@@ -42,6 +42,8 @@ class ThresholdResolver:
     ``reads_prefillers``: some policy of the tree reads the compatible prefillers
     (declared by a policy's ``reads_prefillers`` attribute); otherwise the planner
     leaves them out of the context and ranks no prefiller for an admitted request.
+    ``reads_peers``: likewise for the chosen decoder's peers
+    (:attr:`~pd_orchestrator.policies.base.ThresholdContext.peers`).
     """
 
     policy: ThresholdPolicy
@@ -49,11 +51,12 @@ class ThresholdResolver:
     prompt_length: PromptLengthEstimator = field(default_factory=PromptLengthEstimator)
     exact_prompt_length: bool = False
     reads_prefillers: bool = field(init=False, default=False)
+    reads_peers: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
-        self.reads_prefillers = any(
-            getattr(p, "reads_prefillers", False) for p in _tree(self.policy)
-        )
+        tree = _tree(self.policy)
+        self.reads_prefillers = any(getattr(p, "reads_prefillers", False) for p in tree)
+        self.reads_peers = any(getattr(p, "reads_peers", False) for p in tree)
 
     def estimate_tokens(self, model: str, chars: int) -> int:
         """The prompt's tokens, estimated from its characters (see the estimator)."""

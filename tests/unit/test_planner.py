@@ -40,9 +40,10 @@ def _request(prompt: str = "hello") -> RequestFacts:
 class _Fixed:
     """A policy that always answers 0.5 and remembers what it was shown."""
 
-    def __init__(self, reads_prefillers: bool = True) -> None:
+    def __init__(self, reads_prefillers: bool = True, reads_peers: bool = False) -> None:
         self.seen: list[ThresholdContext] = []
         self.reads_prefillers = reads_prefillers
+        self.reads_peers = reads_peers
 
     def decide(self, context: ThresholdContext) -> ThresholdDecision:
         self.seen.append(context)
@@ -319,7 +320,7 @@ class _Drain(_Fixed):
     """A policy that sends every prompt P/D at once, to decode on ``decoder``."""
 
     def __init__(self, decoder: str | None) -> None:
-        super().__init__()
+        super().__init__(reads_peers=True)
         self.decoder = decoder
 
     def decide(self, context: ThresholdContext) -> ThresholdDecision:
@@ -346,10 +347,14 @@ def test_a_request_sent_p_d_at_once_decodes_where_the_policy_names() -> None:
     assert elsewhere.decoder.name == chosen
 
 
-def test_ask_all_shows_the_policy_no_peers() -> None:
-    policy = _Fixed()
+def test_ask_all_and_a_policy_that_reads_no_peers_see_none() -> None:
+    policy = _Fixed(reads_peers=True)
     resolver = ThresholdResolver(policy)  # type: ignore[arg-type]
     ask_all = Planner(build_profiles(RoutingConfig(), builtin_registry()), resolver, width="all")
     ask_all.plan(_request(), [Candidate(e) for e in FLEET], 0.0, 0)
-    [seen] = policy.seen
-    assert seen.peers == ()
+    assert _planner(policy=policy).plan(_request(), [Candidate(e) for e in FLEET], 0.0, 0)
+    ask_all_seen, decode_first_seen = policy.seen
+    assert ask_all_seen.peers == () and decode_first_seen.peers  # decode-first: one peer
+    blind = _Fixed()  # reads prefillers, not peers
+    _planner(policy=blind).plan(_request(), [Candidate(e) for e in FLEET], 0.0, 0)
+    assert blind.seen[0].peers == ()
