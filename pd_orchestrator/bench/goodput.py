@@ -10,7 +10,8 @@ multiplier, then bisection (geometric) narrows the bracket; every probe is one r
 of the strategy over the whole workload in virtual time. Attainment is not strictly
 monotonic in the rate (a run's luck with the trace's bursts), so the answer is the
 highest multiplier *seen* passing, and every probe is kept for the
-attainment-against-rate plot.
+attainment-against-rate plot. A probe may pool runs over several seeds of a
+workload (:func:`pooled`), so that one draw's luck does not decide a comparison.
 
 Pure apart from the runs ``probe`` makes: no clock, no I/O.
 """
@@ -18,24 +19,26 @@ Pure apart from the runs ``probe`` makes: no clock, no I/O.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from pd_orchestrator.bench.workloads import Workload
 
-__all__ = ["GoodputSearch", "Probe", "SearchSettings", "scaled", "search"]
+__all__ = ["GoodputSearch", "Probe", "SearchSettings", "pooled", "scaled", "search"]
 
 
 @dataclass(frozen=True, slots=True)
 class Probe:
     """One run at ``multiplier`` times the workload's rate: the share of requests
     that met the SLO, the requests served per second over the run's span, and each
-    pool's busy fraction (pool name -> 0..1)."""
+    pool's busy fraction (pool name -> 0..1); ``runs``: how many runs (one per seed of
+    the workload) it pools."""
 
     multiplier: float
     attainment: float
     rate: float
     busy: dict[str, float]
+    runs: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +81,29 @@ def scaled(workload: Workload, multiplier: float) -> Workload:
         for r in workload.requests
     )
     return replace(workload, requests=requests)
+
+
+def pooled(probes: Sequence[Probe], requests: Sequence[int]) -> Probe:
+    """One probe from runs at the same multiplier over ``requests[i]`` requests each:
+    the attainment of all their requests together, the mean rate and the mean busy
+    fraction of each pool. ``ValueError`` for no runs, runs at different multipliers,
+    or a count per run missing."""
+    if not probes or len(probes) != len(requests):
+        raise ValueError("pool one or more runs, each with its request count")
+    multipliers = {p.multiplier for p in probes}
+    if len(multipliers) != 1:
+        raise ValueError(f"runs at different multipliers: {sorted(multipliers)}")
+    total = sum(requests)
+    met = sum(p.attainment * n for p, n in zip(probes, requests, strict=True))
+    pools = sorted({pool for p in probes for pool in p.busy})
+    count = len(probes)
+    return Probe(
+        multiplier=probes[0].multiplier,
+        attainment=met / total if total else 0.0,
+        rate=sum(p.rate for p in probes) / count,
+        busy={pool: sum(p.busy.get(pool, 0.0) for p in probes) / count for pool in pools},
+        runs=sum(p.runs for p in probes),
+    )
 
 
 def search(probe: Callable[[float], Probe], settings: SearchSettings) -> GoodputSearch:

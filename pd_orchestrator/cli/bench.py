@@ -14,7 +14,9 @@ highest multiple of the workload's arrival rate at which ``--attainment`` of the
 requests meet both SLOs, by a sweep and ``--bisections`` bisection steps
 (:mod:`pd_orchestrator.bench.goodput`), printed with each strategy's ratio to the
 best other one and each pool's busy fraction; ``attainment.png`` plots attainment
-against the rate. ``--bisections -1`` skips the search.
+against the rate. ``--bisections -1`` skips the search. ``--seeds N`` pools each
+probe over ``N`` draws of a seeded workload (``--seed``, ``--seed`` + 1, ...): the
+attainment of all their requests together.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +35,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pd_orchestrator.bench.fleet import FLEETS, FleetSpec, preset_fleet
-from pd_orchestrator.bench.goodput import GoodputSearch, Probe, SearchSettings, scaled, search
+from pd_orchestrator.bench.goodput import (
+    GoodputSearch,
+    Probe,
+    SearchSettings,
+    pooled,
+    scaled,
+    search,
+)
 from pd_orchestrator.bench.live import (
     LiveOptions,
     run_fleet_strategy,
@@ -136,6 +146,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=4,
         help="virtual: bisection steps of the goodput search (-1: no search)",
     )
+    add(
+        "--seeds",
+        type=int,
+        default=1,
+        help="virtual: pool each goodput probe over this many seeds of the workload",
+    )
     add("--out", type=Path, default=None, help="output directory (default under bench-results/)")
     add("--no-plots", action="store_true")
     live = parser.add_argument_group("live runs")
@@ -211,10 +227,11 @@ def _search_goodput(
     args: argparse.Namespace,
     fleet: FleetSpec,
     strategies: Sequence[Strategy],
-    workload: Workload,
+    workloads: Sequence[Workload],
     console: Console,
 ) -> dict[str, GoodputSearch]:
-    """Each strategy's goodput search (virtual runs over the scaled workload)."""
+    """Each strategy's goodput search (virtual runs over the scaled workloads, one per
+    seed, pooled into one probe per multiplier)."""
     _, routing = _routing(args.routing)
     options = VirtualOptions(hop=args.hop)
     slo = Slo(args.slo_ttft, args.slo_tpot)
@@ -222,13 +239,17 @@ def _search_goodput(
     searches: dict[str, GoodputSearch] = {}
     for strategy in strategies:
 
-        def probe(multiplier: float, strategy: Strategy = strategy) -> Probe:
+        def run(workload: Workload, multiplier: float, strategy: Strategy) -> Probe:
             result = VirtualFleet(fleet, strategy, routing, options).run(
                 scaled(workload, multiplier)
             )
             summary = summarize(result, slo)
             rate = summary.completed / summary.span if summary.span > 0 else 0.0
             return Probe(multiplier, summary.slo_share, rate, summary.busy)
+
+        def probe(multiplier: float, strategy: Strategy = strategy) -> Probe:
+            runs = [run(workload, multiplier, strategy) for workload in workloads]
+            return pooled(runs, [len(workload) for workload in workloads])
 
         searches[strategy.name] = found = search(probe, settings)
         console.print(
@@ -300,6 +321,7 @@ def _settings(
         "sim_time_scale": None if args.virtual else args.sim_time_scale,
         "hop_seconds": args.hop if args.virtual else None,
         "seed": args.seed,
+        "seeds": args.seeds if args.virtual and args.bisections >= 0 else 1,
         "slo": {"ttft": slo.ttft, "tpot": slo.tpot},
     }
 
@@ -321,7 +343,9 @@ def _report(
     console.print(summary_table(summaries, title, slo))
     document = None
     if searches:
-        console.print(goodput_table(searches, f"goodput: {title}", slo, args.attainment))
+        pooled_over = f", each probe over {args.seeds} seeds" if args.seeds > 1 else ""
+        label = f"goodput: {title}{pooled_over}"
+        console.print(goodput_table(searches, label, slo, args.attainment))
         document = goodput_document(searches, args.attainment)
     write_json(
         out / "results.json", _settings(args, fleet, workload, slo), results, summaries, document
@@ -334,6 +358,28 @@ def _report(
             )
     walls = ", ".join(f"{s.strategy} {s.wall_seconds:.1f}s" for s in summaries)
     console.print(f"wall time: {walls}\nresults in {out}/", highlight=False)
+
+
+def _seeded(
+    args: argparse.Namespace, options: WorkloadOptions, workload: Workload
+) -> list[Workload]:
+    """The workloads the goodput search pools: ``workload`` and, with ``--seeds N``,
+    the draws of seeds ``--seed`` + 1 ... + N - 1. ``ValueError`` when ``--seeds``
+    is below 1, asked of a run with no search, or the workload does not depend on
+    its seed (the Mooncake trace: every draw would be the same run)."""
+    if args.seeds < 1:
+        raise ValueError("--seeds must be at least 1")
+    if args.seeds == 1:
+        return [workload]
+    if not args.virtual or args.bisections < 0:
+        raise ValueError("--seeds pools the probes of the virtual goodput search (--virtual)")
+    workloads = [workload]
+    for offset in range(1, args.seeds):
+        drawn = build_workload(args.workload, replace(options, seed=args.seed + offset))
+        if drawn.requests == workload.requests:
+            raise ValueError(f"the {args.workload} workload does not depend on --seed")
+        workloads.append(drawn)
+    return workloads
 
 
 def run(args: argparse.Namespace) -> int:
@@ -355,6 +401,7 @@ def run(args: argparse.Namespace) -> int:
             trace=args.trace,
         )
         workload = build_workload(args.workload, options)
+        workloads = _seeded(args, options, workload)
         _routing(args.routing)
     except (ValueError, OSError, ConfigError) as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False)
@@ -364,6 +411,6 @@ def run(args: argparse.Namespace) -> int:
     results = runner(args, fleet, strategies, workload, console)
     searches = None
     if args.virtual and args.bisections >= 0:
-        searches = _search_goodput(args, fleet, strategies, workload, console)
+        searches = _search_goodput(args, fleet, strategies, workloads, console)
     _report(args, fleet, workload, results, console, searches)
     return 0

@@ -6,6 +6,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 from pd_orchestrator.bench.report import PLOTS, quantiles, summary_table
@@ -59,6 +60,54 @@ def test_bench_rejects_bad_arguments(tmp_path: Path) -> None:
     assert unknown.returncode == 2 and "unknown strategy 'nope'" in unknown.stdout
     missing = _bench("--workload", "mooncake", "--virtual", "--trace", str(tmp_path / "none"))
     assert missing.returncode == 2 and "error" in missing.stdout
+
+
+def _probes(out: Path) -> dict[str, dict[float, dict[str, float]]]:
+    strategies = json.loads((out / "results.json").read_text())["goodput"]["strategies"]
+    return {
+        name: {probe["multiplier"]: probe for probe in found["probes"]}
+        for name, found in strategies.items()
+    }
+
+
+def test_seeds_pool_each_probe_over_the_workloads_draws(tmp_path: Path) -> None:
+    common = (
+        "--workload", "shared-prefix", "--virtual", "--fleet", "tiny", "--requests", "24",
+        "--policies", "decode-only,goodput", "--bisections", "1", "--attainment", "0.95",
+        "--no-plots",
+    )  # fmt: skip
+    runs = {}
+    for name, extra in (("seed0", ()), ("seed1", ("--seed", "1")), ("both", ("--seeds", "2"))):
+        result = _bench(*common, *extra, "--out", str(tmp_path / name))
+        assert result.returncode == 0, result.stderr
+        runs[name] = _probes(tmp_path / name)
+    document = json.loads((tmp_path / "both" / "results.json").read_text())
+    assert document["settings"]["seeds"] == 2
+    differ = 0
+    for strategy, probes in runs["both"].items():
+        for multiplier, probe in probes.items():
+            one = runs["seed0"][strategy].get(multiplier)
+            two = runs["seed1"][strategy].get(multiplier)
+            if one is None or two is None:
+                continue  # the pooled search walked where neither draw's did
+            # the same number of requests per draw: the pooled share is their mean
+            assert probe["attainment"] == pytest.approx((one["attainment"] + two["attainment"]) / 2)
+            assert probe["runs"] == 2 and one["runs"] == 1
+            differ += one["attainment"] != two["attainment"]
+    assert differ, "the two draws should differ somewhere, or pooling says nothing"
+
+
+def test_seeds_are_refused_where_they_cannot_pool(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(
+        '{"timestamp": 0, "input_length": 600, "output_length": 8, "hash_ids": [1, 2]}\n'
+    )
+    fixed = _bench("--workload", "mooncake", "--virtual", "--trace", str(trace), "--seeds", "2")
+    assert fixed.returncode == 2 and "does not depend on --seed" in fixed.stdout
+    live = _bench("--workload", "long-doc", "--seeds", "2")
+    assert live.returncode == 2 and "--virtual" in live.stdout
+    none = _bench("--workload", "long-doc", "--virtual", "--seeds", "0")
+    assert none.returncode == 2 and "at least 1" in none.stdout
 
 
 def test_live_bench_against_a_target(sim_factory: SimFactory, tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pd_orchestrator.bench.goodput import Probe, SearchSettings, scaled, search
+from pd_orchestrator.bench.goodput import Probe, SearchSettings, pooled, scaled, search
 from pd_orchestrator.bench.report import ratios_to_best_other
 from pd_orchestrator.bench.workloads import WorkloadOptions, build_workload
 
@@ -62,3 +62,30 @@ def test_ratios_are_to_the_best_other_strategy() -> None:
     assert ratios == {"a": 2.0, "b": 0.5, "c": 0.0}
     assert ratios_to_best_other({"a": 1.0, "b": 0.0})["b"] == 0.0
     assert ratios_to_best_other({"a": 0.0, "b": 0.0})["a"] is None
+
+
+def test_pooled_runs_count_every_request_once() -> None:
+    small = Probe(2.0, 0.5, 10.0, {"decode": 0.4, "prefill": 0.2})
+    large = Probe(2.0, 0.8, 20.0, {"decode": 0.6, "prefill": 0.4}, runs=2)
+    probe = pooled([small, large], [100, 300])
+    # 50 + 240 of 400 requests met the SLO: not the mean of the two shares (0.65)
+    assert probe.attainment == pytest.approx(0.725)
+    assert probe.rate == pytest.approx(15.0)
+    assert probe.busy == pytest.approx({"decode": 0.5, "prefill": 0.3})
+    assert (probe.multiplier, probe.runs) == (2.0, 3)
+    assert pooled([small], [7]) == small
+
+
+@pytest.mark.parametrize(
+    ("probes", "requests", "why"),
+    [
+        ([], [], "one or more"),
+        ([Probe(1.0, 1.0, 1.0, {})], [1, 2], "one or more"),
+        ([Probe(1.0, 1.0, 1.0, {}), Probe(2.0, 1.0, 1.0, {})], [1, 1], "different multipliers"),
+    ],
+)
+def test_pooling_runs_that_do_not_belong_together_is_an_error(
+    probes: list[Probe], requests: list[int], why: str
+) -> None:
+    with pytest.raises(ValueError, match=why):
+        pooled(probes, requests)
