@@ -84,10 +84,11 @@ def scaled(workload: Workload, multiplier: float) -> Workload:
 
 
 def pooled(probes: Sequence[Probe], requests: Sequence[int]) -> Probe:
-    """One probe from runs at the same multiplier over ``requests[i]`` requests each:
-    the attainment of all their requests together, the mean rate and the mean busy
-    fraction of each pool. ``ValueError`` for no runs, runs at different multipliers,
-    or a count per run missing."""
+    """One probe from probes at the same multiplier over ``requests[i]`` requests
+    each: the attainment of all their requests together, and the rate and each
+    pool's busy fraction averaged over the runs they pool (a pool a probe lacks was
+    idle in it). ``ValueError`` for no probes, probes at different multipliers, or a
+    count per probe missing."""
     if not probes or len(probes) != len(requests):
         raise ValueError("pool one or more runs, each with its request count")
     multipliers = {p.multiplier for p in probes}
@@ -96,13 +97,13 @@ def pooled(probes: Sequence[Probe], requests: Sequence[int]) -> Probe:
     total = sum(requests)
     met = sum(p.attainment * n for p, n in zip(probes, requests, strict=True))
     pools = sorted({pool for p in probes for pool in p.busy})
-    count = len(probes)
+    runs = sum(p.runs for p in probes)
     return Probe(
         multiplier=probes[0].multiplier,
         attainment=met / total if total else 0.0,
-        rate=sum(p.rate for p in probes) / count,
-        busy={pool: sum(p.busy.get(pool, 0.0) for p in probes) / count for pool in pools},
-        runs=sum(p.runs for p in probes),
+        rate=sum(p.rate * p.runs for p in probes) / runs,
+        busy={pool: sum(p.busy.get(pool, 0.0) * p.runs for p in probes) / runs for pool in pools},
+        runs=runs,
     )
 
 

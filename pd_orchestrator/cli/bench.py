@@ -321,7 +321,7 @@ def _settings(
         "sim_time_scale": None if args.virtual else args.sim_time_scale,
         "hop_seconds": args.hop if args.virtual else None,
         "seed": args.seed,
-        "seeds": args.seeds if args.virtual and args.bisections >= 0 else 1,
+        "seeds": args.seeds,
         "slo": {"ttft": slo.ttft, "tpot": slo.tpot},
     }
 

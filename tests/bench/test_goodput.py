@@ -70,8 +70,11 @@ def test_pooled_runs_count_every_request_once() -> None:
     probe = pooled([small, large], [100, 300])
     # 50 + 240 of 400 requests met the SLO: not the mean of the two shares (0.65)
     assert probe.attainment == pytest.approx(0.725)
-    assert probe.rate == pytest.approx(15.0)
-    assert probe.busy == pytest.approx({"decode": 0.5, "prefill": 0.3})
+    # rate and busy: the mean over the three runs pooled (the second probe is two)
+    assert probe.rate == pytest.approx(50.0 / 3)
+    assert probe.busy == pytest.approx({"decode": 1.6 / 3, "prefill": 1.0 / 3})
+    lone = pooled([small, Probe(2.0, 0.5, 10.0, {"decode": 0.4})], [1, 1])
+    assert lone.busy == pytest.approx({"decode": 0.4, "prefill": 0.1})  # idle where absent
     assert (probe.multiplier, probe.runs) == (2.0, 3)
     assert pooled([small], [7]) == small
 
