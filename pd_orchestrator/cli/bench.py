@@ -236,20 +236,19 @@ def _search_goodput(
     options = VirtualOptions(hop=args.hop)
     slo = Slo(args.slo_ttft, args.slo_tpot)
     settings = SearchSettings(goal=args.attainment, bisections=args.bisections)
+    sizes = [len(workload) for workload in workloads]
+
+    def run(workload: Workload, multiplier: float, strategy: Strategy) -> Probe:
+        result = VirtualFleet(fleet, strategy, routing, options).run(scaled(workload, multiplier))
+        summary = summarize(result, slo)
+        rate = summary.completed / summary.span if summary.span > 0 else 0.0
+        return Probe(multiplier, summary.slo_share, rate, summary.busy)
+
     searches: dict[str, GoodputSearch] = {}
     for strategy in strategies:
 
-        def run(workload: Workload, multiplier: float, strategy: Strategy) -> Probe:
-            result = VirtualFleet(fleet, strategy, routing, options).run(
-                scaled(workload, multiplier)
-            )
-            summary = summarize(result, slo)
-            rate = summary.completed / summary.span if summary.span > 0 else 0.0
-            return Probe(multiplier, summary.slo_share, rate, summary.busy)
-
         def probe(multiplier: float, strategy: Strategy = strategy) -> Probe:
-            runs = [run(workload, multiplier, strategy) for workload in workloads]
-            return pooled(runs, [len(workload) for workload in workloads])
+            return pooled([run(w, multiplier, strategy) for w in workloads], sizes)
 
         searches[strategy.name] = found = search(probe, settings)
         console.print(
