@@ -19,7 +19,10 @@ Generators (every one seeded; the same arguments give the same list):
 * :func:`mooncake` -- the Mooncake conversation trace: hash id ``b`` is the
   content of one trace block (512 tokens, or ``512 * size_scale``), a prompt is its
   hash ids' blocks truncated to the (scaled) input length; timestamps are scaled by
-  ``time_scale``; output lengths are kept (scaled by ``size_scale``).
+  ``time_scale``; output lengths are kept (scaled by ``size_scale``). The seed picks
+  the window: seed ``k`` replays trace lines ``k * requests + 1`` to ``(k + 1) *
+  requests``, its clock starting at the window's first timestamp, so draws of one
+  trace are disjoint stretches of it (seed 0: the trace's start).
 * :func:`shared_prefix` -- groups x users: a system prompt of 2048-6000 tokens per
   group, a question of 256-1200 tokens per user, 256 output tokens, Poisson
   arrivals.
@@ -34,6 +37,7 @@ Generators (every one seeded; the same arguments give the same list):
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import random
 import struct
@@ -265,19 +269,34 @@ def mooncake(options: WorkloadOptions) -> Workload:
             "the mooncake workload needs the trace file (--trace or $PDO_MOONCAKE_TRACE)"
         )
     block = options.tokens(MOONCAKE_BLOCK_TOKENS)
+    skip = _window_start(options)
     requests: list[BenchRequest] = []
+    start: float | None = None
     with options.trace.open() as lines:
-        for number, line in enumerate(lines, 1):
+        for number, line in enumerate(itertools.islice(lines, skip, None), skip + 1):
             if options.requests is not None and len(requests) >= options.requests:
                 break
             record = _TraceRecord.parse(line, number)
-            requests.append(_mooncake_request(len(requests), record, block, options))
+            start = record.timestamp_ms if start is None else start
+            requests.append(_mooncake_request(len(requests), record, block, start, options))
+    if not requests:
+        raise ValueError(f"the trace ends before seed {options.seed}'s window (line {skip + 1})")
+    window = f", lines {skip + 1}-{skip + len(requests)}" if skip else ""
     return Workload(
         "mooncake",
-        f"Mooncake conversation trace, {len(requests)} requests, {block} tokens per hash id, "
-        f"time x{options.time_scale:g}",
+        f"Mooncake conversation trace, {len(requests)} requests{window}, {block} tokens per "
+        f"hash id, time x{options.time_scale:g}",
         tuple(requests),
     )
+
+
+def _window_start(options: WorkloadOptions) -> int:
+    """Trace lines before seed ``options.seed``'s window (module docstring)."""
+    if options.seed < 0:
+        raise ValueError("the seed of a trace replay must be >= 0")
+    if options.seed and options.requests is None:
+        raise ValueError("a seed other than 0 picks a window of the trace: it needs --requests")
+    return options.seed * (options.requests or 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,7 +326,7 @@ class _TraceRecord:
 
 
 def _mooncake_request(
-    index: int, record: _TraceRecord, block: int, options: WorkloadOptions
+    index: int, record: _TraceRecord, block: int, start_ms: float, options: WorkloadOptions
 ) -> BenchRequest:
     length = min(options.tokens(record.input_length), block * len(record.hash_ids))
     segments = []
@@ -323,7 +342,7 @@ def _mooncake_request(
         turn=0,
         segments=tuple(segments),
         max_tokens=options.tokens(record.output_length),
-        arrival=record.timestamp_ms / 1000.0 * options.time_scale,
+        arrival=(record.timestamp_ms - start_ms) / 1000.0 * options.time_scale,
     )
 
 

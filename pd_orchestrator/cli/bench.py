@@ -16,7 +16,8 @@ requests meet both SLOs, by a sweep and ``--bisections`` bisection steps
 best other one and each pool's busy fraction; ``attainment.png`` plots attainment
 against the rate. ``--bisections -1`` skips the search. ``--seeds N`` pools each
 probe over ``N`` draws of a seeded workload (``--seed``, ``--seed`` + 1, ...): the
-attainment of all their requests together.
+attainment of all their requests together. A draw of the Mooncake trace is a
+window of it: seed ``k`` replays its ``k``-th stretch of ``--requests`` lines.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     add("--time-scale", type=float, default=1.0, help="multiply arrival and think times")
     add("--size-scale", type=float, default=1.0, help="multiply prompt and output lengths")
     add("--rate", type=float, default=None, help="arrivals/s of the synthetic workloads")
-    add("--seed", type=int, default=0)
+    add("--seed", type=int, default=0, help="the draw (mooncake: which --requests lines)")
     add(
         "--trace",
         type=Path,
@@ -364,8 +365,8 @@ def _seeded(
 ) -> list[Workload]:
     """The workloads the goodput search pools: ``workload`` and, with ``--seeds N``,
     the draws of seeds ``--seed`` + 1 ... + N - 1. ``ValueError`` when ``--seeds``
-    is below 1, asked of a run with no search, or the workload does not depend on
-    its seed (the Mooncake trace: every draw would be the same run)."""
+    is below 1, asked of a run with no search, or a draw is the same as the first
+    (a workload that ignores its seed would pool one run with itself)."""
     if args.seeds < 1:
         raise ValueError("--seeds must be at least 1")
     if args.seeds == 1:
@@ -376,7 +377,10 @@ def _seeded(
     for offset in range(1, args.seeds):
         drawn = build_workload(args.workload, replace(options, seed=args.seed + offset))
         if drawn.requests == workload.requests:
-            raise ValueError(f"the {args.workload} workload does not depend on --seed")
+            raise ValueError(
+                f"seeds {args.seed} and {args.seed + offset} draw the same {args.workload} "
+                "requests: pooling them would count one run twice"
+            )
         workloads.append(drawn)
     return workloads
 

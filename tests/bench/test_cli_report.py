@@ -102,8 +102,15 @@ def test_seeds_are_refused_where_they_cannot_pool(tmp_path: Path) -> None:
     trace.write_text(
         '{"timestamp": 0, "input_length": 600, "output_length": 8, "hash_ids": [1, 2]}\n'
     )
-    fixed = _bench("--workload", "mooncake", "--virtual", "--trace", str(trace), "--seeds", "2")
-    assert fixed.returncode == 2 and "does not depend on --seed" in fixed.stdout
+    # a one-line trace has no second window to draw
+    short = _bench("--workload", "mooncake", "--virtual", "--trace", str(trace), "--requests",
+                   "1", "--seeds", "2")  # fmt: skip
+    assert short.returncode == 2 and "ends before seed 1's window" in short.stdout
+    # a trace that repeats itself draws the same window twice
+    trace.write_text(trace.read_text() * 2)
+    same = _bench("--workload", "mooncake", "--virtual", "--trace", str(trace), "--requests",
+                  "1", "--seeds", "2")  # fmt: skip
+    assert same.returncode == 2 and "draw the same mooncake requests" in same.stdout
     live = _bench("--workload", "long-doc", "--seeds", "2")
     assert live.returncode == 2 and "--virtual" in live.stdout
     none = _bench("--workload", "long-doc", "--virtual", "--seeds", "0")

@@ -62,6 +62,33 @@ def test_mooncake_size_scale_and_limit(tmp_path: Path) -> None:
     assert [s.length for s in workload.requests[1].segments] == [128, 128, 119]
 
 
+def test_mooncake_seed_picks_a_window_of_the_trace(tmp_path: Path) -> None:
+    trace = _trace(tmp_path)
+    first = mooncake(WorkloadOptions(trace=trace, requests=2))
+    second = mooncake(WorkloadOptions(trace=trace, requests=2, seed=1, time_scale=0.5))
+    assert [r.own_tokens for r in first.requests] == [1000, 1500]
+    # the third line only, its clock from its own timestamp
+    assert [r.own_tokens for r in second.requests] == [600]
+    assert [r.arrival for r in second.requests] == [0.0]
+    assert [r.max_tokens for r in second.requests] == [5]
+    assert "lines 3-3" in second.description and "lines" not in first.description
+    # the same hash id is the same content in every window
+    assert second.requests[0].segments[0] == first.requests[0].segments[0]
+    pairs = mooncake(WorkloadOptions(trace=trace, requests=1, seed=1, time_scale=0.5))
+    assert [r.own_tokens for r in pairs.requests] == [1500]
+    assert [r.arrival for r in pairs.requests] == [0.0]
+
+
+def test_mooncake_windows_out_of_the_trace_are_refused(tmp_path: Path) -> None:
+    trace = _trace(tmp_path)
+    with pytest.raises(ValueError, match="ends before seed 2's window"):
+        mooncake(WorkloadOptions(trace=trace, requests=2, seed=2))
+    with pytest.raises(ValueError, match="needs --requests"):
+        mooncake(WorkloadOptions(trace=trace, seed=1))
+    with pytest.raises(ValueError, match=">= 0"):
+        mooncake(WorkloadOptions(trace=trace, requests=1, seed=-1))
+
+
 def test_mooncake_needs_a_well_formed_trace(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="trace file"):
         mooncake(WorkloadOptions())
