@@ -73,11 +73,14 @@ _COUNTERS = {
 class LiveOptions:
     """``sim_time_scale``: real seconds per simulated second of the simulators (and of
     the arrivals). ``concurrency``: requests in flight at most. ``timeout``: seconds
-    one request may take (real time)."""
+    one request may take (real time). ``prefix_index``: the simulators publish KV
+    events and the gateway keeps a precise prefix index of them (``prefix.precise``),
+    which tells a policy that reads it how much of each prompt its decoder holds."""
 
     sim_time_scale: float = 1.0
     concurrency: int = 256
     timeout: float = 600.0
+    prefix_index: bool = True
 
     def __post_init__(self) -> None:
         if self.sim_time_scale <= 0 or self.concurrency < 1 or self.timeout <= 0:
@@ -276,7 +279,25 @@ async def run_target(
 
 
 # -- simulated fleets -----------------------------------------------------------------------
-def _sim_argv(instance: InstanceSpec, fleet: FleetSpec, time_scale: float) -> list[str]:
+_Events = dict[str, tuple[str, str]]
+"""Per instance name, the ZMQ addresses of its KV-event publisher and replay socket."""
+
+
+def _kv_events(fleet: FleetSpec) -> _Events:
+    """A publisher and a replay address on loopback for every instance."""
+    return {
+        i.name: (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+        for i in fleet.instances
+    }
+
+
+def _sim_argv(
+    instance: InstanceSpec, fleet: FleetSpec, time_scale: float, events: _Events
+) -> list[str]:
+    published: tuple[str, ...] = ()
+    if instance.name in events:
+        publisher, replay = events[instance.name]
+        published = ("--kv-events-endpoint", publisher, "--kv-events-replay-endpoint", replay)
     return python_command(
         "sim",
         "--host", "127.0.0.1",
@@ -290,21 +311,26 @@ def _sim_argv(instance: InstanceSpec, fleet: FleetSpec, time_scale: float) -> li
         "--engine-id", instance.name,
         "--model", fleet.model,
         "--num-kv-blocks", str(max(1, fleet.capacity(instance) // fleet.block_size)),
+        *published,
     )  # fmt: skip
 
 
-def start_fleet(fleet: FleetSpec, time_scale: float, stack: ExitStack) -> dict[str, Child]:
-    """Start one simulator per instance (stopped when ``stack`` closes), by name."""
+def start_fleet(
+    fleet: FleetSpec, time_scale: float, stack: ExitStack, events: _Events | None = None
+) -> dict[str, Child]:
+    """Start one simulator per instance (stopped when ``stack`` closes), by name; those
+    ``events`` names publish their KV events there."""
     children: dict[str, Child] = {}
     for instance in fleet.instances:
-        child = start_child(instance.name, _sim_argv(instance, fleet, time_scale), timeout=60)
+        argv = _sim_argv(instance, fleet, time_scale, events or {})
+        child = start_child(instance.name, argv, timeout=60)
         stack.callback(stop_child, child)
         children[instance.name] = child
     return children
 
 
 def _gateway_config(
-    fleet: FleetSpec, urls: dict[str, str], threshold: dict[str, Any]
+    fleet: FleetSpec, urls: dict[str, str], threshold: dict[str, Any], events: _Events
 ) -> dict[str, Any]:
     pools: dict[str, dict[str, Any]] = {}
     for instance in fleet.instances:
@@ -321,7 +347,7 @@ def _gateway_config(
             },
         )
         pool["endpoints"].append({"name": instance.name, "url": endpoint.url})
-    return {
+    config: dict[str, Any] = {
         "version": 1,
         "listen": {"host": "127.0.0.1", "port": 0},
         "connector": "nixl",
@@ -330,6 +356,17 @@ def _gateway_config(
         "health": {"interval": 1.0},
         "upstream": {"max_connections": 4096},
     }
+    if events:
+        sources = {
+            name: {"publisher": pub, "replay": replay} for name, (pub, replay) in events.items()
+        }
+        config["prefix"] = {
+            "precise": {
+                "block_size": fleet.block_size,
+                "events": {"publisher": None, "endpoints": sources},
+            }
+        }
+    return config
 
 
 def _live_fleet(fleet: FleetSpec, strategy: Strategy) -> FleetSpec:
@@ -384,11 +421,12 @@ def run_fleet_strategy(
     """A fresh simulated fleet and gateway for ``strategy``."""
     served = _live_fleet(fleet, strategy)
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="pdo-bench-") as tmp:
-        sims = start_fleet(served, options.sim_time_scale, stack)
+        events = _kv_events(served) if options.prefix_index else {}
+        sims = start_fleet(served, options.sim_time_scale, stack, events)
         urls = {name: child.url for name, child in sims.items()}
         path = Path(tmp) / "gateway.yaml"
         threshold = live_threshold(strategy, options.sim_time_scale)
-        path.write_text(yaml.safe_dump(_gateway_config(served, urls, threshold)))
+        path.write_text(yaml.safe_dump(_gateway_config(served, urls, threshold, events)))
         gateway = start_child("gateway", python_command("serve", "--config", str(path)), timeout=60)
         stack.callback(stop_child, gateway)
         return anyio.run(

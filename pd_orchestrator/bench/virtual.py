@@ -27,7 +27,12 @@ latency, the same for every leg):
   and decoded again with the remaining ``max_tokens`` on the plan's decoder, as the
   gateway does (after ``handback.max_handbacks`` hand-backs, straight on the decoder
   with threshold 0). A finished request is fed back to the planner
-  (:meth:`~pd_orchestrator.planner.plan.Planner.learn`), as the gateway does.
+  (:meth:`~pd_orchestrator.planner.plan.Planner.learn`), as the gateway does. With
+  ``prefix_index`` on (the default), the planner's
+  :class:`~pd_orchestrator.planner.plan.CachedPrefix` is what a gateway's precise
+  prefix index, fed by the engines' KV events, would hold: each engine's prefix
+  cache at the moment of planning (:class:`_KvIndex`; the events' delay is not
+  modelled).
 * prefill-first (``always-pd``): a decoder and then a compatible prefiller are
   picked, then prefill and the decode leg as above (``pd``).
 * decode-only: every instance is a decoder and the threshold is 0 (``decode``).
@@ -63,9 +68,11 @@ from pd_orchestrator.bench.workloads import BenchRequest, Workload, digest_segme
 from pd_orchestrator.config.load import LoadConfig
 from pd_orchestrator.config.settings import HandbackConfig
 from pd_orchestrator.flows.request import TOKEN_ID_CHARS
+from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.model.load import Candidate, LoadSnapshot
 from pd_orchestrator.planner.plan import NoCandidateError, Plan, Planner, RequestFacts, Served
 from pd_orchestrator.routing import RoutingProfiles
+from pd_orchestrator.routing.types import RoutingRequest
 from pd_orchestrator.sim.blocks import BlockHasher
 from pd_orchestrator.sim.digest import PromptDigest
 from pd_orchestrator.sim.engine import (
@@ -91,11 +98,31 @@ AFFINITY_TOKENS = 1024
 class VirtualOptions:
     """``hop``: one-way latency of one HTTP leg (seconds). ``load_interval``: seconds
     between two load snapshots (the scraper's poll interval). ``handback``: the
-    gateway's hand-back settings."""
+    gateway's hand-back settings. ``prefix_index``: the planner knows each engine's
+    cached prefix of a prompt, as a gateway with a precise prefix index does (off: as
+    a gateway without one)."""
 
     hop: float = 0.002
     load_interval: float = LoadConfig().interval
     handback: HandbackConfig = field(default_factory=HandbackConfig)
+    prefix_index: bool = True
+
+
+class _KvIndex:
+    """The planner's :class:`~pd_orchestrator.planner.plan.CachedPrefix` in virtual
+    time: the leading tokens of the prompt being planned (:attr:`prompt`, set by the
+    fleet around each plan) that an engine's prefix cache holds, as a precise index
+    of its KV events would report them."""
+
+    def __init__(self) -> None:
+        self.engines: dict[str, Engine] = {}
+        self.prompt: PromptDigest | None = None
+
+    def cached_tokens(self, request: RoutingRequest, decoder: Endpoint) -> int | None:
+        prompt, engine = self.prompt, self.engines.get(decoder.name)
+        if prompt is None or engine is None:
+            return None
+        return engine.local_hit_tokens_of(prompt.block_hashes, prompt.num_tokens)
 
 
 def affinity_key(digest: PromptDigest, block_size: int) -> str:
@@ -182,11 +209,14 @@ class VirtualFleet:
         self.routing = routing
         self.options = options or VirtualOptions()
         self.model = self.spec.model
-        self.planner = Planner(routing, strategy.resolver())
+        self.kv_index = _KvIndex()
+        cache = self.kv_index if self.options.prefix_index else None
+        self.planner = Planner(routing, strategy.resolver(), cache=cache)
         self.decisions: Counter[str] = Counter()
         self.hasher = BlockHasher(self.spec.block_size)
         self.instances = [_Instance(spec, self.spec) for spec in self.spec.instances]
         self._by_name = {i.name: i for i in self.instances}
+        self.kv_index.engines = {i.name: i.engine for i in self.instances}
         self.decoders = [i for i in self.instances if i.spec.role.decodes]
         self.prefillers = [i for i in self.instances if i.spec.role.prefills]
         self.itl_samples: array[float] = array("d")
@@ -300,10 +330,13 @@ class VirtualFleet:
             prompt_tokens=digest.num_tokens,
         )
         candidates = [instance.candidate() for instance in self.instances]
+        self.kv_index.prompt = digest
         try:
             plan = self.planner.plan(facts, candidates, now, next(self._ordinals))
         except NoCandidateError:
             return None
+        finally:
+            self.kv_index.prompt = None
         if self.planner.threshold is not None:
             decision = plan.threshold
             self.decisions[f"{decision.policy}:{decision.reason}"] += 1

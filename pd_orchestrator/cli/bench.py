@@ -136,6 +136,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     add("--slo-tpot", type=float, default=0.05, help="goodput SLO on mean ITL (seconds)")
     add("--hop", type=float, default=VirtualOptions().hop, help="virtual: one HTTP leg (s)")
     add(
+        "--no-prefix-index",
+        action="store_true",
+        help="policies learn no prompt's cached prefix (a gateway without prefix.precise)",
+    )
+    add(
         "--attainment",
         type=float,
         default=0.9,
@@ -213,7 +218,7 @@ def _run_virtual(
     console: Console,
 ) -> list[RunResult]:
     _, routing = _routing(args.routing)
-    options = VirtualOptions(hop=args.hop)
+    options = VirtualOptions(hop=args.hop, prefix_index=not args.no_prefix_index)
     results = []
     with _progress(console) as progress:
         for strategy in strategies:
@@ -234,7 +239,7 @@ def _search_goodput(
     """Each strategy's goodput search (virtual runs over the scaled workloads, one per
     seed, pooled into one probe per multiplier)."""
     _, routing = _routing(args.routing)
-    options = VirtualOptions(hop=args.hop)
+    options = VirtualOptions(hop=args.hop, prefix_index=not args.no_prefix_index)
     slo = Slo(args.slo_ttft, args.slo_tpot)
     settings = SearchSettings(goal=args.attainment, bisections=args.bisections)
     sizes = [len(workload) for workload in workloads]
@@ -266,7 +271,11 @@ def _run_live(
     workload: Workload,
     console: Console,
 ) -> list[RunResult]:
-    options = LiveOptions(sim_time_scale=args.sim_time_scale, concurrency=args.concurrency)
+    options = LiveOptions(
+        sim_time_scale=args.sim_time_scale,
+        concurrency=args.concurrency,
+        prefix_index=not args.no_prefix_index,
+    )
     results = []
     with _progress(console) as progress:
         if args.target is not None:
@@ -320,6 +329,7 @@ def _settings(
         "size_scale": args.size_scale,
         "sim_time_scale": None if args.virtual else args.sim_time_scale,
         "hop_seconds": args.hop if args.virtual else None,
+        "prefix_index": not args.no_prefix_index,
         "seed": args.seed,
         "seeds": args.seeds,
         "slo": {"ttft": slo.ttft, "tpot": slo.tpot},

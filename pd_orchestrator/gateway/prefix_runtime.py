@@ -155,6 +155,16 @@ class PrefixRuntime:
             replay_timeout=events.replay_timeout,
         )
 
+    def cached_tokens(self, request: RoutingRequest, decoder: Endpoint) -> int | None:
+        """Leading prompt tokens ``decoder`` holds by the precise index (the planner's
+        :class:`~pd_orchestrator.planner.plan.CachedPrefix`); None without the index
+        or the prompt's token ids."""
+        if self.index is None or not request.token_ids:
+            return None
+        return self.index.cached_tokens(
+            request.token_ids, decoder.name, request.lora, request.cache_salt
+        )
+
     def registry(self) -> Registry:
         """The built-in plugin registry, ``precise-prefix`` bound to this index."""
         return builtin_registry(self.index)

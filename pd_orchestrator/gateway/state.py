@@ -140,7 +140,7 @@ def build_state(
     return GatewayState(
         config=config,
         fleet=fleet,
-        planner=Planner(profiles, threshold, pairs, width, bridges, adaptive),
+        planner=Planner(profiles, threshold, pairs, width, bridges, adaptive, cache=prefix),
         prefix=prefix,
         health=HealthMonitor(fleet, upstream, config.health),
         scraper=LoadScraper(fleet, upstream, config.load, clock=clock),

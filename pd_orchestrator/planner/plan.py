@@ -20,8 +20,10 @@ returns a :class:`Plan`:
    worked out when first asked for (:class:`PrefillRanking`): a request its
    decoder admits needs none, unless the threshold policy reads the prefillers.
 4. **Threshold**: the policy's decision for the first decoder, which sees that
-   decoder's load, the prompt's size, its compatible prefillers' load and, for
-   decode-first, its *peers* (the other ranked decoders those prefillers reach). A
+   decoder's load, the prompt's size, its compatible prefillers' load, for
+   decode-first its *peers* (the other ranked decoders those prefillers reach) and,
+   when the planner has a :class:`CachedPrefix` (the gateway's precise prefix index)
+   and a policy reads it, the prompt tokens that decoder holds. A
    decision of 1 (P/D at once, no decode attempt) may name a peer to decode on: it
    then leads the plan's decoders.
 5. **Prompt size** in tokens (exact when counted, else estimated from its
@@ -41,7 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, Protocol
 
 from pd_orchestrator.config.settings import AskAllFallbackConfig
 from pd_orchestrator.model.endpoints import Endpoint, Role
@@ -58,6 +60,7 @@ from pd_orchestrator.routing.types import PrefixFields, RoutingRequest, RoutingR
 __all__ = [
     "DECODE_ONLY",
     "NOT_CONTINUABLE",
+    "CachedPrefix",
     "NoCandidateError",
     "Plan",
     "Planner",
@@ -266,13 +269,24 @@ class Served:
     rejected: tuple[str, ...] = ()
 
 
+class CachedPrefix(Protocol):
+    """Where the planner learns how much of a prompt a decoder holds in its prefix
+    cache (:attr:`~pd_orchestrator.policies.base.ThresholdContext.cached_tokens`)."""
+
+    def cached_tokens(self, request: RoutingRequest, decoder: Endpoint) -> int | None:
+        """Leading prompt tokens of ``request`` that ``decoder`` holds (None: unknown)."""
+        ...
+
+
 @dataclass(frozen=True)
 class Planner:
     """The routing profiles, the threshold resolver (None: threshold 0, as in a
     decode-only fleet), the host-staged group pairs, the ask-all width (None:
     decode-first, the decoders are asked one at a time), the bridged
     ``(prefill connector, decode connector)`` pairs and, for ``width: adaptive``,
-    the :class:`~pd_orchestrator.planner.width.AdaptiveWidth` that chooses whom to ask."""
+    the :class:`~pd_orchestrator.planner.width.AdaptiveWidth` that chooses whom to ask,
+    and ``cache``, what the decoders' prefix caches hold (read only for a policy that
+    declares ``reads_cache``)."""
 
     profiles: RoutingProfiles
     threshold: ThresholdResolver | None = None
@@ -280,6 +294,7 @@ class Planner:
     width: Width | None = None
     connector_pairs: frozenset[tuple[str, str]] = frozenset()
     adaptive: AdaptiveWidth | None = None
+    cache: CachedPrefix | None = None
 
     def plan(
         self,
@@ -323,7 +338,7 @@ class Planner:
         )
         threshold = self._threshold(
             facts, decoder, decoders_in, prefillers, prefillers_in, now, tokens, continuable,
-            ranking=ranking,
+            ranking=ranking, routing=routing,
         )  # fmt: skip
         decoders = _leading(decoders, threshold.decoder)
         width = self._adaptive(routing, decoders, candidates, threshold.value)
@@ -379,6 +394,7 @@ class Planner:
         continuable: bool,
         *,
         ranking: RoutingResult,
+        routing: RoutingRequest,
     ) -> ThresholdDecision:
         resolver = self.threshold
         if resolver is None:
@@ -400,9 +416,20 @@ class Planner:
             client_threshold=facts.client_threshold,
             now=now,
             peers=peers,
+            cached_tokens=self._cached(resolver, routing, decoder.endpoint, tokens),
         )
         decision = resolver.decide(context)
         return decision if continuable else replace(decision, admission_only=True)
+
+    def _cached(
+        self, resolver: ThresholdResolver, routing: RoutingRequest, decoder: Endpoint, tokens: int
+    ) -> int | None:
+        """The prompt tokens ``decoder`` holds, when a policy reads them and the planner
+        can tell (at most the prompt's ``tokens``)."""
+        if self.cache is None or not resolver.reads_cache:
+            return None
+        cached = self.cache.cached_tokens(routing, decoder)
+        return None if cached is None else max(0, min(cached, tokens))
 
     def _asked_on(self, decoder: Candidate, decoders: tuple[Candidate, ...]) -> Iterator[Candidate]:
         """The healthy decoders a request may be asked on: decode-first's pick; ask-all's

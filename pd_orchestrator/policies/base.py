@@ -61,7 +61,11 @@ class ThresholdContext:
     readings are stamped with. ``peers``: the other decoders the routing ranked that
     the same prefillers reach (the chosen decoder's compatibility class), best first,
     with their readings: where a request sent P/D at once may decode instead (empty
-    for ask-all and unless a policy declares ``reads_peers``).
+    for ask-all and unless a policy declares ``reads_peers``). ``cached_tokens``: the
+    prompt tokens the chosen decoder holds in its prefix cache, by the gateway's
+    prefix index (a precise one, from the servers' KV events), at most
+    ``prompt_tokens``; None when unknown (no index, no token ids, or no policy
+    declares ``reads_cache``).
     """
 
     model: str
@@ -72,10 +76,13 @@ class ThresholdContext:
     client_threshold: float | None = None
     now: float = 0.0
     peers: tuple[Candidate, ...] = ()
+    cached_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 0 or self.prompt_chars < 0:
             raise ValueError("prompt_tokens and prompt_chars must be >= 0")
+        if self.cached_tokens is not None and not 0 <= self.cached_tokens <= self.prompt_tokens:
+            raise ValueError("cached_tokens must be within [0, prompt_tokens]")
         if not math.isfinite(self.now):
             raise ValueError("now must be finite")
 

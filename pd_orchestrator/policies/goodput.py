@@ -23,7 +23,12 @@ For the chosen decoder and a prompt of ``L`` tokens, ``u`` of them uncached ther
   conversation's, so its hit rate takes its share off the backlog only:
   ``(backlog_p * (1 - hit_p) + L) / rate_p``.
 
-* **local**, beyond that wait: ``u / rate_d``.
+* **local**, beyond that wait: ``u / rate_d``. ``u`` is the prompt less what the
+  decoder holds of it by the gateway's prefix index
+  (:attr:`~pd_orchestrator.policies.base.ThresholdContext.cached_tokens`, a precise
+  index fed by the servers' KV events) when the planner has one, else the prompt
+  less the decoder's hit rate. Before any reading gives a hit rate, the prompt's
+  own cached share stands for the queue's too.
 * **stall**: what local prefills cost the streams decoding there. It is a rate,
   not one prompt's cost: a stream decodes for about ``W = out_mean * tpot`` seconds,
   and every prefill kept at its decoder meanwhile lands on it. If a share ``s`` of
@@ -54,9 +59,10 @@ attainment over nine rates from 76.0% to 78.4% on 12:4 H200, from 73.4% to 77.9%
 It drains only to a dedicated prefiller (role ``prefill``), and only when the remote
 path is the faster one (``remote <= wait + u / rate_d``) or the local path misses
 the target anyway (``wait + u / rate_d > ttft``). Before any reading gave
-the decoder's hit rate, the wait counts its whole backlog as uncached, an upper
-bound: then it drains only to a remote path that is faster and within ``ttft *
-slack``. Otherwise the prompt stays local (reason ``queued``):
+the decoder's hit rate, and without the prefix index's count, the wait counts its
+whole backlog as uncached, an upper bound: then it drains only to a remote path
+that is faster and within ``ttft * slack``. Otherwise the prompt stays local
+(reason ``queued``):
 
 * every compatible prefiller also decodes: draining moves the prompt to a queue of
   the same decode-first work (measured on the Mooncake trace, draining there cost
@@ -226,6 +232,7 @@ class GoodputPolicy:
     name: str = "goodput"
     reads_prefillers: ClassVar[bool] = True
     reads_peers: ClassVar[bool] = True
+    reads_cache: ClassVar[bool] = True
     bounds: ClassVar[tuple[float, float]] = (0.0, 1.0)
     pools: dict[str, PoolModel] = field(default_factory=dict)
     duty: dict[str, DutyCycle] = field(default_factory=dict)
@@ -354,13 +361,16 @@ class GoodputPolicy:
             return ThresholdDecision(0.0, self.name, "no-prefiller")
         p = self.params
         hit = self.hit_rate(context.decoder)
-        uncached = tokens * (1.0 - (hit or 0.0))
-        wait = self._queued(context.decoder, tokens, model, hit or 0.0)
+        cached = context.cached_tokens
+        share = _queue_share(hit, cached, tokens)
+        uncached = tokens - cached if cached is not None else tokens * (1.0 - share)
+        wait = self._queued(context.decoder, tokens, model, share)
         room = p.ttft * p.slack - wait - p.hop
         dedicated = any(not c.endpoint.role.decodes for c in context.prefillers)
         if room <= 0.0:
             local = wait + uncached / model.rate_local
-            if dedicated and self._drains(local, remote, known=hit is not None):
+            known = hit is not None or cached is not None
+            if dedicated and self._drains(local, remote, known=known):
                 return ThresholdDecision(
                     1.0, self.name, "drain", decoder=self.soonest(context, wait)
                 )
@@ -461,6 +471,17 @@ _MAX_SHARE = 0.9
 
 _MIN_SAMPLE = 512
 """Prompt tokens below which a TTFT says more about fixed costs than about a rate."""
+
+
+def _queue_share(hit: float | None, cached: int | None, tokens: int) -> float:
+    """The cached share of the prompts queued at the decoder: its reading's hit rate;
+    before any reading, this prompt's own cached share (the prefix index's), else 0
+    (every queued prompt uncached, an upper bound)."""
+    if hit is not None:
+        return hit
+    if cached is not None and tokens > 0:
+        return cached / tokens
+    return 0.0
 
 
 def _remote_tokens(candidate: Candidate, tokens: int, mean: float, hit: float) -> float:

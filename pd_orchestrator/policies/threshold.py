@@ -43,7 +43,9 @@ class ThresholdResolver:
     (declared by a policy's ``reads_prefillers`` attribute); otherwise the planner
     leaves them out of the context and ranks no prefiller for an admitted request.
     ``reads_peers``: likewise for the chosen decoder's peers
-    (:attr:`~pd_orchestrator.policies.base.ThresholdContext.peers`).
+    (:attr:`~pd_orchestrator.policies.base.ThresholdContext.peers`); ``reads_cache``:
+    for the decoder's cached prefix of the prompt
+    (:attr:`~pd_orchestrator.policies.base.ThresholdContext.cached_tokens`).
     """
 
     policy: ThresholdPolicy
@@ -52,11 +54,13 @@ class ThresholdResolver:
     exact_prompt_length: bool = False
     reads_prefillers: bool = field(init=False, default=False)
     reads_peers: bool = field(init=False, default=False)
+    reads_cache: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         tree = _tree(self.policy)
         self.reads_prefillers = any(getattr(p, "reads_prefillers", False) for p in tree)
         self.reads_peers = any(getattr(p, "reads_peers", False) for p in tree)
+        self.reads_cache = any(getattr(p, "reads_cache", False) for p in tree)
 
     def estimate_tokens(self, model: str, chars: int) -> int:
         """The prompt's tokens, estimated from its characters (see the estimator)."""

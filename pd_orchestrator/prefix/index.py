@@ -129,6 +129,21 @@ class PreciseIndex:
         """Leading blocks of ``keys`` each endpoint holds in a row."""
         return self.table.prefix_lengths(keys, endpoints)
 
+    def cached_tokens(
+        self,
+        token_ids: Sequence[int],
+        endpoint: str,
+        lora: str | None = None,
+        cache_salt: str | None = None,
+    ) -> int | None:
+        """Leading tokens of a prompt whose blocks ``endpoint`` holds in a row (whole
+        blocks, at most ``len(token_ids)``); None when its adapter's path is unknown."""
+        keys = self.keys(token_ids, lora, cache_salt)
+        if keys is None:
+            return None
+        blocks = self.match(keys, (endpoint,)).get(endpoint, 0)
+        return min(blocks * self.block_size, len(token_ids))
+
     def stats(self) -> IndexStats:
         table = self.table
         return IndexStats(

@@ -15,7 +15,7 @@ from pd_orchestrator.bench.strategies import (
     load_policy_file,
     resolve_strategies,
 )
-from pd_orchestrator.bench.virtual import VirtualFleet
+from pd_orchestrator.bench.virtual import VirtualFleet, VirtualOptions
 from pd_orchestrator.bench.workloads import (
     BenchRequest,
     Segment,
@@ -26,6 +26,8 @@ from pd_orchestrator.bench.workloads import (
 from pd_orchestrator.cli.bench import ROUTING_PRESETS, _fleet
 from pd_orchestrator.model.endpoints import Role
 from pd_orchestrator.model.hardware import get_profile
+from pd_orchestrator.policies.base import ThresholdContext, ThresholdDecision
+from pd_orchestrator.policies.goodput import GoodputPolicy
 from pd_orchestrator.policies.plugins import builtin_registry
 from pd_orchestrator.routing import RoutingConfig, build_profiles
 
@@ -191,3 +193,26 @@ def test_a_flexible_fleet_decodes_on_its_prefillers_too() -> None:
     result = _run("goodput", _workload(*prompts), fleet)
     assert {r.decision for r in result.records} == {"decode"}  # idle: every prompt local
     assert {r.decoder for r in result.records} == {"h200-d0", "h200-p0"}
+
+
+@pytest.mark.parametrize("indexed", [True, False], ids=["prefix-index", "no-index"])
+def test_the_policy_sees_the_decoder_s_cached_prefix_as_a_precise_index_would(
+    indexed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[int | None] = []
+    decide = GoodputPolicy.decide
+
+    def spy(self: GoodputPolicy, context: ThresholdContext) -> ThresholdDecision:
+        seen.append(context.cached_tokens)
+        return decide(self, context)
+
+    monkeypatch.setattr(GoodputPolicy, "decide", spy)
+    (goodput,) = resolve_strategies(["goodput"])
+    fleet = VirtualFleet(
+        preset_fleet("tiny"), goodput, AFFINITY, VirtualOptions(prefix_index=indexed)
+    )
+    result = fleet.run(COLD_THEN_WARM)
+    assert all(r.ok for r in result.records)
+    # cold: nothing held; warm: the document's full blocks, on the decoder that
+    # decoded it the first time
+    assert seen == ([0, 1984] if indexed else [None, None])

@@ -5,18 +5,23 @@ from __future__ import annotations
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 import anyio
 import pytest
 from pydantic import ValidationError
 
+from pd_orchestrator.bench.fleet import preset_fleet
+from pd_orchestrator.bench.live import _gateway_config
+from pd_orchestrator.config.loader import parse_config
 from pd_orchestrator.config.prefix import PrefixConfig
 from pd_orchestrator.config.settings import TimeoutConfig, UpstreamConfig
 from pd_orchestrator.fleet.kv_events import EventSource
 from pd_orchestrator.fleet.state import FleetState
 from pd_orchestrator.flows.legs import Legs
 from pd_orchestrator.gateway.prefix_runtime import PrefixRuntime, event_sources
+from pd_orchestrator.gateway.state import build_state
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.routing import RoutingConfig, RoutingRequest, build_profiles
@@ -162,6 +167,8 @@ async def test_run_returns_at_once_without_event_sources() -> None:
         async with anyio.create_task_group() as tg:
             await tg.start(prefix.run)
     assert prefix.index is None and prefix.subscriber is None
+    request = RoutingRequest(Role.DECODE, 0.0, token_ids=(1, 2, 3))
+    assert prefix.cached_tokens(request, endpoint("d0")) is None  # no index: unknown
 
 
 def free_port() -> int:
@@ -220,9 +227,32 @@ async def test_precise_routing_end_to_end(sim_factory: SimFactory) -> None:
         ranked = profiles.decode.run(request, candidates).ranked
         assert ranked[0].scores["precise-prefix"] > 0.8
         assert ranked[1].scores["precise-prefix"] == 0.0
+        # what the planner tells a threshold policy: the prompt tokens each decoder holds
+        held = prefix.cached_tokens(request, endpoints[1])
+        assert held is not None and held > 0.8 * len(fields.token_ids)
+        assert prefix.cached_tokens(request, endpoints[0]) == 0
+        assert prefix.cached_tokens(replace(request, token_ids=None), endpoints[1]) is None
         prefix.observe(profiles.decode, request, endpoints[1])
         report = prefix.report([profiles.decode])
         assert report.index is not None and report.index.keys > 0
         assert report.streams == {"d0": "live", "d1": "live"}
         assert set(report.plugin_memory) == {"decode/precise-prefix", "decode/approximate-prefix"}
         tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_the_gateway_s_planner_reads_the_precise_index() -> None:
+    """The live bench's gateway config (KV events of every simulator) builds a
+    gateway whose planner asks the precise index what each decoder holds."""
+    fleet = preset_fleet("tiny")
+    urls = {i.name: f"http://127.0.0.1:{9000 + n}" for n, i in enumerate(fleet.instances)}
+    events = {
+        name: (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}") for name in urls
+    }
+    threshold = {"policy": {"type": "goodput"}, "honour_client": False}
+    for published, indexed in ((events, True), ({}, False)):
+        config = parse_config(_gateway_config(fleet, urls, threshold, published))
+        async with upstream(None) as client:
+            state = build_state(config, client, GatewayMetrics(), lambda: 0.0)
+        assert state.planner.cache is state.prefix
+        assert (state.prefix.index is not None) is indexed

@@ -53,6 +53,7 @@ def context(
     client: float | None = None,
     now: float = 0.0,
     peers: Sequence[Candidate] = (),
+    cached: int | None = None,
 ) -> ThresholdContext:
     return ThresholdContext(
         model=model,
@@ -63,6 +64,7 @@ def context(
         client_threshold=client,
         now=now,
         peers=tuple(peers),
+        cached_tokens=cached,
     )
 
 

@@ -181,6 +181,32 @@ def test_a_queued_decoder_drains_only_to_a_faster_path_or_when_it_misses_anyway(
     assert _policy().decide(context(tokens=9_000, dec=read_rate, prefillers=idle)).reason == "drain"
 
 
+def test_the_prefix_index_s_count_of_the_prompt_replaces_the_unread_upper_bound() -> None:
+    idle = (prefiller(reading=load()),)  # remote 0.5 s + 0.05 s transfer
+    unread = decoder(backlog=20_000)  # no reading: 2 s of prefill, an upper bound
+    policy = _policy()
+    assert policy.decide(context(tokens=5_000, dec=unread, prefillers=idle)).reason == "drain"
+    # the index says the decoder holds 90% of the prompt: the queue is taken to be as
+    # cached (0.2 s), and the 500 uncached tokens (0.05 s) stay local, all of them
+    held = policy.decide(context(tokens=5_000, dec=unread, prefillers=idle, cached=4_500))
+    assert held.reason == "local" and held.value == 0.0
+    assert policy.duty[unread.endpoint.name].tokens == pytest.approx(500)
+    # the index says nothing is held: no longer an upper bound but a count, so a
+    # remote path faster than the 2.9 s local one drains even past the 0.8 s share
+    assert _policy().decide(context(tokens=9_000, dec=unread, prefillers=idle)).reason == "queued"
+    cold = _policy().decide(context(tokens=9_000, dec=unread, prefillers=idle, cached=0))
+    assert cold.reason == "drain"
+
+
+def test_a_read_hit_rate_still_sets_the_queue_the_index_only_this_prompt() -> None:
+    idle = (prefiller(reading=load()),)
+    read = decoder(backlog=20_000, reading=LoadSnapshot(0, 0, 0.0, 0.0, prefix_hit_rate=0.0))
+    # the reading says the queue is uncached (2 s): the prompt's own 90% does not
+    # shrink it, so the request drains
+    decision = _policy().decide(context(tokens=5_000, dec=read, prefillers=idle, cached=4_500))
+    assert decision.reason == "drain"
+
+
 def test_a_drained_request_decodes_on_the_peer_where_it_starts_soonest() -> None:
     queued = decoder(backlog=20_000)  # 2 s of prefill ahead: it drains
     behind = decoder("d1", backlog=5_000)  # 0.5 s

@@ -46,6 +46,19 @@ def test_stored_removed_and_cleared(index: PreciseIndex) -> None:
     assert index.match(keys, ["a", "b"]) == {"a": 1, "b": 0}
 
 
+def test_cached_tokens_are_the_whole_blocks_an_endpoint_holds_in_a_row(
+    index: PreciseIndex,
+) -> None:
+    digests = index.hasher.block_hashes(TOKENS)
+    index.apply("a", EventBatch(1.0, (stored([digests[0], digests[1], digests[3]]),)))
+    # blocks 0 and 1 in a row (block 3 without block 2 does not count); a partial
+    # block past the last whole one is never counted
+    assert index.cached_tokens(TOKENS, "a") == 32
+    assert index.cached_tokens([*TOKENS[:32], 7, 7], "a") == 32
+    assert index.cached_tokens(TOKENS, "b") == 0
+    assert index.cached_tokens(TOKENS, "a", "unknown-adapter") is None
+
+
 def test_int_and_bytes_hashes_index_alike(index: PreciseIndex) -> None:
     digests = index.hasher.block_hashes(TOKENS)
     index.apply("bytes", EventBatch(1.0, (stored(digests),)))

@@ -17,6 +17,7 @@ from pd_orchestrator.policies.base import ThresholdContext, ThresholdDecision
 from pd_orchestrator.policies.plugins import builtin_registry
 from pd_orchestrator.policies.threshold import ThresholdResolver
 from pd_orchestrator.routing.profiles import build_profiles
+from pd_orchestrator.routing.types import RoutingRequest
 
 
 def _endpoint(name: str, role: Role, group: str, hardware: str = "h200", **kw: Any) -> Endpoint:
@@ -358,3 +359,38 @@ def test_ask_all_and_a_policy_that_reads_no_peers_see_none() -> None:
     blind = _Fixed()  # reads prefillers, not peers
     _planner(policy=blind).plan(_request(), [Candidate(e) for e in FLEET], 0.0, 0)
     assert blind.seen[0].peers == ()
+
+
+class _Cache:
+    """A :class:`~pd_orchestrator.planner.plan.CachedPrefix` that holds ``held``
+    tokens of every prompt on every decoder, and counts its calls."""
+
+    def __init__(self, held: int | None) -> None:
+        self.held = held
+        self.asked: list[tuple[str | None, str]] = []
+
+    def cached_tokens(self, request: RoutingRequest, decoder: Endpoint) -> int | None:
+        self.asked.append((request.affinity_key, decoder.name))
+        return self.held
+
+
+class _ReadsCache(_Fixed):
+    reads_cache = True
+
+
+def test_a_policy_that_reads_the_cache_sees_the_decoder_s_cached_prefix() -> None:
+    counted = RequestFacts(model="m", prompt_chars=400, prompt_tokens=100, affinity_key="k")
+    candidates = [Candidate(e) for e in FLEET]
+    profiles = build_profiles(RoutingConfig(), builtin_registry())
+
+    def seen(policy: _Fixed, cache: _Cache) -> int | None:
+        planner = Planner(profiles, ThresholdResolver(policy), cache=cache)  # type: ignore[arg-type]
+        plan = planner.plan(counted, candidates, 0.0, 0)
+        assert not cache.asked or cache.asked == [("k", plan.decoder.name)]
+        return policy.seen[-1].cached_tokens
+
+    assert seen(_ReadsCache(), _Cache(64)) == 64
+    assert seen(_ReadsCache(), _Cache(None)) is None  # the index cannot tell
+    assert seen(_ReadsCache(), _Cache(500)) == 100  # never more than the prompt
+    blind, cache = _Fixed(), _Cache(64)
+    assert seen(blind, cache) is None and not cache.asked  # no policy reads it: not asked
