@@ -74,6 +74,7 @@ class PreciseIndex:
         self.max_request_blocks = max_request_blocks
         self.events = 0
         self.ignored_events = 0
+        self._last: tuple[tuple[int, ...], str | None, str | None, list[int] | None] | None = None
 
     @property
     def block_size(self) -> int:
@@ -118,12 +119,22 @@ class PreciseIndex:
     def keys(
         self, token_ids: Sequence[int], lora: str | None = None, cache_salt: str | None = None
     ) -> list[int] | None:
-        """The block keys of a prompt; None when its adapter's path is unknown."""
+        """The block keys of a prompt; None when its adapter's path is unknown. The last
+        tuple of ids asked about is remembered (by identity), so the routing's scorer
+        and the planner's cached count of one request hash its prompt once; the
+        returned list is shared, not to be changed."""
+        last = self._last
+        if last is not None and last[0] is token_ids and last[1:3] == (lora, cache_salt):
+            return last[3]
         try:
             extras = self.extras(lora, cache_salt)
         except KeyError:
-            return None
-        return self.hasher.keys(token_ids, extras, self.max_request_blocks)
+            keys = None
+        else:
+            keys = self.hasher.keys(token_ids, extras, self.max_request_blocks)
+        if isinstance(token_ids, tuple):
+            self._last = (token_ids, lora, cache_salt, keys)
+        return keys
 
     def match(self, keys: Sequence[int], endpoints: Iterable[str]) -> dict[str, int]:
         """Leading blocks of ``keys`` each endpoint holds in a row."""

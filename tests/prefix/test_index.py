@@ -59,6 +59,15 @@ def test_cached_tokens_are_the_whole_blocks_an_endpoint_holds_in_a_row(
     assert index.cached_tokens(TOKENS, "a", "unknown-adapter") is None
 
 
+def test_one_request_s_prompt_is_hashed_once(index: PreciseIndex) -> None:
+    prompt = tuple(TOKENS)
+    first = index.keys(prompt)
+    assert first is not None and index.keys(prompt) is first  # the scorer, then the planner
+    assert index.keys(prompt, cache_salt="t1") != first  # other extras: hashed again
+    assert index.keys(tuple(TOKENS)) == first and index.keys(tuple(TOKENS)) is not first
+    assert index.keys(TOKENS) is not index.keys(TOKENS)  # a list may change: never kept
+
+
 def test_int_and_bytes_hashes_index_alike(index: PreciseIndex) -> None:
     digests = index.hasher.block_hashes(TOKENS)
     index.apply("bytes", EventBatch(1.0, (stored(digests),)))
