@@ -18,6 +18,8 @@ subscriber, and offers what the request path needs::
     # once the request is sent (decode-first: the chosen decoder; ask-all: the
     # decoder that admitted it):
     runtime.observe(profiles.decode, request, served_by)
+    # the planner's CachedPrefix, for a threshold policy that reads it:
+    runtime.cached_tokens(request, decoder)      # None without the precise index
 
 :meth:`PrefixRuntime.view_fields` is pure: the prompt text (a completion's
 string prompt, or the chat messages rendered by the simulator's prefix-stable

@@ -3,7 +3,9 @@ under the ``goodput`` cost model (the same planner and policy in both).
 
 Tolerance: TTFT p50 and TPOT p50 within 25% (plus 5 ms), the decision mix within 2
 requests, prefill tokens within 10% and KV bytes within 20%. Live: simulators
-(one decoder, one prefiller, H200 profile) behind our gateway on loopback, at time
+(one decoder, one prefiller, H200 profile; their KV events feed the gateway's
+precise prefix index, as the virtual fleet's planner reads the engines' caches)
+behind our gateway on loopback, at time
 scale 3 (a simulated second lasts three real ones), so the real HTTP and process
 overhead -- which the virtual fleet models as a fixed per-leg hop -- weighs a third
 as much in simulated time. Observed: TTFT p50 within 2%, TPOT p50 within 7%,
