@@ -57,7 +57,7 @@ import itertools
 import time
 from array import array
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -114,15 +114,15 @@ class _KvIndex:
     fleet around each plan) that an engine's prefix cache holds, as a precise index
     of its KV events would report them."""
 
-    def __init__(self) -> None:
-        self.engines: dict[str, Engine] = {}
+    def __init__(self, instances: Mapping[str, _Instance]) -> None:
+        self.instances = instances
         self.prompt: PromptDigest | None = None
 
     def cached_tokens(self, request: RoutingRequest, decoder: Endpoint) -> int | None:
-        prompt, engine = self.prompt, self.engines.get(decoder.name)
-        if prompt is None or engine is None:
+        prompt, instance = self.prompt, self.instances.get(decoder.name)
+        if prompt is None or instance is None:
             return None
-        return engine.local_hit_tokens_of(prompt.block_hashes, prompt.num_tokens)
+        return instance.engine.local_hit_tokens_of(prompt.block_hashes, prompt.num_tokens)
 
 
 def affinity_key(digest: PromptDigest, block_size: int) -> str:
@@ -209,14 +209,13 @@ class VirtualFleet:
         self.routing = routing
         self.options = options or VirtualOptions()
         self.model = self.spec.model
-        self.kv_index = _KvIndex()
-        cache = self.kv_index if self.options.prefix_index else None
-        self.planner = Planner(routing, strategy.resolver(), cache=cache)
         self.decisions: Counter[str] = Counter()
         self.hasher = BlockHasher(self.spec.block_size)
         self.instances = [_Instance(spec, self.spec) for spec in self.spec.instances]
         self._by_name = {i.name: i for i in self.instances}
-        self.kv_index.engines = {i.name: i.engine for i in self.instances}
+        self.kv_index = _KvIndex(self._by_name)
+        cache = self.kv_index if self.options.prefix_index else None
+        self.planner = Planner(routing, strategy.resolver(), cache=cache)
         self.decoders = [i for i in self.instances if i.spec.role.decodes]
         self.prefillers = [i for i in self.instances if i.spec.role.prefills]
         self.itl_samples: array[float] = array("d")

@@ -210,6 +210,11 @@ def _tracked(progress: Progress, name: str, total: int) -> Callable[[int], None]
     return advance
 
 
+def _virtual_options(args: argparse.Namespace) -> VirtualOptions:
+    """The virtual fleet's options the flags set (runs and goodput probes alike)."""
+    return VirtualOptions(hop=args.hop, prefix_index=not args.no_prefix_index)
+
+
 def _run_virtual(
     args: argparse.Namespace,
     fleet: FleetSpec,
@@ -218,7 +223,7 @@ def _run_virtual(
     console: Console,
 ) -> list[RunResult]:
     _, routing = _routing(args.routing)
-    options = VirtualOptions(hop=args.hop, prefix_index=not args.no_prefix_index)
+    options = _virtual_options(args)
     results = []
     with _progress(console) as progress:
         for strategy in strategies:
@@ -239,7 +244,7 @@ def _search_goodput(
     """Each strategy's goodput search (virtual runs over the scaled workloads, one per
     seed, pooled into one probe per multiplier)."""
     _, routing = _routing(args.routing)
-    options = VirtualOptions(hop=args.hop, prefix_index=not args.no_prefix_index)
+    options = _virtual_options(args)
     slo = Slo(args.slo_ttft, args.slo_tpot)
     settings = SearchSettings(goal=args.attainment, bisections=args.bisections)
     sizes = [len(workload) for workload in workloads]
