@@ -35,7 +35,12 @@ def stack(module_sims: SimFactory, module_gateways: GatewayFactory) -> Stack:
     decoders = [module_sims(*sim, name=f"decode-{i}") for i in range(2)]
     prefiller = module_sims(*sim, name="prefill")
     reference = module_sims("--profile", "instant", name="reference")
-    config = gateway_config(decoders, [prefiller], threshold={"policy": {"value": 0.5}})
+    # No load scorers: every decoder ties and the prompt's affinity key picks one, so a
+    # repeated prompt finds its warm decoder whatever load a scrape happened to catch.
+    routing = {"decode": {"scorers": []}}
+    config = gateway_config(
+        decoders, [prefiller], threshold={"policy": {"value": 0.5}}, routing=routing
+    )
     return Stack(module_gateways(config), decoders, prefiller, reference)
 
 
