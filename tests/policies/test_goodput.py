@@ -372,3 +372,31 @@ def test_before_any_itl_the_bare_step_is_the_hardware_profile_s() -> None:
     assert policy.stall_limit(busy, model) == pytest.approx(left)
     other = Endpoint("o", "http://o:1", Role.DECODE, "h200", model="some/other-model", pool="o")
     assert profile_of(other) is None  # no profile: no step until the ITL is observed
+
+
+def test_a_crowded_decoder_steps_as_its_profile_says_whatever_the_pool_s_itl() -> None:
+    h200 = Endpoint(
+        "d", "http://d:1", Role.DECODE, "h200", model="meta-llama/Llama-3.1-8B-Instruct"
+    )
+    policy = GoodputPolicy(PARAMS)
+    policy.out_mean, policy.prompt_mean = 100, 4_000
+    model = policy._pool(h200)
+    assert model.profile is not None
+    model.itl = 0.010  # the pool's mean, learnt while its decoders were quiet
+    # four streams: the profile's step (about 7 ms) is below the observed 10 ms, which
+    # stands
+    assert model.profile.step_seconds(4 * 4_050, 4, 0.0) < 0.010
+    quiet = context(tokens=4_000, dec=Candidate(h200, True, 4, None))
+    left = (1 - 0.010 / (0.03 * 0.5)) * 3.0 * model.rate_local
+    assert policy.stall_limit(quiet, model) == pytest.approx(left)
+    # 150 streams of 4k tokens: the profile's step is past the goal's 15 ms on its own,
+    # so only what a step carries for free is left, and 1,000 uncached tokens go P/D
+    assert model.profile.step_seconds(150 * 4_050, 150, 0.0) > 0.015
+    crowded = context(tokens=4_000, cached=3_000, dec=Candidate(h200, True, 150, None))
+    assert policy.stall_limit(crowded, model) == model.free_tokens
+    decision = policy.decide(crowded)
+    assert decision.reason == "stall" and not _admits(decision.value, 4_000, 1_000)
+    # the same prompt on the quiet decoder stays
+    assert _admits(
+        policy.decide(context(tokens=4_000, cached=3_000, dec=quiet.decoder)).value, 4_000, 1_000
+    )
