@@ -40,14 +40,15 @@ For the chosen decoder and a prompt of ``L`` tokens, ``u`` of them uncached ther
   requests: it lags a decoder whose streams have grown. So where the hardware profile
   is known, ``step`` is at least the profile's decode step for this decoder's streams
   now (each of the mean prompt and half the mean output). Measured on shared-prefix
-  with 1024 requests on 8:8 H200 at x4: the pool's ITL read 12-17 ms while decoders
-  holding 150 streams of 4-5k tokens stepped in 28-32 ms, the budget let 80% of the
-  prompts prefill there, and 549 requests missed TPOT (46.4% attainment; with the
-  profile's step, 99.4%). Per-request TPOTs still spread around the mean (a burst,
-  the streams' own lengths), so the mean is held to
-  ``tpot * tpot_goal``: the share allowed is ``1 - step / (tpot * tpot_goal)``, and
-  what is left of it over a window is the most a local prefill may add, never less
-  than the ``free`` tokens a memory-bound step carries at no cost. The count is this
+  with 1024 requests on 8:8 H200 at x4: the pool's ITL read 11-17 ms while a decoder
+  holding about 150 streams of 4-5k tokens needs about 30 ms a step before any
+  prefill; the budget let 80% of the prompts prefill on their decoder, and 549
+  requests missed TPOT (46.4% attainment; with the profile's step, 99.4%).
+  Per-request TPOTs still spread around the mean (a burst, the streams' own
+  lengths), so the mean is held to ``tpot * tpot_goal``: the share allowed is
+  ``1 - step / (tpot * tpot_goal)``, and what is left of it over a window is the
+  most a local prefill may add, never less than the ``free`` tokens a memory-bound
+  step carries at no cost. The count is this
   process's own: with several gateway workers or replicas, each holds its decoders
   to the share of the traffic it sees (the wait, by contrast, also reads what the
   servers report).
