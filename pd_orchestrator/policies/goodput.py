@@ -353,11 +353,7 @@ class GoodputPolicy:
         """A decode step without prefill at the decoder, with its ``streams`` now: the
         observed ITL less the prefill share, or the hardware profile's step for
         ``streams`` streams of the mean prompt (this one's before any) and half the
-        mean output each, the larger; 0 with neither.
-
-        The observed ITL is the pool's mean over requests that finished: it lags a
-        decoder whose streams have grown and averages a crowded decoder with quiet
-        ones. The profile's step is what this decoder's next step costs."""
+        mean output each, the larger (module docstring, **stall**); 0 with neither."""
         observed = 0.0 if model.itl is None else model.itl * (1.0 - min(share, _MAX_SHARE))
         if model.profile is None:
             return observed
