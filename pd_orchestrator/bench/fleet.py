@@ -38,12 +38,14 @@ _COUNTS = {"h200": (12, 4), "mixed": (12, 4), "h200-8x8": (8, 8), "tiny": (1, 1)
 
 @dataclass(frozen=True, slots=True)
 class InstanceSpec:
-    """One simulated instance: name, latency profile, role and compatibility group."""
+    """One simulated instance: name, latency profile, role and compatibility group;
+    ``spill``: a prefiller that also serves whole requests (its pool's ``spill``)."""
 
     name: str
     profile: str
     role: Role
     group: str
+    spill: bool = False
 
     @property
     def latency(self) -> LatencyProfile:
@@ -60,6 +62,7 @@ class InstanceSpec:
             model=latency.model,
             pool=f"{latency.hardware}-{self.role.value}",
             group=self.group,
+            spill=self.spill,
         )
 
 
@@ -103,7 +106,7 @@ class FleetSpec:
 
     def aggregated(self) -> FleetSpec:
         """The same instances, every one a decoder (decode-only serving)."""
-        instances = tuple(replace(i, role=Role.DECODE) for i in self.instances)
+        instances = tuple(replace(i, role=Role.DECODE, spill=False) for i in self.instances)
         return replace(self, name=f"{self.name}-aggregated", instances=instances)
 
     def flexible(self) -> FleetSpec:
@@ -111,9 +114,19 @@ class FleetSpec:
         requests may be served on any instance, P/D prefills go to the former
         prefillers."""
         instances = tuple(
-            replace(i, role=Role.BOTH) if i.role is Role.PREFILL else i for i in self.instances
+            replace(i, role=Role.BOTH, spill=False) if i.role is Role.PREFILL else i
+            for i in self.instances
         )
         return replace(self, name=f"{self.name}-flex", instances=instances)
+
+    def spilling(self) -> FleetSpec:
+        """The same instances, every prefiller's pool spilling: a prefiller also serves
+        whole requests a threshold policy sends it (``goodput``, when the decoders are
+        crowded); P/D prefills still go there."""
+        instances = tuple(
+            replace(i, spill=True) if i.role is Role.PREFILL else i for i in self.instances
+        )
+        return replace(self, name=f"{self.name}-spill", instances=instances)
 
     def describe(self) -> str:
         """``12 decode + 4 prefill (h200-llama3-8b)`` style summary."""
@@ -136,7 +149,11 @@ class FleetSpec:
                 raise ValueError(f"endpoint {endpoint.name!r} has no sim block")
             instances.append(
                 InstanceSpec(
-                    endpoint.name, endpoint.sim.profile, Role(endpoint.role), endpoint.group
+                    endpoint.name,
+                    endpoint.sim.profile,
+                    Role(endpoint.role),
+                    endpoint.group,
+                    spill=endpoint.spill,
                 )
             )
         return cls(name, tuple(instances))

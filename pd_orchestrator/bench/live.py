@@ -343,6 +343,7 @@ def _gateway_config(
                 "role": endpoint.role.value,
                 "group": endpoint.group,
                 "model": fleet.model,
+                "spill": endpoint.spill,
                 "endpoints": [],
             },
         )
@@ -373,7 +374,8 @@ def _live_fleet(fleet: FleetSpec, strategy: Strategy) -> FleetSpec:
     """Decode-only runs every instance as ``both`` (the gateway wants a prefiller)."""
     if strategy.mode is not Mode.DECODE_ONLY:
         return fleet
-    return replace(fleet, instances=tuple(replace(i, role=Role.BOTH) for i in fleet.instances))
+    instances = tuple(replace(i, role=Role.BOTH, spill=False) for i in fleet.instances)
+    return replace(fleet, instances=instances)
 
 
 _SLO_SECONDS = {"goodput": ("ttft", "tpot"), "slo-feedback": ("ttft_p90", "itl_p99")}

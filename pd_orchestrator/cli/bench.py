@@ -114,9 +114,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     add("--prefillers", type=int, default=None, help="prefillers of a preset fleet (total)")
     add(
         "--prefill-role",
-        choices=("prefill", "both"),
+        choices=("prefill", "both", "spill"),
         default="prefill",
-        help="both: a preset's prefillers also decode (a flexible fleet, named *-flex)",
+        help="both: a preset's prefillers also decode (a flexible fleet, named *-flex); "
+        "spill: they also serve whole requests goodput sends them (named *-spill)",
     )
     add("--policies", default=",".join(DEFAULT_STRATEGIES), help="comma-separated strategies")
     add("--policy-file", type=Path, default=None, help="YAML {name: threshold.policy block}")
@@ -175,7 +176,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def _fleet(args: argparse.Namespace) -> FleetSpec:
     if args.fleet in FLEETS:
         fleet = preset_fleet(args.fleet, args.decoders, args.prefillers)
-        return fleet.flexible() if args.prefill_role == "both" else fleet
+        if args.prefill_role == "both":
+            return fleet.flexible()
+        return fleet.spilling() if args.prefill_role == "spill" else fleet
     config = load_config(Path(args.fleet))
     return FleetSpec.from_config(config, Path(args.fleet).stem)
 

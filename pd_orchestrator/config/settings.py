@@ -219,7 +219,23 @@ class PoolConfig(_Strict):
         description="bearer key sent to this pool's endpoints instead of the client's "
         "Authorization (default: upstream.api_key)",
     )
+    spill: bool = Field(
+        default=False,
+        description="a prefill pool whose instances also serve whole requests (their "
+        "connector serves their own requests too, such as NIXL with kv_role kv_both): "
+        "the goodput policy may send a decode-first request here when the decoders are "
+        "crowded",
+    )
     endpoints: Annotated[list[EndpointConfig], Field(min_length=1)]
+
+    @model_validator(mode="after")
+    def _spill_prefills_only(self) -> Self:
+        if self.spill and self.role != "prefill":
+            raise ValueError(
+                f"pool {self.name!r}: spill is for a prefill pool (a {self.role} pool "
+                "already decodes)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _url_or_sim(self) -> Self:
@@ -290,6 +306,7 @@ class FleetEndpoint:
     sim: SimSpec | None
     kv: KvSettings = field(default_factory=KvSettings)
     api_key: SecretStr | None = field(default=None, repr=False)
+    spill: bool = False
 
     @property
     def peer(self) -> PeerInfo:
@@ -722,6 +739,7 @@ class GatewayConfig(BaseSettings):
                 sim=e.sim or pool.sim,
                 kv=e.kv or pool.kv or KvSettings(),
                 api_key=pool.api_key or self.upstream.api_key,
+                spill=pool.spill,
             )
             for pool in self.pools
             for e in pool.endpoints

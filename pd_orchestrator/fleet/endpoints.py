@@ -25,6 +25,7 @@ def _endpoint(config: FleetEndpoint) -> Endpoint:
         authorization=None
         if config.api_key is None
         else f"Bearer {config.api_key.get_secret_value()}",
+        spill=config.spill,
     )
 
 

@@ -35,7 +35,9 @@ class Endpoint:
     compatibility group (KV moves only between endpoints of one group), connector
     spec and ``kv``: its connector-relevant addresses (None: the defaults).
     ``authorization``: the ``Authorization`` value its legs carry instead of the
-    client's (from the pool's ``api_key``), never printed."""
+    client's (from the pool's ``api_key``), never printed. ``spill``: a prefiller that
+    also serves whole requests (its pool's ``spill``): a threshold policy may send a
+    decode-first request there, at threshold 0, when the decoders are crowded."""
 
     name: str
     url: str
@@ -47,6 +49,7 @@ class Endpoint:
     connector: str = "nixl"
     kv: PeerInfo | None = None
     authorization: str | None = field(default=None, repr=False, compare=False)
+    spill: bool = False
 
     @property
     def peer(self) -> PeerInfo:

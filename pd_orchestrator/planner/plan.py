@@ -25,7 +25,9 @@ returns a :class:`Plan`:
    when the planner has a :class:`CachedPrefix` (the gateway's precise prefix index)
    and a policy reads it, the prompt tokens that decoder holds. A
    decision of 1 (P/D at once, no decode attempt) may name a peer to decode on: it
-   then leads the plan's decoders.
+   then leads the plan's decoders. A decision of 0 (served whole) may name a
+   prefiller whose pool spills (``spill``): it then leads the plan's decoders, and
+   serves the request itself.
 5. **Prompt size** in tokens (exact when counted, else estimated from its
    characters), which lengthens the read timeouts of the request's legs.
 6. **Spare decoders** (:meth:`Plan.spare_decoders`): the decode profile's ranking
@@ -41,8 +43,9 @@ What the planner learns comes back after the request: :meth:`Planner.learn`.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Literal, Protocol
 
 from pd_orchestrator.config.settings import AskAllFallbackConfig
@@ -340,7 +343,7 @@ class Planner:
             facts, decoder, decoders_in, prefillers, prefillers_in, now, tokens, continuable,
             ranking=ranking, routing=routing,
         )  # fmt: skip
-        decoders = _leading(decoders, threshold.decoder)
+        decoders = _leading(decoders, threshold, prefillers_in)
         width = self._adaptive(routing, decoders, candidates, threshold.value)
         return Plan(
             decoders=decoders,
@@ -417,6 +420,7 @@ class Planner:
             now=now,
             peers=peers,
             cached_tokens=self._cached(resolver, routing, decoder.endpoint, tokens),
+            cached_on=self._cached_on(resolver, routing, tokens),
         )
         decision = resolver.decide(context)
         return decision if continuable else replace(decision, admission_only=True)
@@ -430,6 +434,15 @@ class Planner:
             return None
         cached = self.cache.cached_tokens(routing, decoder)
         return None if cached is None else max(0, min(cached, tokens))
+
+    def _cached_on(
+        self, resolver: ThresholdResolver, routing: RoutingRequest, tokens: int
+    ) -> Callable[[Endpoint], int | None] | None:
+        """:meth:`_cached` for any endpoint, when a policy reads it and the planner has
+        an index."""
+        if self.cache is None or not resolver.reads_cache:
+            return None
+        return partial(self._cached, resolver, routing, tokens=tokens)
 
     def _asked_on(self, decoder: Candidate, decoders: tuple[Candidate, ...]) -> Iterator[Candidate]:
         """The healthy decoders a request may be asked on: decode-first's pick; ask-all's
@@ -506,9 +519,21 @@ def _peers(ranking: RoutingResult) -> tuple[Candidate, ...]:
     return tuple(s.candidate for s in rest if compatibility_class(s.endpoint) == kind)
 
 
-def _leading(decoders: tuple[Endpoint, ...], name: str | None) -> tuple[Endpoint, ...]:
-    """``decoders`` with the one called ``name`` first (unchanged when None or absent)."""
-    lead = next((e for e in decoders if e.name == name), None) if name else None
+def _leading(
+    decoders: tuple[Endpoint, ...], decision: ThresholdDecision, prefillers: tuple[Candidate, ...]
+) -> tuple[Endpoint, ...]:
+    """``decoders`` led by the one the decision names: a ranked decoder moves first; a
+    prefiller whose pool spills (:attr:`~pd_orchestrator.model.endpoints.Endpoint.spill`),
+    named by a decision of 0, goes first and serves the request whole, the ranked
+    decoders after it for a failed attempt. Unchanged when it names none, or an
+    endpoint that is neither."""
+    name = decision.decoder
+    if name is None:
+        return decoders
+    lead = next((e for e in decoders if e.name == name), None)
+    if lead is None and decision.value == 0.0:
+        spills = (c.endpoint for c in prefillers if c.endpoint.spill)
+        lead = next((e for e in spills if e.name == name), None)
     if lead is None or lead is decoders[0]:
         return decoders
     return (lead, *(e for e in decoders if e is not lead))

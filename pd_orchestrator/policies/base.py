@@ -17,9 +17,11 @@ and :meth:`ThresholdPolicy.observe`), so a replay of one sequence decides alike.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.model.load import Candidate, LoadSnapshot
 from pd_orchestrator.routing.registry import PluginKind
 
@@ -65,7 +67,9 @@ class ThresholdContext:
     prompt tokens the chosen decoder holds in its prefix cache, by the gateway's
     prefix index (a precise one, from the servers' KV events), at most
     ``prompt_tokens``; None when unknown (no index, no token ids, or no policy
-    declares ``reads_cache``).
+    declares ``reads_cache``). ``cached_on``: the same count for another endpoint (a
+    prefiller), by the same index; None when the planner has no index or no policy
+    reads it.
     """
 
     model: str
@@ -77,6 +81,7 @@ class ThresholdContext:
     now: float = 0.0
     peers: tuple[Candidate, ...] = ()
     cached_tokens: int | None = None
+    cached_on: Callable[[Endpoint], int | None] | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 0 or self.prompt_chars < 0:
@@ -106,10 +111,13 @@ class ThresholdDecision:
     stable reason usable as a metric label (``fixed``, ``decoder-busy``...).
     ``admission_only``: the decoder applies it at admission only (it never hands the
     request back; set by the planner for requests a continuation cannot honour).
-    ``decoder``: for a threshold of 1 (no decoder admits: P/D at once), the name of one
-    of :attr:`ThresholdContext.peers` to decode on instead of the chosen decoder
-    (None: the chosen one). A request that skips the decode attempt needs no prefix
-    of the decoder's own, so its decode leg may go where it starts soonest."""
+    ``decoder``: where the request goes instead of the chosen decoder (None: the chosen
+    one). With a threshold of 1 (no decoder admits: P/D at once), one of
+    :attr:`ThresholdContext.peers`: a request that skips the decode attempt needs no
+    prefix of the decoder's own, so its decode leg may go where it starts soonest.
+    With a threshold of 0 (served whole), one of :attr:`ThresholdContext.prefillers`
+    whose pool spills (:attr:`~pd_orchestrator.model.endpoints.Endpoint.spill`): it
+    prefills and decodes the request itself, off the crowded decoders."""
 
     value: float
     policy: str
@@ -120,8 +128,8 @@ class ThresholdDecision:
     def __post_init__(self) -> None:
         if not 0.0 <= self.value <= 1.0:
             raise ValueError(f"threshold {self.value} is outside [0, 1] ({self.policy})")
-        if self.decoder is not None and self.value < 1.0:
-            raise ValueError(f"only a threshold of 1 names a decoder ({self.policy})")
+        if self.decoder is not None and 0.0 < self.value < 1.0:
+            raise ValueError(f"only a threshold of 0 or 1 names a decoder ({self.policy})")
 
 
 @dataclass(frozen=True, slots=True)

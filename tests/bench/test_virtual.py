@@ -195,6 +195,26 @@ def test_a_flexible_fleet_decodes_on_its_prefillers_too() -> None:
     assert {r.decoder for r in result.records} == {"h200-d0", "h200-p0"}
 
 
+def test_a_spilling_fleet_serves_a_queued_decoder_s_prompts_whole_on_its_prefillers() -> None:
+    args = argparse.Namespace(fleet="tiny", decoders=None, prefillers=None, prefill_role="spill")
+    fleet = _fleet(args)
+    assert fleet.name == "tiny-spill"
+    assert [(i.name, i.role, i.spill) for i in fleet.instances] == [
+        ("h200-d0", Role.DECODE, False),
+        ("h200-p0", Role.PREFILL, True),
+    ]
+    assert not any(i.spill for i in fleet.aggregated().instances)
+    burst = _workload(*((0.001 * k, (Segment(100 + k, 8000),)) for k in range(12)))
+    spilled = _run("goodput", burst, fleet)
+    assert all(r.ok for r in spilled.records)
+    whole_on_p0 = [r for r in spilled.records if r.decoder == "h200-p0"]
+    assert whole_on_p0 and {r.decision for r in whole_on_p0} == {"decode"}
+    assert spilled.reasons["goodput:spill"] == len(whole_on_p0)
+    # the same burst where the prefiller does not spill: every stream on the decoder
+    split = _run("goodput", burst, preset_fleet("tiny"))
+    assert {r.decoder for r in split.records} == {"h200-d0"}
+
+
 @pytest.mark.parametrize("indexed", [True, False], ids=["prefix-index", "no-index"])
 def test_the_policy_sees_the_decoder_s_cached_prefix_as_a_precise_index_would(
     indexed: bool, monkeypatch: pytest.MonkeyPatch

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from pd_orchestrator.config import ConfigError, load_config, parse_config
+from pd_orchestrator.fleet.endpoints import endpoints_from_config
 
 CONFIGS = sorted(Path(__file__).resolve().parents[2].joinpath("configs").glob("*.yaml"))
 BASE: dict[str, Any] = {
@@ -134,6 +135,24 @@ def test_decoders_without_a_compatible_prefiller_are_named() -> None:
     # an endpoint that also prefills needs no other: it serves what it is sent itself
     alone = parse_config({"pools": [_pool("a-b", "both", "amd", "ab0")]})
     assert [p.name for p in alone.compatible_prefillers(alone.fleet()[0])] == []
+
+
+def test_a_prefill_pool_that_spills_marks_its_endpoints() -> None:
+    config = parse_config(
+        {
+            "pools": [
+                _pool("d", "decode", "g", "d0"),
+                _pool("p", "prefill", "g", "p0", spill=True),
+                _pool("q", "prefill", "g", "q0"),
+            ]
+        }
+    )
+    spills = {e.name: e.spill for e in endpoints_from_config(config)}
+    assert spills == {"d0": False, "p0": True, "q0": False}
+    # a pool that already decodes cannot spill
+    for role in ("decode", "both"):
+        with pytest.raises(ConfigError, match=f"spill is for a prefill pool \\(a {role} pool"):
+            parse_config({"pools": [_pool("d", role, "g", "d0", spill=True)]})
 
 
 def test_v1_lists_and_pools_mix() -> None:

@@ -4,6 +4,7 @@ decisions it flips, and what it learns."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -231,9 +232,10 @@ def test_a_drained_request_decodes_on_the_peer_where_it_starts_soonest() -> None
     assert policy.decide(context(tokens=5_000, peers=peers)).decoder is None
 
 
-def test_only_a_threshold_of_one_names_a_decoder() -> None:
+def test_only_a_threshold_of_zero_or_one_names_a_decoder() -> None:
     assert ThresholdDecision(1.0, "goodput", "drain", decoder="d1").decoder == "d1"
-    with pytest.raises(ValueError, match="only a threshold of 1"):
+    assert ThresholdDecision(0.0, "goodput", "spill", decoder="p1").decoder == "p1"
+    with pytest.raises(ValueError, match="only a threshold of 0 or 1"):
         ThresholdDecision(0.9, "goodput", "cost-model", decoder="d1")
 
 
@@ -400,3 +402,67 @@ def test_a_crowded_decoder_steps_as_its_profile_says_whatever_the_pool_s_itl() -
     assert _admits(
         policy.decide(context(tokens=4_000, cached=3_000, dec=quiet.decoder)).value, 4_000, 1_000
     )
+
+
+LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def _h200(name: str, role: Role = Role.DECODE, *, spill: bool = False, streams: int = 0,
+          backlog: int = 0) -> Candidate:  # fmt: skip
+    endpoint = Endpoint(
+        name, f"http://{name}:1", role, "h200", model=LLAMA, pool=role.value, spill=spill
+    )
+    return Candidate(endpoint, True, streams, None, backlog)
+
+
+def test_a_crowded_decoder_spills_the_prompt_whole_to_a_prefiller_that_serves_whole_requests() -> (
+    None
+):
+    policy = GoodputPolicy(PARAMS)  # the stream goal: 15 ms a step
+    policy.out_mean, policy.prompt_mean = 100, 4_000
+    crowded, quiet = _h200("d", streams=150), _h200("d", streams=4)
+    spilling = _h200("p0", Role.PREFILL, spill=True, streams=10)
+
+    def decide(dec: Candidate, *prefillers: Candidate) -> ThresholdDecision:
+        return policy.decide(context(tokens=4_000, cached=3_000, dec=dec, prefillers=prefillers))
+
+    # 150 streams of 4k tokens step past the goal: the stream goes where 10 decode
+    assert decide(crowded, spilling) == ThresholdDecision(0.0, "goodput", "spill", decoder="p0")
+    # a prefiller whose pool does not spill: the prompt goes P/D and the stream stays
+    assert decide(crowded, _h200("p0", Role.PREFILL)).reason == "stall"
+    # a quiet decoder keeps it
+    assert decide(quiet, spilling).reason == "local"
+    # a prefiller as crowded as the decoder is no better place for the stream
+    assert decide(crowded, _h200("p0", Role.PREFILL, spill=True, streams=150)).decoder is None
+    # of two that answer as soon, the one with fewer streams
+    fuller = _h200("p1", Role.PREFILL, spill=True, streams=60)
+    assert decide(crowded, fuller, spilling).decoder == "p0"
+    # one that holds the prompt (by the gateway's prefix index) answers sooner
+    held = context(tokens=4_000, cached=3_000, dec=crowded, prefillers=(fuller, spilling))
+    held = replace(held, cached_on=lambda e: 4_000 if e.name == "p1" else 0)
+    assert policy.decide(held).decoder == "p1"
+    # one whose queue alone takes the whole TTFT target is no place for the prompt
+    rate = policy._pool(spilling.endpoint).rate_local
+    behind = _h200("p0", Role.PREFILL, spill=True, streams=10, backlog=round(rate))
+    assert decide(crowded, behind).decoder is None
+
+
+def test_a_queued_decoder_spills_to_a_prefiller_that_starts_the_prompt_sooner() -> None:
+    policy = _policy()  # no profile: the decoder's step is its pool's ITL, 10 ms
+    policy.pools["prefill"] = PoolModel(RATE, RATE)
+    queued = decoder(backlog=20_000)  # 2 s of prefill ahead: past 0.8 of the target
+
+    def spilling(backlog: int = 0) -> Candidate:
+        endpoint = Endpoint("p0", "http://p0:1", Role.PREFILL, "h200", pool="prefill", spill=True)
+        return Candidate(endpoint, True, 0, None, backlog)
+
+    def decide(dec: Candidate, prefiller: Candidate) -> ThresholdDecision:
+        return policy.decide(context(tokens=2_000, cached=0, dec=dec, prefillers=(prefiller,)))
+
+    assert decide(queued, spilling()) == ThresholdDecision(0.0, "goodput", "spill", decoder="p0")
+    # a prefiller that would answer after the TTFT target (1.05 s): the prompt drains
+    # to it (1.07 s, against 2.2 s locally) and decodes on the decoder, as before
+    late = decide(queued, spilling(8_500))
+    assert late.reason == "drain" and late.value == 1.0 and late.decoder is None
+    # a decoder with room in its share keeps its prompt
+    assert decide(decoder(), spilling()).reason == "local"

@@ -348,6 +348,31 @@ def test_a_request_sent_p_d_at_once_decodes_where_the_policy_names() -> None:
     assert elsewhere.decoder.name == chosen
 
 
+class _Spill(_Fixed):
+    """A policy that serves every prompt whole (threshold 0) on ``target``."""
+
+    def __init__(self, target: str) -> None:
+        super().__init__()
+        self.target = target
+
+    def decide(self, context: ThresholdContext) -> ThresholdDecision:
+        self.seen.append(context)
+        return ThresholdDecision(0.0, "goodput", "spill", decoder=self.target)
+
+
+def test_a_prompt_served_whole_on_a_spilling_prefiller_leads_the_plan_with_it() -> None:
+    spilling = _endpoint("hp1", Role.PREFILL, "nvidia", spill=True)
+    candidates = [Candidate(e) for e in (*FLEET, spilling)]
+    plan = _planner(policy=_Spill("hp1")).plan(_request(), candidates, 0.0, 0)
+    assert plan.decoder is spilling and plan.asked[0] is spilling
+    assert plan.threshold.value == 0.0
+    # the ranked decoders follow it, for an attempt that fails there
+    assert [e.name for e in plan.decoders[1:]] == ["hd0", "hd1", "ad0"]
+    # a prefiller whose pool does not spill is never a decoder, whatever a policy names
+    plain = _planner(policy=_Spill("hp0")).plan(_request(), candidates, 0.0, 0)
+    assert plain.decoder.name == "hd0" and all(e.role.decodes for e in plain.decoders)
+
+
 def test_ask_all_and_a_policy_that_reads_no_peers_see_none() -> None:
     policy = _Fixed(reads_peers=True)
     resolver = ThresholdResolver(policy)  # type: ignore[arg-type]
@@ -394,3 +419,20 @@ def test_a_policy_that_reads_the_cache_sees_the_decoder_s_cached_prefix() -> Non
     assert seen(_ReadsCache(), _Cache(500)) == 100  # never more than the prompt
     blind, cache = _Fixed(), _Cache(64)
     assert seen(blind, cache) is None and not cache.asked  # no policy reads it: not asked
+    assert blind.seen[-1].cached_on is None
+
+
+def test_a_policy_that_reads_the_cache_may_ask_it_of_a_prefiller_too() -> None:
+    counted = RequestFacts(model="m", prompt_chars=400, prompt_tokens=100, affinity_key="k")
+    policy, cache = _ReadsCache(), _Cache(500)
+    planner = Planner(
+        build_profiles(RoutingConfig(), builtin_registry()),
+        ThresholdResolver(policy),  # type: ignore[arg-type]
+        cache=cache,
+    )
+    planner.plan(counted, [Candidate(e) for e in FLEET], 0.0, 0)
+    cached_on = policy.seen[-1].cached_on
+    assert cached_on is not None
+    cache.asked.clear()
+    assert cached_on(FLEET[3]) == 100  # never more than the prompt
+    assert cache.asked == [("k", "hp0")]  # asked only when the policy asks

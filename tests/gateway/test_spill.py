@@ -1,0 +1,60 @@
+"""A prefill pool that spills: ``goodput`` serves a request whole on a prefiller when
+the decoders are crowded. Simulators and the gateway as real processes."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+
+from pd_orchestrator.children import Child
+
+from ..conftest import GatewayFactory, SimFactory
+from .helpers import MODEL, call, metric, metrics_text
+
+pytestmark = pytest.mark.anyio
+
+
+def _pool(name: str, role: str, children: list[Child], **extra: Any) -> dict[str, Any]:
+    endpoints = [{"name": f"{name}-{i}", "url": c.url} for i, c in enumerate(children)]
+    return (
+        {"name": name, "role": role, "hardware": "h200", "model": "sim-model"}
+        | extra
+        | {"endpoints": endpoints}
+    )
+
+
+async def test_goodput_serves_a_stream_whole_on_a_spilling_prefiller_when_decoders_are_crowded(
+    module_sims: SimFactory, module_gateways: GatewayFactory
+) -> None:
+    sim = ("--profile", "instant", "--kv-connector", "nixl")
+    decoder, prefiller = module_sims(*sim, name="decode"), module_sims(*sim, name="prefill")
+    reference = module_sims("--profile", "instant", name="reference")
+    # A TPOT target no step meets: once the gateway has timed one stream, every
+    # decoder is crowded, and the prefiller (no stream timed there) is not.
+    policy = {"type": "goodput", "params": {"tpot": 1e-9}}
+    config = {
+        "pools": [
+            _pool("decode", "decode", [decoder]),
+            _pool("prefill", "prefill", [prefiller], spill=True),
+        ],
+        "threshold": {"policy": policy},
+        "health": {"interval": 0.5},
+    }
+    gateway = module_gateways(config)
+    prompt = f"{uuid.uuid4().hex} " + "a long enough prompt for several blocks. " * 4
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "ignore_eos": True}
+    first = await call(gateway.url, "completion", body | {"stream": True})
+    assert first.status == 200 and first.headers["x-pd-decoder"] == "decode-0"
+    second = await call(gateway.url, "completion", body | {"stream": True})
+    assert second.status == 200 and second.decision == "decode"
+    assert second.headers["x-pd-decoder"] == "prefill-0"
+    assert "x-pd-prefiller" not in second.headers  # served whole: no P/D leg
+    expected = await call(reference.url, "completion", body)
+    assert first.text == second.text == expected.text
+    text = await metrics_text(gateway.url)
+    assert (
+        metric(text, "pd_orchestrator_threshold_decisions_total", policy="goodput", reason="spill")
+        == 1
+    )
