@@ -51,10 +51,12 @@ async def test_goodput_serves_a_stream_whole_on_a_spilling_prefiller_when_decode
     assert second.status == 200 and second.decision == "decode"
     assert second.headers["x-pd-decoder"] == "prefill-0"
     assert "x-pd-prefiller" not in second.headers  # served whole: no P/D leg
+    whole = await call(gateway.url, "completion", body)  # a whole answer takes that path too
+    assert whole.status == 200 and whole.headers["x-pd-decoder"] == "prefill-0"
     expected = await call(reference.url, "completion", body)
-    assert first.text == second.text == expected.text
+    assert first.text == second.text == whole.text == expected.text
     text = await metrics_text(gateway.url)
     assert (
         metric(text, "pd_orchestrator_threshold_decisions_total", policy="goodput", reason="spill")
-        == 1
+        == 2
     )
