@@ -100,7 +100,10 @@ prefill P/D gives a crowded decoder back compute, not its streams: on shared-pre
 with 1024 requests on 8:8 H200 at x4.76 the decoders were 81% busy and the
 prefillers 35%, each decoder held about 128 streams (28.8 ms a step before any
 prefill), and decode-only, with 16 instances decoding, held 64 (17.6 ms). With
-spilling prefillers the same run met the SLO for 99% of requests instead of 78%.
+spilling prefillers that row's goodput went from x4 to x8 (95.7% of requests within
+the SLO at x8), and Mooncake's on 8:8 from x0.841 to x1.09. A spill costs the
+decoder the warm prefix a P/D transfer would have left there: shared-prefix with 400
+requests on 12:4 lost a step to it (benchmarks/README, "The current matrix").
 Without a spilling pool nothing here applies, and the decisions are the ones below.
 
 A decoder whose wait leaves room in its share keeps ``u`` when ``u / rate_d`` is
