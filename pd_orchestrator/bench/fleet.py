@@ -121,8 +121,8 @@ class FleetSpec:
 
     def spilling(self) -> FleetSpec:
         """The same instances, every prefiller's pool spilling: a prefiller also serves
-        whole requests a threshold policy sends it (``goodput``, when the decoders are
-        crowded); P/D prefills still go there."""
+        whole requests a threshold policy sends it (``goodput``, when a decoder is
+        crowded or queued); P/D prefills still go there."""
         instances = tuple(
             replace(i, spill=True) if i.role is Role.PREFILL else i for i in self.instances
         )

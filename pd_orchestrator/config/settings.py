@@ -223,8 +223,8 @@ class PoolConfig(_Strict):
         default=False,
         description="a prefill pool whose instances also serve whole requests (their "
         "connector serves their own requests too, such as NIXL with kv_role kv_both): "
-        "the goodput policy may send a decode-first request here when the decoders are "
-        "crowded",
+        "the goodput policy may send a decode-first request here when its decoder is "
+        "crowded or queued",
     )
     endpoints: Annotated[list[EndpointConfig], Field(min_length=1)]
 

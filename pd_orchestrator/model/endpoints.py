@@ -37,7 +37,7 @@ class Endpoint:
     ``authorization``: the ``Authorization`` value its legs carry instead of the
     client's (from the pool's ``api_key``), never printed. ``spill``: a prefiller that
     also serves whole requests (its pool's ``spill``): a threshold policy may send a
-    decode-first request there, at threshold 0, when the decoders are crowded."""
+    decode-first request there, at threshold 0, when its decoder is crowded or queued."""
 
     name: str
     url: str

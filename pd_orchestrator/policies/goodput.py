@@ -97,9 +97,9 @@ with one more stream is shorter than the decoder's or, for a queued decoder, it
 answers before the decoder's queue would start the prompt; ties go to the shorter
 step. The decision names it; the planner puts it first (reason ``spill``). Moving a
 prefill P/D gives a crowded decoder back compute, not its streams: on shared-prefix
-with 1024 requests on 8:8 H200 at x4.76 the decoders were 81% busy and the
-prefillers 35%, each decoder held about 128 streams (28.8 ms a step before any
-prefill), and decode-only, with 16 instances decoding, held 64 (17.6 ms). With
+with 1024 requests on 8:8 H200 at x4 each decoder held about 128 streams (28.8 ms a
+step before any prefill), where decode-only, with 16 instances decoding, held 64
+(17.6 ms); at x4.76 the decoders were 81% busy and the prefillers 35%. With
 spilling prefillers that row's goodput went from x4 to x8 (95.7% of requests within
 the SLO at x8), and Mooncake's on 8:8 from x0.841 to x1.09. A spill costs the
 decoder the warm prefix a P/D transfer would have left there: shared-prefix with 400
@@ -392,9 +392,9 @@ class GoodputPolicy:
 
     def spill_target(self, context: ThresholdContext, model: PoolModel, wait: float) -> str | None:
         """The prefiller that serves the request whole (module docstring, **spill**), or
-        None: no compatible prefiller spills, the decoder is neither crowded nor queued,
+        None: no healthy compatible prefiller spills, the decoder is neither crowded nor queued,
         or none takes it sooner or with a shorter step within the TTFT target."""
-        spills = [c for c in context.prefillers if c.endpoint.spill]
+        spills = [c for c in context.prefillers if c.endpoint.spill and c.healthy]
         if not spills:
             return None
         p, tokens = self.params, context.prompt_tokens

@@ -428,6 +428,8 @@ def test_a_crowded_decoder_spills_the_prompt_whole_to_a_prefiller_that_serves_wh
 
     # 150 streams of 4k tokens step past the goal: the stream goes where 10 decode
     assert decide(crowded, spilling) == ThresholdDecision(0.0, "goodput", "spill", decoder="p0")
+    # never to one out of rotation
+    assert decide(crowded, replace(spilling, healthy=False)).decoder is None
     # a prefiller whose pool does not spill: the prompt goes P/D and the stream stays
     assert decide(crowded, _h200("p0", Role.PREFILL)).reason == "stall"
     # a quiet decoder keeps it
