@@ -390,35 +390,40 @@ class GoodputPolicy:
         per_stream = (self.prompt_mean or prompt) + self.output_tokens() / 2
         return model.profile.step_seconds(round(streams * per_stream), streams, 0.0)
 
-    def spill_target(self, context: ThresholdContext, model: PoolModel, wait: float) -> str | None:
+    def spill_target(
+        self, context: ThresholdContext, model: PoolModel, wait: float, *, queued: bool
+    ) -> str | None:
         """The prefiller that serves the request whole (module docstring, **spill**), or
-        None: no healthy compatible prefiller spills, the decoder is neither crowded nor queued,
-        or none takes it sooner or with a shorter step within the TTFT target."""
+        None: no healthy compatible prefiller spills, the decoder is neither crowded nor
+        ``queued`` (its ``wait`` spends ``ttft * slack``), or none takes it sooner or
+        with a shorter step within the TTFT target."""
         spills = [c for c in context.prefillers if c.endpoint.spill and c.healthy]
         if not spills:
             return None
         p, tokens = self.params, context.prompt_tokens
         step = self._stream_step(model, tokens, _streams(context.decoder) + 1)
-        queued = wait + p.hop >= p.ttft * p.slack
         if not queued and step <= p.tpot * p.tpot_goal:
             return None
         best: tuple[tuple[float, float], str] | None = None
         for candidate in spills:
-            ttft = self._spilled_ttft(context, candidate)
+            pool = self._pool(candidate.endpoint)
+            ttft = self._spilled_ttft(context, candidate, pool)
             if ttft + p.hop > p.ttft:
                 continue
-            own = self._stream_step(self._pool(candidate.endpoint), tokens, _streams(candidate) + 1)
+            own = self._stream_step(pool, tokens, _streams(candidate) + 1)
             if own < step or (queued and ttft < wait):
                 key = (ttft, own)
                 if best is None or key < best[0]:
                     best = (key, candidate.endpoint.name)
         return None if best is None else best[1]
 
-    def _spilled_ttft(self, context: ThresholdContext, prefiller: Candidate) -> float:
-        """Seconds before ``prefiller`` would answer the request served whole there: its
-        queued prefill, then the prompt less what it holds of it (by the prefix index
-        when the planner has one, else by its hit rate)."""
-        pool, tokens = self._pool(prefiller.endpoint), context.prompt_tokens
+    def _spilled_ttft(
+        self, context: ThresholdContext, prefiller: Candidate, pool: PoolModel
+    ) -> float:
+        """Seconds before ``prefiller`` (of ``pool``) would answer the request served
+        whole there: its queued prefill, then the prompt less what it holds of it (by the
+        prefix index when the planner has one, else by its hit rate)."""
+        tokens = context.prompt_tokens
         hit = self.hit_rate(prefiller) or 0.0
         cached = context.cached_on(prefiller.endpoint) if context.cached_on else None
         uncached = tokens * (1.0 - hit) if cached is None else tokens - cached
@@ -438,10 +443,10 @@ class GoodputPolicy:
         share = _queue_share(hit, cached, tokens)
         uncached = tokens - cached if cached is not None else tokens * (1.0 - share)
         wait = self._queued(context.decoder, tokens, model, share)
-        spill = self.spill_target(context, model, wait)
+        room = p.ttft * p.slack - wait - p.hop
+        spill = self.spill_target(context, model, wait, queued=room <= 0.0)
         if spill is not None:
             return ThresholdDecision(0.0, self.name, "spill", decoder=spill)
-        room = p.ttft * p.slack - wait - p.hop
         dedicated = any(not c.endpoint.role.decodes for c in context.prefillers)
         if room <= 0.0:
             local = wait + uncached / model.rate_local

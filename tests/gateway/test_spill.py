@@ -47,12 +47,16 @@ async def test_goodput_serves_a_stream_whole_on_a_spilling_prefiller_when_decode
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "ignore_eos": True}
     first = await call(gateway.url, "completion", body | {"stream": True})
     assert first.status == 200 and first.headers["x-pd-decoder"] == "decode-0"
+    # A whole answer first: it times no stream on the prefiller, so the prefiller's step
+    # stays below the decoder's for the streamed one after it (without a hardware
+    # profile a step is the pool's observed ITL, and two timed streams would tie at
+    # random).
+    whole = await call(gateway.url, "completion", body)
+    assert whole.status == 200 and whole.headers["x-pd-decoder"] == "prefill-0"
     second = await call(gateway.url, "completion", body | {"stream": True})
     assert second.status == 200 and second.decision == "decode"
     assert second.headers["x-pd-decoder"] == "prefill-0"
     assert "x-pd-prefiller" not in second.headers  # served whole: no P/D leg
-    whole = await call(gateway.url, "completion", body)  # a whole answer takes that path too
-    assert whole.status == 200 and whole.headers["x-pd-decoder"] == "prefill-0"
     expected = await call(reference.url, "completion", body)
     assert first.text == second.text == whole.text == expected.text
     text = await metrics_text(gateway.url)
