@@ -61,9 +61,13 @@ class _Timing:
 
     @property
     def itl(self) -> float | None:
+        """Mean seconds between content chunks after the first, as the client saw them;
+        None when no content came after the first write (a whole answer, or a stream
+        written at once): a span of zero times nothing, and would read as ITL 0."""
         if not self._gaps or self.ttft is None:
             return None
-        return (self._last - self.arrival - self.ttft) / self._gaps
+        span = self._last - self.arrival - self.ttft
+        return span / self._gaps if span > 0.0 else None
 
 
 class Renderer(Protocol):
