@@ -156,22 +156,21 @@ class PrefillRanking:
         self._pairs = pairs
         self._connector_pairs = connector_pairs
         self._named = named
-        self._cache: dict[tuple[str, str], tuple[Endpoint, ...]] = {}
+        self._cache: dict[tuple[str, str, str], tuple[Endpoint, ...]] = {}
 
     def for_decoder(self, decoder: Endpoint) -> tuple[Endpoint, ...]:
         """Prefillers whose KV can reach ``decoder``, best first (may be empty); never
-        ``decoder`` itself (an endpoint of role ``both`` does not prefill for itself)."""
-        key = compatibility_class(decoder)
+        ``decoder`` itself (an endpoint that also prefills does not prefill for itself,
+        so its ranking is its own, not its class's)."""
+        key = (*compatibility_class(decoder), decoder.name if decoder.role.prefills else "")
         ranked = self._cache.get(key)
         if ranked is None:
             if self._named is not None:
-                ranked = self._named
+                ranked = tuple(e for e in self._named if e.name != decoder.name)
             else:
                 request = _for_prefill(self._routing, decoder, self._pairs, self._connector_pairs)
                 ranked = self._profile.run(request, self._candidates).endpoints
             self._cache[key] = ranked
-        if decoder.role.prefills:
-            return tuple(e for e in ranked if e.name != decoder.name)
         return ranked
 
 
@@ -322,10 +321,6 @@ class Planner:
             cache_salt=fields.cache_salt,
             sequence=ordinal,
         )
-        ranking = self.profiles.decode.run(routing, decoders_in)
-        if ranking.pick is None:
-            raise NoCandidateError(_why("decoder", ranking))
-        decoders = ranking.endpoints
         prefillers = PrefillRanking(
             self.profiles.prefill,
             routing,
@@ -335,15 +330,17 @@ class Planner:
             facts.prefillers,
         )
         tokens = self._prompt_tokens(facts)
-        decoder = ranking.pick.candidate
-        continuable = facts.continuable or (
-            facts.resumable and self._resumes(decoder, decoders_in, prefillers, prefillers_in)
-        )
-        threshold = self._threshold(
-            facts, decoder, decoders_in, prefillers, prefillers_in, now, tokens, continuable,
-            ranking=ranking, routing=routing,
+        choose = partial(
+            self._choose, facts, routing,
+            decoders=decoders_in, prefillers=prefillers, prefillers_in=prefillers_in, tokens=tokens,
         )  # fmt: skip
-        decoders = _leading(decoders, threshold, prefillers_in)
+        ranking = self._ranking(facts, routing, decoders_in, prefillers_in)
+        decoder, continuable, threshold = choose(ranking)
+        if decoder.endpoint.spill and threshold.value != 0.0:
+            # the spilling prefiller the routing picked does not take it: decoders only
+            ranking = self.profiles.decode.run(routing, decoders_in)
+            decoder, continuable, threshold = choose(ranking)
+        decoders = _leading(_decoding(ranking, decoder), threshold, prefillers_in)
         width = self._adaptive(routing, decoders, candidates, threshold.value)
         return Plan(
             decoders=decoders,
@@ -358,6 +355,59 @@ class Planner:
             width=width,
             continuable=continuable,
         )
+
+    def _ranking(
+        self,
+        facts: RequestFacts,
+        routing: RoutingRequest,
+        decoders: tuple[Candidate, ...],
+        prefillers: tuple[Candidate, ...],
+    ) -> RoutingResult:
+        """The decode profile's ranking of the ``decoders``, with the spilling
+        ``prefillers`` ranked beside them (:meth:`_spills`)."""
+        spills = self._spills(facts, prefillers)
+        if not spills:
+            return self.profiles.decode.run(routing, decoders)
+        # the role filter keeps every candidate for a request of role ``both``
+        return self.profiles.decode.run(replace(routing, role=Role.BOTH), (*decoders, *spills))
+
+    def _spills(
+        self, facts: RequestFacts, prefillers: tuple[Candidate, ...]
+    ) -> tuple[Candidate, ...]:
+        """The prefillers whose pool spills, ranked with the decoders: only when a policy
+        reads them (``reads_spill``), for decode-first, and for a request that names no
+        prefillers of its own."""
+        resolver = self.threshold
+        if resolver is None or not resolver.reads_spill:
+            return ()
+        if self.width is not None or facts.prefillers is not None:
+            return ()
+        return tuple(c for c in prefillers if c.endpoint.spill)
+
+    def _choose(
+        self,
+        facts: RequestFacts,
+        routing: RoutingRequest,
+        ranking: RoutingResult,
+        *,
+        decoders: tuple[Candidate, ...],
+        prefillers: PrefillRanking,
+        prefillers_in: tuple[Candidate, ...],
+        tokens: int,
+    ) -> tuple[Candidate, bool, ThresholdDecision]:
+        """The ranking's pick, whether a continuation honours the request there, and the
+        threshold for it; :class:`NoCandidateError` when the ranking is empty."""
+        if ranking.pick is None:
+            raise NoCandidateError(_why("decoder", ranking))
+        decoder = ranking.pick.candidate
+        continuable = facts.continuable or (
+            facts.resumable and self._resumes(decoder, decoders, prefillers, prefillers_in)
+        )
+        threshold = self._threshold(
+            facts, decoder, decoders, prefillers, prefillers_in, routing.now, tokens, continuable,
+            ranking=ranking, routing=routing,
+        )  # fmt: skip
+        return decoder, continuable, threshold
 
     def _prompt_tokens(self, facts: RequestFacts) -> int:
         """The prompt's tokens: counted, or estimated from its characters."""
@@ -516,7 +566,18 @@ def _peers(ranking: RoutingResult) -> tuple[Candidate, ...]:
     compatibility class), in ranking order, with their load."""
     pick, *rest = ranking.ranked
     kind = compatibility_class(pick.endpoint)
-    return tuple(s.candidate for s in rest if compatibility_class(s.endpoint) == kind)
+    return tuple(
+        s.candidate
+        for s in rest
+        if s.endpoint.role.decodes and compatibility_class(s.endpoint) == kind
+    )
+
+
+def _decoding(ranking: RoutingResult, pick: Candidate) -> tuple[Endpoint, ...]:
+    """The ranked endpoints that decode, best first, led by ``pick`` when it is a spilling
+    prefiller (ranked beside them, it serves the request whole)."""
+    decoders = tuple(e for e in ranking.endpoints if e.role.decodes)
+    return (pick.endpoint, *decoders) if pick.endpoint.spill else decoders
 
 
 def _leading(

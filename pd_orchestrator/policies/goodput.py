@@ -265,6 +265,7 @@ class GoodputPolicy:
     reads_prefillers: ClassVar[bool] = True
     reads_peers: ClassVar[bool] = True
     reads_cache: ClassVar[bool] = True
+    reads_spill: ClassVar[bool] = True
     bounds: ClassVar[tuple[float, float]] = (0.0, 1.0)
     pools: dict[str, PoolModel] = field(default_factory=dict)
     duty: dict[str, DutyCycle] = field(default_factory=dict)
@@ -433,10 +434,24 @@ class GoodputPolicy:
         tokens = context.prompt_tokens
         if tokens <= 0:
             return ThresholdDecision(0.0, self.name, "local")
+        decision, kept = self._decide(context)
+        picked = context.decoder.endpoint
+        if picked.spill:  # the routing's pick is a spilling prefiller (**routed spill**)
+            if decision.reason != "local":
+                return ThresholdDecision(1.0, self.name, "declined")
+            decision = ThresholdDecision(0.0, self.name, "spill", decoder=picked.name)
+        if kept is not None:
+            self._keep(context, kept)
+        return decision
+
+    def _decide(self, context: ThresholdContext) -> tuple[ThresholdDecision, float | None]:
+        """The decision for ``context``'s decoder, and the uncached tokens it keeps if it
+        keeps the prompt (None: it does not); the caller counts them (:meth:`_keep`)."""
+        tokens = context.prompt_tokens
         model = self._pool(context.decoder.endpoint)
         remote = self.remote_ttft(context, model)
         if remote is None:
-            return ThresholdDecision(0.0, self.name, "no-prefiller")
+            return ThresholdDecision(0.0, self.name, "no-prefiller"), None
         p = self.params
         hit = self.hit_rate(context.decoder)
         cached = context.cached_tokens
@@ -446,28 +461,26 @@ class GoodputPolicy:
         room = p.ttft * p.slack - wait - p.hop
         spill = self.spill_target(context, model, wait, queued=room <= 0.0)
         if spill is not None:
-            return ThresholdDecision(0.0, self.name, "spill", decoder=spill)
+            return ThresholdDecision(0.0, self.name, "spill", decoder=spill), None
         dedicated = any(not c.endpoint.role.decodes for c in context.prefillers)
         if room <= 0.0:
             local = wait + uncached / model.rate_local
             known = hit is not None or cached is not None
             if dedicated and self._drains(local, remote, known=known):
-                return ThresholdDecision(
-                    1.0, self.name, "drain", decoder=self.soonest(context, wait)
-                )
-            self._keep(context, uncached)
-            return ThresholdDecision(0.0, self.name, "queued")
+                peer = self.soonest(context, wait)
+                return ThresholdDecision(1.0, self.name, "drain", decoder=peer), None
+            return ThresholdDecision(0.0, self.name, "queued"), uncached
         by_ttft = self._ttft_limit(model, wait, remote, dedicated)
         # a real alternative to a stall: a prefiller that does not decode, in time
         sure = dedicated and wait + remote <= p.ttft * p.slack
         by_stall = self.stall_limit(context, model) if sure else math.inf
         keep = min(by_ttft, by_stall)
-        if uncached <= keep:
-            self._keep(context, uncached)
+        kept = uncached if uncached <= keep else None
         if keep >= tokens:
-            return ThresholdDecision(0.0, self.name, "local")
+            return ThresholdDecision(0.0, self.name, "local"), kept
         reason = "stall" if by_stall < by_ttft else "cost-model"
-        return ThresholdDecision(clamp_ratio(1.0 - (keep + 0.5) / tokens), self.name, reason)
+        value = clamp_ratio(1.0 - (keep + 0.5) / tokens)
+        return ThresholdDecision(value, self.name, reason), kept
 
     def _ttft_limit(self, model: PoolModel, wait: float, remote: float, dedicated: bool) -> float:
         """The most uncached tokens the decoder keeps for the TTFT target. With a

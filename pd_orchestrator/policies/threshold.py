@@ -45,7 +45,9 @@ class ThresholdResolver:
     ``reads_peers``: likewise for the chosen decoder's peers
     (:attr:`~pd_orchestrator.policies.base.ThresholdContext.peers`); ``reads_cache``:
     for the decoder's cached prefix of the prompt
-    (:attr:`~pd_orchestrator.policies.base.ThresholdContext.cached_tokens`).
+    (:attr:`~pd_orchestrator.policies.base.ThresholdContext.cached_tokens`);
+    ``reads_spill``: for the routing's pick when spilling prefillers rank with the
+    decoders (:attr:`~pd_orchestrator.policies.base.ThresholdContext.spill_pick`).
     """
 
     policy: ThresholdPolicy
@@ -55,12 +57,14 @@ class ThresholdResolver:
     reads_prefillers: bool = field(init=False, default=False)
     reads_peers: bool = field(init=False, default=False)
     reads_cache: bool = field(init=False, default=False)
+    reads_spill: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         tree = _tree(self.policy)
         self.reads_prefillers = any(getattr(p, "reads_prefillers", False) for p in tree)
         self.reads_peers = any(getattr(p, "reads_peers", False) for p in tree)
         self.reads_cache = any(getattr(p, "reads_cache", False) for p in tree)
+        self.reads_spill = any(getattr(p, "reads_spill", False) for p in tree)
 
     def estimate_tokens(self, model: str, chars: int) -> int:
         """The prompt's tokens, estimated from its characters (see the estimator)."""

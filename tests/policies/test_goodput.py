@@ -468,3 +468,30 @@ def test_a_queued_decoder_spills_to_a_prefiller_that_starts_the_prompt_sooner() 
     assert late.reason == "drain" and late.value == 1.0 and late.decoder is None
     # a decoder with room in its share keeps its prompt
     assert decide(decoder(), spilling()).reason == "local"
+
+
+def test_a_spilling_prefiller_the_routing_picks_serves_the_prompt_whole_if_it_would_keep_it() -> (
+    None
+):
+    def spilling(backlog: int = 0) -> Candidate:
+        endpoint = Endpoint("p0", "http://p0:1", Role.PREFILL, "h200", pool="prefill",
+                            spill=True)  # fmt: skip
+        return Candidate(endpoint, True, 0, None, backlog)
+
+    def picked(pick: Candidate, held: int) -> tuple[GoodputPolicy, ThresholdDecision]:
+        policy = _policy()
+        policy.pools["prefill"] = PoolModel(RATE, RATE)
+        asked = context(tokens=4_000, cached=held, dec=pick, prefillers=(prefiller("p1"),))
+        return policy, policy.decide(asked)
+
+    # the routing picked p0, which holds 3,500 of the 4,000 tokens: 50 ms of prefill there
+    policy, decision = picked(spilling(), 3_500)
+    assert decision == ThresholdDecision(0.0, "goodput", "spill", decoder="p0")
+    # the 500 tokens it prefills count in its duty cycle
+    assert policy.duty["p0"].tokens == pytest.approx(500)
+    # holding none of it, 0.4 s of prefill there still meets the target
+    assert picked(spilling(), 0)[1].decoder == "p0"
+    # its queue spends the target (1 s of prefill ahead): it declines the request (the
+    # planner then ranks the decoders alone), and its duty cycle counts nothing
+    policy, decision = picked(spilling(backlog=10_000), 0)
+    assert decision == ThresholdDecision(1.0, "goodput", "declined") and not policy.duty

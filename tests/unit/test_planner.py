@@ -12,7 +12,7 @@ from pd_orchestrator.config.settings import AskAllFallbackConfig
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.load import Candidate, LoadSnapshot
 from pd_orchestrator.planner.choices import pick_fallback
-from pd_orchestrator.planner.plan import NoCandidateError, Planner, RequestFacts
+from pd_orchestrator.planner.plan import NoCandidateError, Planner, PrefillRanking, RequestFacts
 from pd_orchestrator.policies.base import ThresholdContext, ThresholdDecision
 from pd_orchestrator.policies.plugins import builtin_registry
 from pd_orchestrator.policies.threshold import ThresholdResolver
@@ -371,6 +371,73 @@ def test_a_prompt_served_whole_on_a_spilling_prefiller_leads_the_plan_with_it() 
     # a prefiller whose pool does not spill is never a decoder, whatever a policy names
     plain = _planner(policy=_Spill("hp0")).plan(_request(), candidates, 0.0, 0)
     assert plain.decoder.name == "hd0" and all(e.role.decodes for e in plain.decoders)
+
+
+def test_an_endpoint_that_also_prefills_is_a_prefiller_for_the_others_of_its_class() -> None:
+    both = [_endpoint(f"hb{i}", Role.BOTH, "nvidia") for i in range(3)]
+    profile = build_profiles(RoutingConfig(), builtin_registry()).prefill
+    ranking = PrefillRanking(
+        profile, RoutingRequest(Role.DECODE, 0.0), tuple(Candidate(e) for e in both),
+        frozenset(), frozenset(), None,
+    )  # fmt: skip
+    # each ranking leaves out its own decoder only: the class's first ranking, worked
+    # out for hb0, does not stand for hb1's
+    for endpoint in both:
+        assert {e.name for e in ranking.for_decoder(endpoint)} == {
+            e.name for e in both if e is not endpoint
+        }
+
+
+class _Whole(_Fixed):
+    """A policy that reads spill: a spilling prefiller it is asked about serves the
+    request whole (0) when ``takes``, else declines it (1); a decoder gets 0.5."""
+
+    reads_spill = True
+
+    def __init__(self, takes: bool) -> None:
+        super().__init__(reads_peers=True)
+        self.takes = takes
+
+    def decide(self, context: ThresholdContext) -> ThresholdDecision:
+        self.seen.append(context)
+        if not context.decoder.endpoint.spill:
+            return ThresholdDecision(0.5, "static", "fixed")
+        if self.takes:
+            return ThresholdDecision(0.0, "goodput", "spill")
+        return ThresholdDecision(1.0, "goodput", "declined")
+
+
+def test_spilling_prefillers_rank_beside_the_decoders_for_a_policy_that_reads_them() -> None:
+    spilling = _endpoint("hp1", Role.PREFILL, "nvidia", spill=True)
+    fleet = (*FLEET, spilling)
+    candidates = [Candidate(e, in_flight=0 if e is spilling else 2) for e in fleet]
+    decoders = {"hd0", "hd1", "ad0"}
+    takes = _Whole(takes=True)
+    plan = _planner(policy=takes).plan(_request(), candidates, 0.0, 0)
+    # the least busy is the spilling prefiller: the policy is asked about it, and it
+    # serves the request whole, the ranked decoders after it
+    [seen] = takes.seen
+    assert seen.decoder.endpoint is spilling
+    assert {c.endpoint.name for c in seen.peers} <= decoders  # never another prefiller
+    assert plan.decoder is spilling and plan.asked[0] is spilling
+    assert plan.threshold.value == 0.0
+    assert {e.name for e in plan.decoders[1:]} == decoders
+    # it declines: the decoders alone are ranked, and the policy decides for their pick
+    declines = _Whole(takes=False)
+    plan = _planner(policy=declines).plan(_request(), candidates, 0.0, 0)
+    first, then = declines.seen
+    assert first.decoder.endpoint is spilling and then.decoder.endpoint is plan.decoder
+    assert plan.threshold.value == 0.5 and {e.name for e in plan.decoders} == decoders
+    # a policy that does not read them, and ask-all, never see a prefiller ranked
+    plain = _Fixed()
+    plan = _planner(policy=plain).plan(_request(), candidates, 0.0, 0)
+    assert {e.name for e in plan.decoders} == decoders
+    assert all(c.decoder.endpoint.role.decodes for c in plain.seen)
+    wide = _Whole(takes=True)
+    resolver = ThresholdResolver(wide)  # type: ignore[arg-type]
+    profiles = build_profiles(RoutingConfig(), builtin_registry())
+    plan = Planner(profiles, resolver, width="all").plan(_request(), candidates, 0.0, 0)
+    assert {e.name for e in plan.decoders} == decoders
 
 
 def test_ask_all_and_a_policy_that_reads_no_peers_see_none() -> None:
