@@ -8,7 +8,12 @@ returns a :class:`Plan`:
 1. **Decoders**, ranked by the decode profile (filters, weighted scorers, picker):
    the first is asked first; the rest are where a failed attempt, an ask-all
    fan-out or a continuation goes, in that order.
-   Each profile sees the endpoints of its role only.
+   Each profile sees the endpoints of its role only, with one exception: for a
+   threshold policy that declares ``reads_spill`` (decode-first, a request that
+   names no prefillers), the decode profile also ranks the prefillers whose pool
+   spills. When it picks one, the policy decides for it as for a decoder: a
+   decision of 0 serves the request whole there (the ranked decoders after it, for
+   a failed attempt); any other sends the planner back to rank the decoders alone.
 2. **Fan-out**: the decoders the attempt asks (``asked``): all of them in turn for
    decode-first (one at a time; the next only if one cannot be reached), the top
    ``width`` at once for ask-all, or with ``width: adaptive`` the decoders likely to

@@ -478,10 +478,12 @@ def test_a_spilling_prefiller_the_routing_picks_serves_the_prompt_whole_if_it_wo
                             spill=True)  # fmt: skip
         return Candidate(endpoint, True, 0, None, backlog)
 
-    def picked(pick: Candidate, held: int) -> tuple[GoodputPolicy, ThresholdDecision]:
+    def picked(
+        pick: Candidate, held: int, others: tuple[Candidate, ...] = (prefiller("p1"),)
+    ) -> tuple[GoodputPolicy, ThresholdDecision]:
         policy = _policy()
         policy.pools["prefill"] = PoolModel(RATE, RATE)
-        asked = context(tokens=4_000, cached=held, dec=pick, prefillers=(prefiller("p1"),))
+        asked = context(tokens=4_000, cached=held, dec=pick, prefillers=others)
         return policy, policy.decide(asked)
 
     # the routing picked p0, which holds 3,500 of the 4,000 tokens: 50 ms of prefill there
@@ -495,3 +497,6 @@ def test_a_spilling_prefiller_the_routing_picks_serves_the_prompt_whole_if_it_wo
     # planner then ranks the decoders alone), and its duty cycle counts nothing
     policy, decision = picked(spilling(backlog=10_000), 0)
     assert decision == ThresholdDecision(1.0, "goodput", "declined") and not policy.duty
+    # the only prefiller: no remote path to weigh, so it takes what its queue has room for
+    assert picked(spilling(), 0, others=())[1].decoder == "p0"
+    assert picked(spilling(backlog=10_000), 0, others=())[1].reason == "declined"
