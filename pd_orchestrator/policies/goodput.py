@@ -103,7 +103,7 @@ step before any prefill), where decode-only, with 16 instances decoding, held 64
 spilling prefillers that row's goodput went from x4 to x8 (95.7% of requests within
 the SLO at x8), and Mooncake's on 8:8 from x0.841 to x1.09. A spill costs the
 decoder the warm prefix a P/D transfer would have left there: shared-prefix with 400
-requests on 12:4 lost a step to it (benchmarks/README, "The current matrix").
+requests on 12:4 lost a step to it (benchmarks/README, "The spill matrix").
 Without a spilling pool nothing here applies, and the decisions are the ones below.
 
 **routed spill**: with a spilling pool the policy also reads where the decode routing
@@ -123,9 +123,12 @@ moved a request only once its decoder was already crowded, to a prefiller that
 mostly lacked its prefix. A prompt a prefiller would not take whole (a long uncached
 prompt, a queue past the target) still goes decode-first to a decoder, so the prefill
 pool stays free for P/D where P/D pays (Mooncake). Measured on shared-prefix with
-1024 requests on 8:8 H200 at x9.51: 95.3% of requests within the SLO (decode-only
-92.7%, the crowded-or-queued rule alone 86.1%); on Mooncake on 8:8 (four windows) at
-x1.09: 76.8% (75.6% without).
+1024 requests on 8:8 H200 at x9.51: 95.6% of requests within the SLO (decode-only
+92.7%, the crowded-or-queued rule alone 84.9%); on Mooncake on 8:8 (four windows) at
+x1.09: 76.3% (75.1% without). It still costs a burst on the mixed fleet, where its
+requests and the drains land on the same two prefillers of a group, and a step of
+Mooncake on 12:4, where four prefillers serve P/D for twelve decoders
+(benchmarks/README, "The current matrix").
 
 A decoder whose wait leaves room in its share keeps ``u`` when ``u / rate_d`` is
 within ``max(remote, ttft * slack - wait)`` (local costs the fleet less whenever it
