@@ -57,9 +57,9 @@ class ThresholdContext:
     is its latest fresh reading, None when stale or never read). For a policy that
     declares ``reads_spill`` it may be a prefiller whose pool spills, which the
     decode routing ranked beside the decoders: a decision of 0 serves the request
-    whole there, any other declines it (the planner then asks about a decoder). ``prompt_tokens``:
-    the prompt's length in tokens, exact or estimated from ``prompt_chars``
-    (:class:`~pd_orchestrator.policies.estimator.PromptLengthEstimator`).
+    whole there, any other declines it (the planner then asks about a decoder).
+    ``prompt_tokens``: the prompt's length in tokens, exact or estimated from
+    ``prompt_chars`` (:class:`~pd_orchestrator.policies.estimator.PromptLengthEstimator`).
     ``prefillers``: the prefillers whose KV can reach the decoder, with their
     readings (empty: none is known). ``client_threshold``: the request's own
     ``cache_hit_threshold``, if any. ``now``: the caller's clock, the one load

@@ -115,8 +115,8 @@ for it as for a decoder: if it would prefill the whole prompt itself (reason
 ``local``: its wait leaves room in its share, and the prompt less what it holds fits
 the TTFT and stall limits; with no other prefiller, whenever its wait leaves room)
 it serves the request whole (threshold 0, reason ``spill``, counted in its duty
-cycle); otherwise the policy answers 1 (reason
-``declined``) and the planner ranks the decoders alone and asks again for their pick.
+cycle); otherwise the policy answers 1 (reason ``declined``) and the planner ranks
+the decoders alone and asks again for their pick.
 This is what the crowded-or-queued rule lacked: the routing spreads a burst and its
 prefixes over every instance that decodes from the first request, where that rule
 moved a request only once its decoder was already crowded, to a prefiller that

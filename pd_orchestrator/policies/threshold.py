@@ -46,8 +46,9 @@ class ThresholdResolver:
     (:attr:`~pd_orchestrator.policies.base.ThresholdContext.peers`); ``reads_cache``:
     for the decoder's cached prefix of the prompt
     (:attr:`~pd_orchestrator.policies.base.ThresholdContext.cached_tokens`);
-    ``reads_spill``: for the routing's pick when spilling prefillers rank with the
-    decoders (:attr:`~pd_orchestrator.policies.base.ThresholdContext.spill_pick`).
+    ``reads_spill``: for a spilling prefiller as the context's decoder (the planner
+    then ranks the spilling prefillers beside the decoders; see
+    :attr:`~pd_orchestrator.policies.base.ThresholdContext.decoder`).
     """
 
     policy: ThresholdPolicy
