@@ -335,16 +335,16 @@ class Planner:
             facts.prefillers,
         )
         tokens = self._prompt_tokens(facts)
-        choose = partial(
-            self._choose, facts, routing,
-            decoders=decoders_in, prefillers=prefillers, prefillers_in=prefillers_in, tokens=tokens,
-        )  # fmt: skip
         ranking = self._ranking(facts, routing, decoders_in, prefillers_in)
-        decoder, continuable, threshold = choose(ranking)
+        decoder, continuable, threshold = self._choose(
+            facts, routing, ranking, decoders_in, prefillers, prefillers_in, tokens
+        )
         if decoder.endpoint.spill and threshold.value != 0.0:
             # the spilling prefiller the routing picked does not take it: decoders only
             ranking = self.profiles.decode.run(routing, decoders_in)
-            decoder, continuable, threshold = choose(ranking)
+            decoder, continuable, threshold = self._choose(
+                facts, routing, ranking, decoders_in, prefillers, prefillers_in, tokens
+            )
         decoders = _leading(_decoding(ranking, decoder), threshold, prefillers_in)
         width = self._adaptive(routing, decoders, candidates, threshold.value)
         return Plan(
@@ -394,7 +394,6 @@ class Planner:
         facts: RequestFacts,
         routing: RoutingRequest,
         ranking: RoutingResult,
-        *,
         decoders: tuple[Candidate, ...],
         prefillers: PrefillRanking,
         prefillers_in: tuple[Candidate, ...],
