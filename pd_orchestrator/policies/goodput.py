@@ -21,7 +21,14 @@ For the chosen decoder and a prompt of ``L`` tokens, ``u`` of them uncached ther
   A prefiller that also decodes (role ``both``) reports the hit rate of its own
   conversations, which the router keeps there; a prompt sent to it for P/D is another
   conversation's, so its hit rate takes its share off the backlog only:
-  ``(backlog_p * (1 - hit_p) + L) / rate_p``.
+  ``(backlog_p * (1 - hit_p) + L) / rate_p``. Where the planner has the prefix index,
+  the prompt's own share is what the index says the prefiller holds of it, not its
+  hit rate: a reading stands until another gives a hit rate, and one from a window of
+  re-asked documents (near 1) priced every later prompt there as free. Measured on
+  long-doc on 8:8 H200 at x0.0625, the estimate said 0.1 s for 30,000 uncached
+  tokens, and 66 of 240 requests went P/D (67.9% within the SLO; with the index's
+  count, 22 and 71.2%, decode-only's 71.2%; both with the other changes of the same
+  release).
 
 * **local**, beyond that wait: ``u / rate_d``. ``u`` is the prompt less what the
   decoder holds of it by the gateway's prefix index
@@ -64,9 +71,16 @@ starts soonest: the least prefill queued there (:meth:`GoodputPolicy.soonest`).
 Measured on the Mooncake trace (with the sample bound below), this moved mean
 attainment over nine rates from 76.0% to 78.4% on 12:4 H200, from 73.4% to 77.9% on
 8:8 and from 70.5% to 75.6% on the mixed fleet (decode-only: 76.1%, 73.4%, 72.5%).
-It drains only to a dedicated prefiller (role ``prefill``), and only when the remote
-path is the faster one (``remote <= wait + u / rate_d``) or the local path misses
-the target anyway (``wait + u / rate_d > ttft``). Before any reading gave
+It drains only to a dedicated prefiller (role ``prefill``), only to a remote path
+that meets the TTFT target (``remote <= ttft``), and only when that path is the
+faster one (``remote <= wait + u / rate_d``) or the local path misses the target
+anyway (``wait + u / rate_d > ttft``). A drain whose remote path misses too only
+moves the miss onto a prefiller whose other work (its P/D prefills, the requests it
+serves whole) then waits behind it: measured on shared-prefix with 400 requests on
+the mixed fleet at x16, where a group's two prefillers took 51 drains and 61 whole
+requests in the burst's first half-second, 43 of the drained and 34 of the whole
+requests missed TTFT (80.8% of requests within the SLO; with this condition, 97.2%).
+Before any reading gave
 the decoder's hit rate, and without the prefix index's count, the wait counts its
 whole backlog as uncached, an upper bound: then it drains only to a remote path
 that is faster and within ``ttft * slack``. Otherwise the prompt stays local
@@ -90,8 +104,14 @@ hardware profile (each stream of the mean prompt and half the mean output; witho
 profile, its pool's observed ITL), is past ``tpot * tpot_goal`` -- or *queued* (``wait
 + hop >= ttft * slack``) goes whole, at threshold 0, to the compatible spilling
 prefiller that answers soonest (:meth:`GoodputPolicy.spill_target`): its queued
-prefill and the prompt less what it holds of it (the prefix index's count for that
-prefiller when the planner has one, else its hit rate), at its rate. A prefiller
+prompts counted whole, and the prompt less what it holds of it (the prefix index's
+count for that prefiller when the planner has one, else its hit rate), at its rate.
+The queue counts whole, an upper bound, because the prefiller decodes the requests
+it serves whole while it prefills, which neither its rate nor its hit rate sees:
+measured on shared-prefix with 1024 requests on 12:4 H200 at x9.51 (second draw),
+the hit rate took the estimate of requests spilled to prefillers decoding 40-58
+streams to 0.4-0.6 s where they waited 1.0-1.4 s, and 71 of 162 missed TTFT. A
+prefiller
 takes it only when that answer is within the TTFT target, and either its own step
 with one more stream is shorter than the decoder's or, for a queued decoder, it
 answers before the decoder's queue would start the prompt; ties go to the shorter
@@ -111,12 +131,15 @@ would send the request if the spilling prefillers were decoders too
 (``reads_spill``): the planner ranks them beside the decoders, as a decode-only fleet
 ranks every instance (decode-first only, and only for a request that names no
 prefillers of its own). When that pick is a spilling prefiller, the policy decides
-for it as for a decoder: if it would prefill the whole prompt itself (reason
-``local``: its wait leaves room in its share, and the prompt less what it holds fits
-the TTFT and stall limits; with no other prefiller, whenever its wait leaves room)
-it serves the request whole (threshold 0, reason ``spill``, counted in its duty
-cycle); otherwise the policy answers 1 (reason ``declined``) and the planner ranks
-the decoders alone and asks again for their pick.
+for it as for a decoder: if it would keep the prompt (its wait leaves room in its
+share, and the prompt less what it holds is within what the TTFT and stall limits
+keep there, whatever the threshold; with no other prefiller, whenever its wait
+leaves room) it serves the request whole (threshold 0, reason ``spill``, counted in
+its duty cycle); otherwise -- its queue spends its share, or it would send the prompt
+P/D -- the policy answers 1 (reason ``declined``) and the planner ranks the decoders
+alone and asks again for their pick. A pick that holds a long prompt (a re-asked
+document) thus serves it, where the whole prompt's cost-model limit would have
+declined it to a decoder that holds none of it.
 This is what the crowded-or-queued rule lacked: the routing spreads a burst and its
 prefixes over every instance that decodes from the first request, where that rule
 moved a request only once its decoder was already crowded, to a prefiller that
@@ -326,8 +349,16 @@ class GoodputPolicy:
             return None
         tokens, p = context.prompt_tokens, self.params
         mean = self.prompt_mean or tokens
+        cached_on = context.cached_on
         prefill = min(
-            _remote_tokens(c, tokens, mean, self.hit_rate(c) or 0.0) for c in context.prefillers
+            _remote_tokens(
+                c,
+                tokens,
+                mean,
+                self.hit_rate(c) or 0.0,
+                None if cached_on is None else cached_on(c.endpoint),
+            )
+            for c in context.prefillers
         )
         return prefill / model.rate_remote + tokens / p.transfer_tokens_per_s + 3 * p.hop
 
@@ -448,13 +479,15 @@ class GoodputPolicy:
         self, context: ThresholdContext, prefiller: Candidate, pool: PoolModel
     ) -> float:
         """Seconds before ``prefiller`` (of ``pool``) would answer the request served
-        whole there: its queued prefill, then the prompt less what it holds of it (by the
-        prefix index when the planner has one, else by its hit rate)."""
+        whole there: its queued prompts counted whole (an upper bound: it decodes the
+        requests it serves whole meanwhile, which its hit rate does not see; module
+        docstring, **spill**), then the prompt less what it holds of it (by the prefix
+        index when the planner has one, else by its hit rate)."""
         tokens = context.prompt_tokens
         hit = self.hit_rate(prefiller) or 0.0
         cached = context.cached_on(prefiller.endpoint) if context.cached_on else None
         uncached = tokens * (1.0 - hit) if cached is None else tokens - cached
-        return self._queued(prefiller, tokens, pool, hit) + uncached / pool.rate_local
+        return self._queued(prefiller, tokens, pool, 0.0) + uncached / pool.rate_local
 
     def decide(self, context: ThresholdContext) -> ThresholdDecision:
         tokens = context.prompt_tokens
@@ -463,7 +496,7 @@ class GoodputPolicy:
         decision, kept = self._decide(context)
         picked = context.decoder.endpoint
         if picked.spill:  # the routing's pick is a spilling prefiller (**routed spill**)
-            if decision.reason != "local":
+            if kept is None or decision.reason == "queued":
                 return ThresholdDecision(1.0, self.name, "declined")
             decision = ThresholdDecision(0.0, self.name, "spill", decoder=picked.name)
         if kept is not None:
@@ -533,7 +566,7 @@ class GoodputPolicy:
         p = self.params
         if not known:
             return remote <= min(local, p.ttft * p.slack)
-        return remote <= local or local > p.ttft
+        return remote <= p.ttft and (remote <= local or local > p.ttft)
 
     def _keep(self, context: ThresholdContext, uncached: float) -> None:
         """Count ``uncached`` tokens the decoder keeps (the prompt less the decoder's hit
@@ -606,14 +639,21 @@ def _queue_share(hit: float | None, cached: int | None, tokens: int) -> float:
     return 0.0
 
 
-def _remote_tokens(candidate: Candidate, tokens: int, mean: float, hit: float) -> float:
+def _remote_tokens(
+    candidate: Candidate, tokens: int, mean: float, hit: float, cached: int | None
+) -> float:
     """Prompt tokens a prefiller computes before this one's first token, this one's
     included: its backlog or its request count (:func:`_outstanding`) times the mean
-    prompt, the larger, and ``tokens``; less its prefix-cache hit rate ``hit``."""
-    queued = max(candidate.backlog, _outstanding(candidate) * mean)
+    prompt, the larger, less its prefix-cache hit rate ``hit``; then the prompt less
+    what the prefix index says the prefiller holds of it (``cached``), else less ``hit``
+    too. A prefiller that also decodes computes the whole prompt (its hit rate is its
+    own conversations')."""
+    queued = max(candidate.backlog, _outstanding(candidate) * mean) * (1.0 - hit)
     if candidate.endpoint.role.decodes:
-        return queued * (1.0 - hit) + tokens
-    return (queued + tokens) * (1.0 - hit)
+        return queued + tokens
+    if cached is not None:
+        return queued + tokens - min(cached, tokens)
+    return queued + tokens * (1.0 - hit)
 
 
 def _streams(candidate: Candidate) -> int:

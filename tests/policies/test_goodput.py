@@ -57,6 +57,23 @@ def test_remote_ttft_is_the_best_prefiller_s_wait_prefill_and_transfer() -> None
     ) == pytest.approx((20_000 + 20_000) * 0.25 / RATE + 0.2)
 
 
+def test_the_prefix_index_s_count_on_a_prefiller_replaces_its_hit_rate_for_the_prompt() -> None:
+    policy = _policy()
+    # its last reading says nearly everything hit (a window of re-asked documents)
+    warm = prefiller("p0", reading=LoadSnapshot(0, 0, 0.0, 0.0, prefix_hit_rate=0.99))
+    model = policy.pools["decode"]
+    by_rate = context(tokens=20_000, prefillers=(warm,))
+    assert policy.remote_ttft(by_rate, model) == pytest.approx(20_000 * 0.01 / RATE + 0.2)
+    # the index says it holds none of this prompt: the whole prompt is prefilled there
+    cold = replace(by_rate, cached_on=lambda endpoint: 0)
+    assert policy.remote_ttft(cold, model) == pytest.approx(2.0 + 0.2)
+    # and 15,000 of its tokens: the other 5,000; the queue keeps the hit rate's share
+    queued = replace(warm, backlog=10_000)
+    held = context(tokens=20_000, prefillers=(queued,))
+    held = replace(held, cached_on=lambda endpoint: 15_000)
+    assert policy.remote_ttft(held, model) == pytest.approx((100 + 5_000) / RATE + 0.2)
+
+
 def test_local_wait_counts_the_uncached_work_queued_at_the_decoder() -> None:
     policy = _policy()
     policy.prompt_mean = 4000
@@ -159,16 +176,21 @@ def test_an_idle_decoder_keeps_what_meets_the_target_a_queued_one_drains() -> No
     assert decision.reason == "drain" and decision.value == 1.0  # P/D, no attempt
 
 
-def test_a_queued_decoder_drains_only_to_a_faster_path_or_when_it_misses_anyway() -> None:
+def test_a_queued_decoder_drains_only_to_a_path_that_meets_the_target() -> None:
     slow = (prefiller(backlog=30_000, reading=load()),)  # remote 3.5 s + 0.05 s transfer
     # wait 0.9 s (past the 0.8 s share) + 500 tokens 0.05 s: local may still meet 1 s
     read = LoadSnapshot(0, 0, 0.0, 0.0, prefix_hit_rate=0.0)
     near = decoder(backlog=9_000, reading=read)
     decision = _policy().decide(context(tokens=500, dec=near, prefillers=slow))
     assert decision.reason == "queued" and decision.value == 0.0
-    # wait 2 s + 0.5 s: lost locally, so it leaves the decoder's queue
+    # wait 2 s + 0.5 s: lost locally, but the remote path (3.55 s) is lost too, and a
+    # drain would only move the miss onto a prefiller whose other work then waits
     far = decoder(backlog=20_000, reading=read)
-    assert _policy().decide(context(tokens=5_000, dec=far, prefillers=slow)).reason == "drain"
+    assert _policy().decide(context(tokens=5_000, dec=far, prefillers=slow)).reason == "queued"
+    # a prefiller with 4,000 tokens queued answers in 0.95 s: the drain meets the target
+    near_prefiller = (prefiller(backlog=4_000, reading=load()),)
+    moved = _policy().decide(context(tokens=5_000, dec=far, prefillers=near_prefiller))
+    assert moved.reason == "drain" and moved.value == 1.0
     # the same queue with no hit rate ever read: 2 s is only an upper bound, and the
     # remote path (3.55 s) is no faster, so it stays
     unread = decoder(backlog=20_000)
@@ -462,10 +484,18 @@ def test_a_queued_decoder_spills_to_a_prefiller_that_starts_the_prompt_sooner() 
         return policy.decide(context(tokens=2_000, cached=0, dec=dec, prefillers=(prefiller,)))
 
     assert decide(queued, spilling()) == ThresholdDecision(0.0, "goodput", "spill", decoder="p0")
-    # a prefiller that would answer after the TTFT target (1.05 s): the prompt drains
-    # to it (1.07 s, against 2.2 s locally) and decodes on the decoder, as before
+    # a prefiller that would answer after the TTFT target (1.05 s): nor would a drain
+    # to it meet the target (1.07 s, against 2.2 s locally), so the prompt waits
     late = decide(queued, spilling(8_500))
-    assert late.reason == "drain" and late.value == 1.0 and late.decoder is None
+    assert late.reason == "queued" and late.value == 0.0
+    # with 6,000 tokens queued there it answers the whole request in 0.8 s
+    assert decide(queued, spilling(6_000)).decoder == "p0"
+    # served whole, its queue counts whole whatever its hit rate (it decodes what it
+    # serves whole meanwhile): with a 90% hit rate read, 9,900 tokens queued are 0.99 s,
+    # and the request is not served there; a P/D prefill there (0.14 s at that hit
+    # rate) drains the decoder instead
+    warm = replace(spilling(9_900), load=LoadSnapshot(0, 0, 0.0, 0.0, prefix_hit_rate=0.9))
+    assert decide(queued, warm).reason == "drain"
     # a decoder with room in its share keeps its prompt
     assert decide(decoder(), spilling()).reason == "local"
 
@@ -500,3 +530,14 @@ def test_a_spilling_prefiller_the_routing_picks_serves_the_prompt_whole_if_it_wo
     # the only prefiller: no remote path to weigh, so it takes what its queue has room for
     assert picked(spilling(), 0, others=())[1].decoder == "p0"
     assert picked(spilling(backlog=10_000), 0, others=())[1].reason == "declined"
+    # a 20,000-token prompt it holds 19,000 of, with remote prefill twice as fast: the
+    # remote path takes 1.2 s, so the cost model keeps at most 12,000 uncached tokens
+    # there (a threshold, not ``local``); the 1,000 it lacks are within that
+    policy = _policy()
+    policy.pools["prefill"] = PoolModel(RATE, 2 * RATE)
+    long = context(tokens=20_000, cached=19_000, dec=spilling(), prefillers=(prefiller("p1"),))
+    decision = policy.decide(long)
+    assert decision == ThresholdDecision(0.0, "goodput", "spill", decoder="p0")
+    assert policy.duty["p0"].tokens == pytest.approx(1_000)
+    # holding none of it, 20,000 tokens exceed what it keeps: declined
+    assert policy.decide(replace(long, cached_tokens=0)).reason == "declined"
