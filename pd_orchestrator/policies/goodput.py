@@ -148,10 +148,8 @@ prompt, a queue past the target) still goes decode-first to a decoder, so the pr
 pool stays free for P/D where P/D pays (Mooncake). Measured on shared-prefix with
 1024 requests on 8:8 H200 at x9.51: 95.6% of requests within the SLO (decode-only
 92.7%, the crowded-or-queued rule alone 84.9%); on Mooncake on 8:8 (four windows) at
-x1.09: 76.3% (75.1% without). It still costs a burst on the mixed fleet, where its
-requests and the drains land on the same two prefillers of a group, and a step of
-Mooncake on 12:4, where four prefillers serve P/D for twelve decoders
-(benchmarks/README, "The current matrix").
+x1.09: 76.3% (75.1% without). Where the policy still loses to decode-only, and why:
+benchmarks/README, "The current matrix".
 
 A decoder whose wait leaves room in its share keeps ``u`` when ``u / rate_d`` is
 within ``max(remote, ttft * slack - wait)`` (local costs the fleet less whenever it
