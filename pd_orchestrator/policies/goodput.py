@@ -80,11 +80,10 @@ serves whole) then waits behind it: measured on shared-prefix with 400 requests 
 the mixed fleet at x16, where a group's two prefillers took 51 drains and 61 whole
 requests in the burst's first half-second, 43 of the drained and 34 of the whole
 requests missed TTFT (80.8% of requests within the SLO; with this condition, 97.2%).
-Before any reading gave
-the decoder's hit rate, and without the prefix index's count, the wait counts its
-whole backlog as uncached, an upper bound: then it drains only to a remote path
-that is faster and within ``ttft * slack``. Otherwise the prompt stays local
-(reason ``queued``):
+Before any reading gave the decoder's hit rate, and without the prefix index's
+count, the wait counts its whole backlog as uncached, an upper bound: then it drains
+only to a remote path that is faster and within ``ttft * slack``. Otherwise the
+prompt stays local (reason ``queued``):
 
 * every compatible prefiller also decodes: draining moves the prompt to a queue of
   the same decode-first work (measured on the Mooncake trace, draining there cost
@@ -111,11 +110,10 @@ it serves whole while it prefills, which neither its rate nor its hit rate sees:
 measured on shared-prefix with 1024 requests on 12:4 H200 at x9.51 (second draw),
 the hit rate took the estimate of requests spilled to prefillers decoding 40-58
 streams to 0.4-0.6 s where they waited 1.0-1.4 s, and 71 of 162 missed TTFT. A
-prefiller
-takes it only when that answer is within the TTFT target, and either its own step
-with one more stream is shorter than the decoder's or, for a queued decoder, it
-answers before the decoder's queue would start the prompt; ties go to the shorter
-step. The decision names it; the planner puts it first (reason ``spill``). Moving a
+prefiller takes it only when that answer is within the TTFT target, and either its
+own step with one more stream is shorter than the decoder's or, for a queued
+decoder, it answers before the decoder's queue would start the prompt; ties go to
+the shorter step. The decision names it; the planner puts it first (reason ``spill``). Moving a
 prefill P/D gives a crowded decoder back compute, not its streams: on shared-prefix
 with 1024 requests on 8:8 H200 at x4 each decoder held about 128 streams (28.8 ms a
 step before any prefill), where decode-only, with 16 instances decoding, held 64
@@ -557,10 +555,10 @@ class GoodputPolicy:
 
     def _drains(self, local: float, remote: float, *, known: bool) -> bool:
         """Whether a queued decoder with a dedicated prefiller drains (module docstring):
-        the remote path is the faster one, or the ``local`` one misses the target
-        anyway; on an unread hit rate (``known`` False, the wait an upper bound), only
-        a faster remote path within ``ttft * slack``. When every compatible prefiller
-        also decodes, the caller keeps the prompt without asking."""
+        the remote path meets the target and is the faster one, or the ``local`` one
+        misses the target anyway; on an unread hit rate (``known`` False, the wait an
+        upper bound), only a faster remote path within ``ttft * slack``. When every
+        compatible prefiller also decodes, the caller keeps the prompt without asking."""
         p = self.params
         if not known:
             return remote <= min(local, p.ttft * p.slack)
