@@ -345,18 +345,27 @@ class GoodputPolicy:
             return None
         tokens, p = context.prompt_tokens, self.params
         mean = self.prompt_mean or tokens
-        cached_on = context.cached_on
-        prefill = min(
-            _remote_tokens(
-                c,
-                tokens,
-                mean,
-                self.hit_rate(c) or 0.0,
-                None if cached_on is None else cached_on(c.endpoint),
-            )
-            for c in context.prefillers
-        )
+        prefill = min(self._remote_tokens(context, c, mean) for c in context.prefillers)
         return prefill / model.rate_remote + tokens / p.transfer_tokens_per_s + 3 * p.hop
+
+    def _remote_tokens(self, context: ThresholdContext, prefiller: Candidate, mean: float) -> float:
+        """Prompt tokens ``prefiller`` computes before this one's first token, this one's
+        included: its backlog or its request count (:func:`_outstanding`) times the
+        ``mean`` prompt, the larger, less its hit rate; then the prompt less what it
+        holds of it (:meth:`_uncached_on`). A prefiller that also decodes computes the
+        whole prompt (its hit rate is its own conversations')."""
+        hit = self.hit_rate(prefiller) or 0.0
+        queued = max(prefiller.backlog, _outstanding(prefiller) * mean) * (1.0 - hit)
+        if prefiller.endpoint.role.decodes:
+            return queued + context.prompt_tokens
+        return queued + self._uncached_on(context, prefiller, hit)
+
+    def _uncached_on(self, context: ThresholdContext, prefiller: Candidate, hit: float) -> float:
+        """The prompt's tokens ``prefiller`` lacks: less what the prefix index says it
+        holds when the planner has one, else less its hit rate ``hit``."""
+        tokens = context.prompt_tokens
+        cached = context.cached_on(prefiller.endpoint) if context.cached_on else None
+        return tokens * (1.0 - hit) if cached is None else tokens - min(cached, tokens)
 
     def local_wait(self, context: ThresholdContext, model: PoolModel) -> float:
         """Seconds of prefill queued at the decoder before this request's own."""
@@ -479,11 +488,10 @@ class GoodputPolicy:
         requests it serves whole meanwhile, which its hit rate does not see; module
         docstring, **spill**), then the prompt less what it holds of it (by the prefix
         index when the planner has one, else by its hit rate)."""
-        tokens = context.prompt_tokens
-        hit = self.hit_rate(prefiller) or 0.0
-        cached = context.cached_on(prefiller.endpoint) if context.cached_on else None
-        uncached = tokens * (1.0 - hit) if cached is None else tokens - cached
-        return self._queued(prefiller, tokens, pool, 0.0) + uncached / pool.rate_local
+        uncached = self._uncached_on(context, prefiller, self.hit_rate(prefiller) or 0.0)
+        return (
+            self._queued(prefiller, context.prompt_tokens, pool, 0.0) + uncached / pool.rate_local
+        )
 
     def decide(self, context: ThresholdContext) -> ThresholdDecision:
         tokens = context.prompt_tokens
@@ -633,23 +641,6 @@ def _queue_share(hit: float | None, cached: int | None, tokens: int) -> float:
     if cached is not None and tokens > 0:
         return cached / tokens
     return 0.0
-
-
-def _remote_tokens(
-    candidate: Candidate, tokens: int, mean: float, hit: float, cached: int | None
-) -> float:
-    """Prompt tokens a prefiller computes before this one's first token, this one's
-    included: its backlog or its request count (:func:`_outstanding`) times the mean
-    prompt, the larger, less its prefix-cache hit rate ``hit``; then the prompt less
-    what the prefix index says the prefiller holds of it (``cached``), else less ``hit``
-    too. A prefiller that also decodes computes the whole prompt (its hit rate is its
-    own conversations')."""
-    queued = max(candidate.backlog, _outstanding(candidate) * mean) * (1.0 - hit)
-    if candidate.endpoint.role.decodes:
-        return queued + tokens
-    if cached is not None:
-        return queued + tokens - min(cached, tokens)
-    return queued + tokens * (1.0 - hit)
 
 
 def _streams(candidate: Candidate) -> int:
