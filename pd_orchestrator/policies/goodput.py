@@ -18,6 +18,7 @@ For the chosen decoder and a prompt of ``L`` tokens, ``u`` of them uncached ther
       remote = min over p of (backlog_p + L) * (1 - hit_p) / rate_p
                + L / transfer_rate + 3 * hop
 
+  (the prompt's own share at the prefill time below, with its attention).
   A prefiller that also decodes (role ``both``) reports the hit rate of its own
   conversations, which the router keeps there; a prompt sent to it for P/D is another
   conversation's, so its hit rate takes its share off the backlog only:
@@ -30,7 +31,22 @@ For the chosen decoder and a prompt of ``L`` tokens, ``u`` of them uncached ther
   count, 22 and 71.2%, decode-only's 71.2%; both with the other changes of the same
   release).
 
-* **local**, beyond that wait: ``u / rate_d``. ``u`` is the prompt less what the
+* **prefill time**: ``u`` new tokens after ``c`` cached ones take
+  ``u / rate + a * u * (c + u / 2)`` seconds: each new token also attends to every
+  token before it, at ``a`` seconds a pair (``prefill_attention``; by default the
+  hardware profile's, 0 without one: a linear model). A linear model prices a
+  25,000-token prompt 29% short on H200, and learns its rate 12-17% low from long
+  prompts (a rate is a decaying maximum, below): on long-doc on the mixed fleet, the
+  local rate fell to 27,000-29,000 tokens/s while the remote one, sampled by fewer
+  P/D requests, stayed at 30,000-32,000, so 21,000-23,000-token prompts on an idle
+  fleet went P/D on estimates 1% faster than local and missed the target by the
+  transfer (1.00-1.05 s, where a local prefill took 0.91-0.96 s: 67.1% within the
+  SLO at x0.0312, decode-only 69.6%; with the attention term, 69.6%). The queues
+  stay linear (a token queued costs ``1 / rate``): pricing the queued prompts'
+  attention as well (each of the mean prompt, the decoder's hit rate cached) cost
+  shared-prefix 400 on 8:8 2.8 points over three draws near its frontier.
+
+* **local**, beyond that wait: the prefill of ``u``. ``u`` is the prompt less what the
   decoder holds of it by the gateway's prefix index
   (:attr:`~pd_orchestrator.policies.base.ThresholdContext.cached_tokens`, a precise
   index fed by the servers' KV events) when the planner has one, else the prompt
@@ -163,7 +179,8 @@ the policy sends ``t = 1 - (u* + 1/2) / L``: the decoder admits iff ``u <= u*``.
 compatible prefiller: 0.
 
 Learning (``observe``): per decoder pool, the ITL (an EWMA) and two prefill rates
-from the requests the gateway served, each sample ``tokens / (ttft - overhead)``:
+from the requests the gateway served, each sample ``tokens / (ttft - overhead)``,
+the overhead including the attention term (for a P/D sample, the whole prompt's):
 ``rate_d`` from requests decoded where they were prefilled (``u`` from the usage's
 cached tokens), ``rate_p`` from P/D requests (``L`` tokens). A rate estimate is a
 decaying maximum, ``r <- max(s, r + alpha * (s - r))``: a fast sample (an idle
@@ -225,7 +242,10 @@ class GoodputParams(NoParams):
     ``prefill_tokens_per_s`` (when no hardware profile is known) and
     ``transfer_tokens_per_s`` (KV moved per second: 40 GB/s at 128 KiB a token);
     ``hop`` (one leg's one-way latency), ``out_mean`` (the seed of the mean output,
-    tokens), ``alpha`` (learning rate)."""
+    tokens), ``alpha`` (learning rate); ``prefill_attention``: seconds a prefilled
+    token spends on each token before it (the attention term of a prefill, module
+    docstring, **local**; None: the hardware profile's when one matches, else 0, a
+    linear model)."""
 
     ttft: _Positive = 1.0
     tpot: _Positive = 0.03
@@ -236,6 +256,7 @@ class GoodputParams(NoParams):
     out_mean: _Positive = 256.0
     alpha: Annotated[float, Field(gt=0.0, le=1.0)] = 0.05
     tpot_goal: Annotated[float, Field(gt=0.0, le=1.0)] = 0.6
+    prefill_attention: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] | None = None
 
 
 def profile_of(endpoint: Endpoint) -> LatencyProfile | None:
@@ -268,8 +289,9 @@ def _learn_rate(rate: float, sample: float, alpha: float) -> float:
 class PoolModel:
     """What the policy knows of one decoder pool: the local and remote prefill rates
     (tokens/s), the ITL observed there (seconds, None before any), the free chunk
-    of its steps (tokens a step carries at no cost), its hardware profile and the
-    rate both estimates were seeded with (0: none)."""
+    of its steps (tokens a step carries at no cost), its hardware profile, the
+    rate both estimates were seeded with (0: none) and the attention term of its
+    prefills (seconds a prefilled token spends on each token before it; 0: linear)."""
 
     rate_local: float
     rate_remote: float
@@ -277,6 +299,26 @@ class PoolModel:
     free_tokens: float = 150.0
     profile: LatencyProfile | None = None
     seed: float = 0.0
+    attn: float = 0.0
+
+    def prefill_seconds(self, rate: float, new: float, held: float) -> float:
+        """Seconds to prefill ``new`` tokens after ``held`` cached ones at ``rate``
+        tokens/s plus attention: each new token attends to every token before it, at
+        ``attn`` seconds a pair (0: a linear model)."""
+        return new / rate + self.attn * new * (held + new / 2)
+
+    def tokens_within(self, seconds: float, prompt: int) -> float:
+        """The most uncached tokens ``u`` of a ``prompt``-token prompt (the rest cached)
+        a local prefill does within ``seconds``: the root of
+        ``prefill_seconds(rate_local, u, prompt - u) = seconds``, which grows with
+        ``u``; ``prompt`` when the whole prompt fits, linear below 0 seconds."""
+        rate, attn = self.rate_local, self.attn
+        if attn <= 0.0 or seconds <= 0.0:
+            return seconds * rate
+        if seconds >= self.prefill_seconds(rate, prompt, 0.0):
+            return float(prompt)
+        b = 1.0 / rate + attn * prompt
+        return (b - math.sqrt(b * b - 2.0 * attn * seconds)) / attn
 
 
 @dataclass(slots=True)
@@ -323,7 +365,11 @@ class GoodputPolicy:
         if model is None:
             rate = seed_rate(decoder, self.params.prefill_tokens_per_s)
             profile = profile_of(decoder)
-            model = self.pools[decoder.pool] = PoolModel(rate, rate, profile=profile, seed=rate)
+            attn = self.params.prefill_attention
+            if attn is None:
+                attn = profile.attn if profile is not None else 0.0
+            model = PoolModel(rate, rate, profile=profile, seed=rate, attn=attn)
+            self.pools[decoder.pool] = model
         return model
 
     # -- the estimates (seconds) -------------------------------------------------------------
@@ -345,20 +391,26 @@ class GoodputPolicy:
             return None
         tokens, p = context.prompt_tokens, self.params
         mean = self.prompt_mean or tokens
-        prefill = min(self._remote_tokens(context, c, mean) for c in context.prefillers)
-        return prefill / model.rate_remote + tokens / p.transfer_tokens_per_s + 3 * p.hop
+        prefill = min(self._remote_seconds(context, c, mean, model) for c in context.prefillers)
+        return prefill + tokens / p.transfer_tokens_per_s + 3 * p.hop
 
-    def _remote_tokens(self, context: ThresholdContext, prefiller: Candidate, mean: float) -> float:
-        """Prompt tokens ``prefiller`` computes before this one's first token, this one's
-        included: its backlog or its request count (:func:`_outstanding`) times the
-        ``mean`` prompt, the larger, less its hit rate; then the prompt less what it
-        holds of it (:meth:`_uncached_on`). A prefiller that also decodes computes the
-        whole prompt (its hit rate is its own conversations')."""
+    def _remote_seconds(
+        self, context: ThresholdContext, prefiller: Candidate, mean: float, model: PoolModel
+    ) -> float:
+        """Seconds ``prefiller`` computes before this prompt's first token, at the
+        pool's remote rate: its backlog or its request count (:func:`_outstanding`)
+        times the ``mean`` prompt, the larger, less its hit rate; then the prompt less
+        what it holds of it (:meth:`_uncached_on`). A prefiller that also decodes
+        computes the whole prompt (its hit rate is its own conversations')."""
         hit = self.hit_rate(prefiller) or 0.0
+        tokens, rate = context.prompt_tokens, model.rate_remote
         queued = max(prefiller.backlog, _outstanding(prefiller) * mean) * (1.0 - hit)
-        if prefiller.endpoint.role.decodes:
-            return queued + context.prompt_tokens
-        return queued + self._uncached_on(context, prefiller, hit)
+        own = (
+            tokens
+            if prefiller.endpoint.role.decodes
+            else self._uncached_on(context, prefiller, hit)
+        )
+        return queued / rate + model.prefill_seconds(rate, own, tokens - own)
 
     def _uncached_on(self, context: ThresholdContext, prefiller: Candidate, hit: float) -> float:
         """The prompt's tokens ``prefiller`` lacks: less what the prefix index says it
@@ -488,10 +540,10 @@ class GoodputPolicy:
         requests it serves whole meanwhile, which its hit rate does not see; module
         docstring, **spill**), then the prompt less what it holds of it (by the prefix
         index when the planner has one, else by its hit rate)."""
+        tokens = context.prompt_tokens
         uncached = self._uncached_on(context, prefiller, self.hit_rate(prefiller) or 0.0)
-        return (
-            self._queued(prefiller, context.prompt_tokens, pool, 0.0) + uncached / pool.rate_local
-        )
+        own = pool.prefill_seconds(pool.rate_local, uncached, tokens - uncached)
+        return self._queued(prefiller, tokens, pool, 0.0) + own
 
     def decide(self, context: ThresholdContext) -> ThresholdDecision:
         tokens = context.prompt_tokens
@@ -529,13 +581,13 @@ class GoodputPolicy:
             return ThresholdDecision(0.0, self.name, "spill", decoder=spill), None
         dedicated = any(not c.endpoint.role.decodes for c in context.prefillers)
         if room <= 0.0:
-            local = wait + uncached / model.rate_local
+            local = wait + model.prefill_seconds(model.rate_local, uncached, tokens - uncached)
             known = hit is not None or cached is not None
             if dedicated and self._drains(local, remote, known=known):
                 peer = self.soonest(context, wait)
                 return ThresholdDecision(1.0, self.name, "drain", decoder=peer), None
             return ThresholdDecision(0.0, self.name, "queued"), uncached
-        by_ttft = self._ttft_limit(model, wait, remote, dedicated)
+        by_ttft = self._ttft_limit(model, tokens, wait, remote, dedicated)
         # a real alternative to a stall: a prefiller that does not decode, in time
         sure = dedicated and wait + remote <= p.ttft * p.slack
         by_stall = self.stall_limit(context, model) if sure else math.inf
@@ -547,7 +599,9 @@ class GoodputPolicy:
         value = clamp_ratio(1.0 - (keep + 0.5) / tokens)
         return ThresholdDecision(value, self.name, reason), kept
 
-    def _ttft_limit(self, model: PoolModel, wait: float, remote: float, dedicated: bool) -> float:
+    def _ttft_limit(
+        self, model: PoolModel, tokens: int, wait: float, remote: float, dedicated: bool
+    ) -> float:
         """The most uncached tokens the decoder keeps for the TTFT target. With a
         dedicated prefiller: what local prefill does within the remote path's time or
         within the slack share of the target, the longer. With only prefillers that
@@ -556,10 +610,11 @@ class GoodputPolicy:
         meets the target."""
         p = self.params
         if dedicated:
-            return max(remote - p.hop, p.ttft * p.slack - wait - p.hop) * model.rate_local
+            seconds = max(remote - p.hop, p.ttft * p.slack - wait - p.hop)
+            return model.tokens_within(seconds, tokens)
         if wait + remote > p.ttft:
             return math.inf
-        return (p.ttft - wait - p.hop) * model.rate_local
+        return model.tokens_within(p.ttft - wait - p.hop, tokens)
 
     def _drains(self, local: float, remote: float, *, known: bool) -> bool:
         """Whether a queued decoder with a dedicated prefiller drains (module docstring):
@@ -602,13 +657,16 @@ class GoodputPolicy:
         p = self.params
         if observation.remote:
             spent = ttft - tokens / p.transfer_tokens_per_s - 4 * p.hop
+            spent -= model.attn * tokens * tokens / 2
             if tokens >= _MIN_SAMPLE and spent > 0 and tokens / spent <= _plausible(model):
                 model.rate_remote = _learn_rate(model.rate_remote, tokens / spent, p.alpha)
             return
         if observation.cached_tokens is None:
             return
         uncached = tokens - observation.cached_tokens
-        spent = ttft - 2 * p.hop
+        spent = (
+            ttft - 2 * p.hop - model.attn * uncached * (observation.cached_tokens + uncached / 2)
+        )
         if uncached >= _MIN_SAMPLE and spent > 0:
             model.rate_local = _learn_rate(model.rate_local, uncached / spent, p.alpha)
 

@@ -376,6 +376,78 @@ def test_seeds_come_from_the_hardware_profile_else_the_parameter() -> None:
     policy.decide(context(dec=Candidate(h200, True, 0, None)))
     pool = policy.pools[h200.pool]
     assert pool.rate_local == pool.rate_remote == pool.seed == pytest.approx(1 / 29.5e-6)
+    assert pool.attn == pytest.approx(0.96e-9)  # the profile's attention term
+    linear = build({"type": "goodput", "params": {"prefill_attention": 0.0}})
+    assert isinstance(linear, GoodputPolicy)
+    linear.decide(context(dec=Candidate(h200, True, 0, None)))
+    assert linear.pools[h200.pool].attn == 0.0  # the parameter wins
+
+
+def test_a_prefill_pays_attention_over_every_token_before_each_new_one() -> None:
+    model = PoolModel(20_000.0, 20_000.0, attn=1e-9)
+    # 10,000 new tokens: 0.5 s at the rate, plus 1e-9 s per pair, 10,000 * 5,000 pairs
+    assert model.prefill_seconds(20_000.0, 10_000, 0) == pytest.approx(0.55)
+    # after 5,000 cached ones, each new token also attends to those
+    assert model.prefill_seconds(20_000.0, 10_000, 5_000) == pytest.approx(0.6)
+    # the most uncached tokens of a 20,000-token prompt within 0.4 s: fewer than the
+    # linear 8,000, and exactly what takes 0.4 s
+    within = model.tokens_within(0.4, 20_000)
+    assert 5_000 < within < 8_000
+    assert model.prefill_seconds(20_000.0, within, 20_000 - within) == pytest.approx(0.4)
+    assert model.tokens_within(0.55, 10_000) == 10_000  # the whole prompt fits
+    assert model.tokens_within(-0.1, 10_000) == pytest.approx(-2_000)  # none, linearly
+    assert PoolModel(20_000.0, 20_000.0).tokens_within(0.4, 20_000) == 8_000
+
+
+def test_attention_takes_a_long_local_prefill_past_the_target_and_it_goes_p_d() -> None:
+    # a prefiller that also decodes, twice as fast; 9,500 uncached tokens on an idle
+    # decoder: 0.95 s linearly, 1.18 s with attention (5e-9 s * 9,500 * 4,750 pairs)
+    flexible = (prefiller(reading=load(), role=Role.BOTH),)
+    ctx = context(tokens=9_500, prefillers=flexible)
+    linear = _policy()
+    linear.pools["decode"] = PoolModel(RATE, 2 * RATE, itl=0.01, free_tokens=0.0)
+    assert linear.decide(ctx).reason == "local"
+    policy = _policy()
+    policy.pools["decode"] = PoolModel(RATE, 2 * RATE, itl=0.01, free_tokens=0.0, attn=5e-9)
+    # remote: 0.475 s + 0.226 s of attention + 0.095 s of transfer meets the target
+    decision = policy.decide(ctx)
+    assert decision.reason == "cost-model"
+    assert not _admits(decision.value, 9_500, 9_500)
+    # the decoder keeps what it prefills within the target
+    kept = policy.pools["decode"].tokens_within(1.0, 9_500)
+    assert _admits(decision.value, 9_500, round(kept))
+    assert not _admits(decision.value, 9_500, round(kept) + 1)
+
+
+def test_a_long_prefill_at_the_engine_s_speed_leaves_the_learnt_rates_where_they_are() -> None:
+    # a linear model learns 25,000 tokens in 1.04 s as 24,100 tokens/s, and pulls the
+    # rates down for every long prompt (long-doc: 10-15% below short prompts')
+    h200 = Endpoint(
+        "d", "http://d:1", Role.DECODE, "h200", model="meta-llama/Llama-3.1-8B-Instruct"
+    )
+    policy = GoodputPolicy(PARAMS)
+    policy.decide(context(dec=Candidate(h200, True, 0, None)))
+    model = policy.pools[h200.pool]
+    profile = model.profile
+    assert profile is not None
+    prefill = profile.prefill_seconds(25_000, 0)
+    assert prefill > 1.03
+    for _ in range(20):
+        policy.observe(
+            LatencyObservation(
+                "m", h200.pool, 0.0, ttft=prefill, prompt_tokens=25_000, cached_tokens=0,
+                remote=False,
+            )
+        )  # fmt: skip
+        transfer = 25_000 / PARAMS.transfer_tokens_per_s
+        policy.observe(
+            LatencyObservation(
+                "m", h200.pool, 0.0, ttft=prefill + transfer, prompt_tokens=25_000,
+                remote=True,
+            )
+        )  # fmt: skip
+    assert model.rate_local == pytest.approx(model.seed)
+    assert model.rate_remote == pytest.approx(model.seed)
 
 
 def test_before_any_itl_the_bare_step_is_the_hardware_profile_s() -> None:
