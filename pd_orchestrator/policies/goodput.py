@@ -162,8 +162,18 @@ prompt, a queue past the target) still goes decode-first to a decoder, so the pr
 pool stays free for P/D where P/D pays (Mooncake). Measured on shared-prefix with
 1024 requests on 8:8 H200 at x9.51: 95.6% of requests within the SLO (decode-only
 92.7%, the crowded-or-queued rule alone 84.9%); on Mooncake on 8:8 (four windows) at
-x1.09: 76.3% (75.1% without). Where the policy still loses to decode-only, and why:
-benchmarks/README, "The current matrix".
+x1.09: 76.3% (75.1% without). The pick's wait counts its queue at the larger of
+its hit rate and the prompt's own cached share (the prefix index's): the routing
+picked it for the prefix it holds, so its queue is mostly the prompt's neighbours,
+while its reading also counts the cold prompts decoders spilled or drained to it.
+On shared-prefix with 1024 requests on mixed at x13.5, one H200 prefiller read 0.52
+while the prompts it was picked for held 86% of their tokens there: 160,000 queued
+tokens were priced at 2.3 s, and it declined 64 of the 90 requests the routing
+picked it for; the decoder that holds that prefix missed the SLO for 47 of the 55
+requests of it it served. With the own share: 88.4% within the SLO over three
+draws (82.9% before, decode-only 88.7%); Mooncake (four windows, five rates near
+its frontier, each fleet) moved by -1.5 to +2.4 points. Where the policy still loses to
+decode-only, and why: benchmarks/README, "The current matrix".
 
 A decoder whose wait leaves room in its share keeps ``u`` when ``u / rate_d`` is
 within ``max(remote, ttft * slack - wait)`` (local costs the fleet less whenever it
@@ -572,7 +582,7 @@ class GoodputPolicy:
         p = self.params
         hit = self.hit_rate(context.decoder)
         cached = context.cached_tokens
-        share = _queue_share(hit, cached, tokens)
+        share = _queue_share(hit, cached, tokens, routed=context.decoder.endpoint.spill)
         uncached = tokens - cached if cached is not None else tokens * (1.0 - share)
         wait = self._queued(context.decoder, tokens, model, share)
         room = p.ttft * p.slack - wait - p.hop
@@ -690,15 +700,20 @@ _MIN_SAMPLE = 512
 """Prompt tokens below which a TTFT says more about fixed costs than about a rate."""
 
 
-def _queue_share(hit: float | None, cached: int | None, tokens: int) -> float:
+def _queue_share(hit: float | None, cached: int | None, tokens: int, *, routed: bool) -> float:
     """The cached share of the prompts queued at the decoder: its reading's hit rate;
     before any reading, this prompt's own cached share (the prefix index's), else 0
-    (every queued prompt uncached, an upper bound)."""
-    if hit is not None:
-        return hit
-    if cached is not None and tokens > 0:
-        return cached / tokens
-    return 0.0
+    (every queued prompt uncached, an upper bound). At a spilling prefiller the
+    routing picked (``routed``, module docstring, **routed spill**), the larger of the
+    two: the routing picked it for the prefix it holds, so its queue is mostly this
+    prompt's neighbours, while its reading also counts the cold prompts decoders
+    spilled or drained to it."""
+    own = cached / tokens if cached is not None and tokens > 0 else None
+    if hit is None:
+        return 0.0 if own is None else own
+    if routed and own is not None:
+        return max(hit, own)
+    return hit
 
 
 def _streams(candidate: Candidate) -> int:

@@ -613,3 +613,25 @@ def test_a_spilling_prefiller_the_routing_picks_serves_the_prompt_whole_if_it_wo
     assert policy.duty["p0"].tokens == pytest.approx(1_000)
     # holding none of it, 20,000 tokens exceed what it keeps: declined
     assert policy.decide(replace(long, cached_tokens=0)).reason == "declined"
+
+
+def test_a_routed_pick_counts_its_queue_at_the_prompt_s_share_when_its_reading_says_less() -> None:
+    # the routing picked p0 for a 6,000-token prompt it holds 5,400 of; 60,000 tokens
+    # are queued there and its reading says half of what it was asked hit
+    reading = LoadSnapshot(0, 0, 0.0, 0.0, prefix_hit_rate=0.5)
+    endpoint = Endpoint("p0", "http://p0:1", Role.PREFILL, "h200", pool="prefill", spill=True)
+    pick = Candidate(endpoint, True, 10, reading, 60_000)
+    policy = _policy()
+    policy.pools["prefill"] = PoolModel(RATE, RATE)
+    asked = context(tokens=6_000, cached=5_400, dec=pick, prefillers=(prefiller("p1"),))
+    # at the prompt's 90%: 0.6 s of prefill ahead, room in the 0.8 s share: served whole
+    assert policy.decide(asked) == ThresholdDecision(0.0, "goodput", "spill", decoder="p0")
+    # a reading above the prompt's share stands: at 95%, 0.3 s
+    warmer = replace(pick, load=LoadSnapshot(0, 0, 0.0, 0.0, prefix_hit_rate=0.95))
+    assert policy.local_wait(replace(asked, decoder=warmer), policy.pools["prefill"]) == (
+        pytest.approx(0.3)
+    )
+    # a decoder with the same queue and reading counts it at its reading's 50%: 3 s
+    # ahead, it drains the prompt to the idle prefiller
+    queued = Candidate(decoder().endpoint, True, 10, reading, 60_000)
+    assert policy.decide(replace(asked, decoder=queued)).reason == "drain"
