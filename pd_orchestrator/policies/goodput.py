@@ -170,10 +170,10 @@ On shared-prefix with 1024 requests on mixed at x13.5, one H200 prefiller read 0
 while the prompts it was picked for held 86% of their tokens there: 160,000 queued
 tokens were priced at 2.3 s, and it declined 64 of the 90 requests the routing
 picked it for; the decoder that holds that prefix missed the SLO for 47 of the 55
-requests of it it served. With the own share: 88.4% within the SLO over three
-draws (82.9% before, decode-only 88.7%); Mooncake (four windows, five rates near
-its frontier, each fleet) moved by -1.5 to +2.4 points. Where the policy still loses to
-decode-only, and why: benchmarks/README, "The current matrix".
+requests of that prefix it served. With the own share: 88.4% within the SLO over
+three draws (82.9% before, decode-only 88.7%); Mooncake (four windows, five rates
+near its frontier, each fleet) moved by -1.5 to +2.4 points. Where the policy still
+loses to decode-only, and why: benchmarks/README, "The current matrix".
 
 A decoder whose wait leaves room in its share keeps ``u`` when ``u / rate_d`` is
 within ``max(remote, ttft * slack - wait)`` (local costs the fleet less whenever it
@@ -254,8 +254,8 @@ class GoodputParams(NoParams):
     ``hop`` (one leg's one-way latency), ``out_mean`` (the seed of the mean output,
     tokens), ``alpha`` (learning rate); ``prefill_attention``: seconds a prefilled
     token spends on each token before it (the attention term of a prefill, module
-    docstring, **local**; None: the hardware profile's when one matches, else 0, a
-    linear model)."""
+    docstring, **prefill time**; None: the hardware profile's when one matches, else
+    0, a linear model)."""
 
     ttft: _Positive = 1.0
     tpot: _Positive = 0.03
@@ -409,9 +409,10 @@ class GoodputPolicy:
     ) -> float:
         """Seconds ``prefiller`` computes before this prompt's first token, at the
         pool's remote rate: its backlog or its request count (:func:`_outstanding`)
-        times the ``mean`` prompt, the larger, less its hit rate; then the prompt less
-        what it holds of it (:meth:`_uncached_on`). A prefiller that also decodes
-        computes the whole prompt (its hit rate is its own conversations')."""
+        times the ``mean`` prompt, the larger, less its hit rate (linear); then the
+        prompt less what it holds of it (:meth:`_uncached_on`), with its attention
+        (:meth:`PoolModel.prefill_seconds`). A prefiller that also decodes computes the
+        whole prompt (its hit rate is its own conversations')."""
         hit = self.hit_rate(prefiller) or 0.0
         tokens, rate = context.prompt_tokens, model.rate_remote
         queued = max(prefiller.backlog, _outstanding(prefiller) * mean) * (1.0 - hit)
