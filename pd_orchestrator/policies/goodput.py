@@ -311,11 +311,20 @@ class PoolModel:
     seed: float = 0.0
     attn: float = 0.0
 
+    def attention_seconds(self, new: float, held: float) -> float:
+        """The attention term of a prefill of ``new`` tokens after ``held`` cached ones:
+        each new token attends to every token before it, at ``attn`` seconds a pair."""
+        return self.attn * new * (held + new / 2)
+
     def prefill_seconds(self, rate: float, new: float, held: float) -> float:
         """Seconds to prefill ``new`` tokens after ``held`` cached ones at ``rate``
-        tokens/s plus attention: each new token attends to every token before it, at
-        ``attn`` seconds a pair (0: a linear model)."""
-        return new / rate + self.attn * new * (held + new / 2)
+        tokens/s, attention included (0 with ``attn`` 0: a linear model)."""
+        return new / rate + self.attention_seconds(new, held)
+
+    def local_seconds(self, new: float, prompt: int) -> float:
+        """Seconds a local prefill takes for ``new`` uncached tokens of a
+        ``prompt``-token prompt (the rest cached); :meth:`tokens_within` inverts it."""
+        return self.prefill_seconds(self.rate_local, new, prompt - new)
 
     def tokens_within(self, seconds: float, prompt: int) -> float:
         """The most uncached tokens ``u`` of a ``prompt``-token prompt (the rest cached)
@@ -325,7 +334,7 @@ class PoolModel:
         rate, attn = self.rate_local, self.attn
         if attn <= 0.0 or seconds <= 0.0:
             return seconds * rate
-        if seconds >= self.prefill_seconds(rate, prompt, 0.0):
+        if seconds >= self.local_seconds(prompt, prompt):
             return float(prompt)
         b = 1.0 / rate + attn * prompt
         return (b - math.sqrt(b * b - 2.0 * attn * seconds)) / attn
@@ -553,8 +562,7 @@ class GoodputPolicy:
         index when the planner has one, else by its hit rate)."""
         tokens = context.prompt_tokens
         uncached = self._uncached_on(context, prefiller, self.hit_rate(prefiller) or 0.0)
-        own = pool.prefill_seconds(pool.rate_local, uncached, tokens - uncached)
-        return self._queued(prefiller, tokens, pool, 0.0) + own
+        return self._queued(prefiller, tokens, pool, 0.0) + pool.local_seconds(uncached, tokens)
 
     def decide(self, context: ThresholdContext) -> ThresholdDecision:
         tokens = context.prompt_tokens
@@ -592,7 +600,7 @@ class GoodputPolicy:
             return ThresholdDecision(0.0, self.name, "spill", decoder=spill), None
         dedicated = any(not c.endpoint.role.decodes for c in context.prefillers)
         if room <= 0.0:
-            local = wait + model.prefill_seconds(model.rate_local, uncached, tokens - uncached)
+            local = wait + model.local_seconds(uncached, tokens)
             known = hit is not None or cached is not None
             if dedicated and self._drains(local, remote, known=known):
                 peer = self.soonest(context, wait)
@@ -668,16 +676,14 @@ class GoodputPolicy:
         p = self.params
         if observation.remote:
             spent = ttft - tokens / p.transfer_tokens_per_s - 4 * p.hop
-            spent -= model.attn * tokens * tokens / 2
+            spent -= model.attention_seconds(tokens, 0.0)
             if tokens >= _MIN_SAMPLE and spent > 0 and tokens / spent <= _plausible(model):
                 model.rate_remote = _learn_rate(model.rate_remote, tokens / spent, p.alpha)
             return
         if observation.cached_tokens is None:
             return
         uncached = tokens - observation.cached_tokens
-        spent = (
-            ttft - 2 * p.hop - model.attn * uncached * (observation.cached_tokens + uncached / 2)
-        )
+        spent = ttft - 2 * p.hop - model.attention_seconds(uncached, observation.cached_tokens)
         if uncached >= _MIN_SAMPLE and spent > 0:
             model.rate_local = _learn_rate(model.rate_local, uncached / spent, p.alpha)
 
