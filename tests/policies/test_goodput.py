@@ -10,7 +10,7 @@ import pytest
 
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.load import Candidate, LoadSnapshot
-from pd_orchestrator.policies import LatencyObservation, ThresholdDecision
+from pd_orchestrator.policies import LatencyObservation, ThresholdContext, ThresholdDecision
 from pd_orchestrator.policies.goodput import (
     DutyCycle,
     GoodputParams,
@@ -635,3 +635,25 @@ def test_a_routed_pick_counts_its_queue_at_the_prompt_s_share_when_its_reading_s
     # ahead, it drains the prompt to the idle prefiller
     queued = Candidate(decoder().endpoint, True, 10, reading, 60_000)
     assert policy.decide(replace(asked, decoder=queued)).reason == "drain"
+
+
+def test_a_queued_routed_pick_serves_the_prompt_whole_only_if_it_still_answers_in_time() -> None:
+    # the routing picked p0 for a 1,000-token prompt it holds none of (0.1 s of prefill);
+    # the other prefiller is 2 s behind, so nothing drains
+    def asked(backlog: int) -> ThresholdContext:
+        endpoint = Endpoint("p0", "http://p0:1", Role.PREFILL, "h200", pool="prefill", spill=True)
+        pick = Candidate(endpoint, True, 0, None, backlog)
+        busy = prefiller("p1", backlog=20_000)
+        return context(tokens=1_000, cached=0, dec=pick, prefillers=(busy,))
+
+    policy = _policy()
+    policy.pools["prefill"] = PoolModel(RATE, RATE)
+    # 0.85 s queued spends the 0.8 s share, but the answer starts at 0.95 s: served whole
+    assert policy.decide(asked(8_500)) == ThresholdDecision(0.0, "goodput", "spill", decoder="p0")
+    assert policy.duty["p0"].tokens == pytest.approx(1_000)
+    # 0.95 s queued: 1.05 s, past the target; declined, and its duty cycle is unchanged
+    assert policy.decide(asked(9_500)) == ThresholdDecision(1.0, "goodput", "declined")
+    assert policy.duty["p0"].tokens == pytest.approx(1_000)
+    # a decoder in the same state keeps the prompt all the same (reason ``queued``)
+    queued = policy.decide(replace(asked(9_500), decoder=decoder(backlog=9_500)))
+    assert queued == ThresholdDecision(0.0, "goodput", "queued")
