@@ -612,9 +612,8 @@ class GoodputPolicy:
             if dedicated and self._drains(local, remote, known=known):
                 peer = self.soonest(context, wait)
                 return ThresholdDecision(1.0, self.name, "drain", decoder=peer), None
-            if context.decoder.endpoint.spill and local + p.hop > p.ttft:
-                return ThresholdDecision(0.0, self.name, "queued"), None  # a late pick
-            return ThresholdDecision(0.0, self.name, "queued"), uncached
+            late = context.decoder.endpoint.spill and local + p.hop > p.ttft  # keeps none
+            return ThresholdDecision(0.0, self.name, "queued"), None if late else uncached
         by_ttft = self._ttft_limit(model, tokens, wait, remote, dedicated)
         # a real alternative to a stall: a prefiller that does not decode, in time
         sure = dedicated and wait + remote <= p.ttft * p.slack
