@@ -32,7 +32,9 @@ latency, the same for every leg):
   :class:`~pd_orchestrator.planner.plan.CachedPrefix` is what a gateway's precise
   prefix index, fed by the engines' KV events, would hold: each engine's prefix
   cache at the moment of planning (:class:`_KvIndex`; the events' delay is not
-  modelled).
+  modelled), or the leading blocks of the prompts in flight there before their
+  first output, the more, as the gateway holds them pending
+  (:class:`~pd_orchestrator.prefix.pending.PendingBlocks`).
 * prefill-first (``always-pd``): a decoder and then a compatible prefiller are
   picked, then prefill and the decode leg as above (``pd``).
 * decode-only: every instance is a decoder and the threshold is 0 (``decode``).
@@ -71,6 +73,7 @@ from pd_orchestrator.flows.request import TOKEN_ID_CHARS
 from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.model.load import Candidate, LoadSnapshot
 from pd_orchestrator.planner.plan import NoCandidateError, Plan, Planner, RequestFacts, Served
+from pd_orchestrator.prefix.pending import PendingBlocks
 from pd_orchestrator.routing import RoutingProfiles
 from pd_orchestrator.routing.types import RoutingRequest
 from pd_orchestrator.sim.blocks import BlockHasher
@@ -112,17 +115,28 @@ class _KvIndex:
     """The planner's :class:`~pd_orchestrator.planner.plan.CachedPrefix` in virtual
     time: the leading tokens of the prompt being planned (:attr:`prompt`, set by the
     fleet around each plan) that an engine's prefix cache holds, as a precise index
-    of its KV events would report them."""
+    of its KV events would report them, or that its prompts in flight hold
+    (:attr:`pending`), the more (at most what the engine could hit)."""
 
-    def __init__(self, instances: Mapping[str, _Instance]) -> None:
+    def __init__(self, instances: Mapping[str, _Instance], pending: PendingBlocks[bytes]) -> None:
         self.instances = instances
+        self.pending = pending
         self.prompt: PromptDigest | None = None
 
     def cached_tokens(self, request: RoutingRequest, decoder: Endpoint) -> int | None:
         prompt, instance = self.prompt, self.instances.get(decoder.name)
         if prompt is None or instance is None:
             return None
-        return instance.engine.local_hit_tokens_of(prompt.block_hashes, prompt.num_tokens)
+        hashes, tokens = prompt.block_hashes, prompt.num_tokens
+        engine = instance.engine
+        size = engine.config.block_size
+        cap = max(0, tokens - 1) // size
+        pending = min(self.pending.leading(hashes, decoder.name), cap) * size
+        return max(engine.local_hit_tokens_of(hashes, tokens), pending)
+
+    def blocks(self, request: RoutingRequest) -> Sequence[int]:
+        """None: the fleet's instances hold their prompts' hashes pending themselves."""
+        return ()
 
 
 def affinity_key(digest: PromptDigest, block_size: int) -> str:
@@ -138,7 +152,7 @@ def affinity_key(digest: PromptDigest, block_size: int) -> str:
 class _Instance:
     """One engine with its handlers, in-flight count and latest load snapshot."""
 
-    def __init__(self, spec: InstanceSpec, fleet: FleetSpec) -> None:
+    def __init__(self, spec: InstanceSpec, fleet: FleetSpec, pending: PendingBlocks[bytes]) -> None:
         self.spec = spec
         self.name = spec.name
         self.endpoint = spec.endpoint()
@@ -159,6 +173,8 @@ class _Instance:
         self.in_flight = 0
         self.backlog = 0
         self._awaiting: dict[str, int] = {}
+        self.pending = pending
+        self._holding: dict[str, Sequence[bytes]] = {}
         self.busy = 0.0
         self.load: LoadSnapshot | None = None
         self._seen = (0, 0, 0)
@@ -182,16 +198,24 @@ class _Instance:
         return Candidate(self.endpoint, True, self.in_flight, self.load, self.backlog)
 
     def enter(self, request: EngineRequest) -> None:
-        """One more request in flight, its prompt in the backlog until its first output
-        (as the gateway counts them)."""
+        """One more request in flight, its prompt in the backlog and its block hashes
+        pending until its first output (as the gateway counts them)."""
         self.in_flight += 1
         tokens = max(0, request.num_prompt_tokens - request.external_tokens)
         self._awaiting[request.request_id] = tokens
         self.backlog += tokens
+        digest = request.digest
+        if tokens and digest is not None and digest.block_hashes:
+            self._holding[request.request_id] = digest.block_hashes
+            self.pending.hold(self.name, digest.block_hashes)
 
     def answered(self, request_id: str) -> None:
-        """The request's first output (or its end) came back: out of the backlog."""
+        """The request's first output (or its end) came back: out of the backlog, its
+        hashes no longer pending."""
         self.backlog -= self._awaiting.pop(request_id, 0)
+        held = self._holding.pop(request_id, None)
+        if held is not None:
+            self.pending.release(self.name, held)
 
 
 class VirtualFleet:
@@ -211,9 +235,10 @@ class VirtualFleet:
         self.model = self.spec.model
         self.decisions: Counter[str] = Counter()
         self.hasher = BlockHasher(self.spec.block_size)
-        self.instances = [_Instance(spec, self.spec) for spec in self.spec.instances]
+        pending: PendingBlocks[bytes] = PendingBlocks()
+        self.instances = [_Instance(spec, self.spec, pending) for spec in self.spec.instances]
         self._by_name = {i.name: i for i in self.instances}
-        self.kv_index = _KvIndex(self._by_name)
+        self.kv_index = _KvIndex(self._by_name, pending)
         cache = self.kv_index if self.options.prefix_index else None
         self.planner = Planner(routing, strategy.resolver(), cache=cache)
         self.decoders = [i for i in self.instances if i.spec.role.decodes]

@@ -15,7 +15,9 @@ or passes a check: a request with no other decoder left may still try it.
 
 The planner never sees this object, only immutable snapshots
 (:meth:`FleetState.snapshot`), so its decisions are pure functions of a moment.
-Everything a leg reports costs O(1).
+Everything a leg reports costs O(1), but for a prompt's pending block keys (held
+once when it is sent and given back once, each O(its blocks): only requests the
+planner gave keys, see :attr:`FleetState.pending`).
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 from connectors import PeerUpdate
 from pd_orchestrator.config.settings import OutlierConfig
 from pd_orchestrator.fleet.outliers import Outlier, failure_kind, may_eject
 from pd_orchestrator.model.endpoints import Endpoint, EndpointStatus, Role
+from pd_orchestrator.prefix.pending import PendingBlocks
 from pd_orchestrator.upstream.errors import UpstreamError
 
 __all__ = ["FleetState"]
@@ -75,6 +78,9 @@ class FleetState:
         self._learned: dict[str, PeerUpdate] = {}
         self._named: OrderedDict[str, None] = OrderedDict()
         self.max_named = max_named
+        self.pending: PendingBlocks[int] = PendingBlocks()
+        """The block keys of prompts in flight per endpoint, before their first answer
+        (what :meth:`enter` is given)."""
 
     def endpoints(self, role: Role | None = None) -> list[Endpoint]:
         """Endpoints able to play ``role`` (``both`` endpoints count for either)."""
@@ -263,25 +269,33 @@ class FleetState:
             del self._ejected[name]
             logger.warning("%s back in routing after its ejection", name)
 
-    def enter(self, name: str, backlog: int = 0) -> None:
+    def enter(self, name: str, backlog: int = 0, blocks: Sequence[int] = ()) -> None:
         """One more request in flight on ``name`` (pair with :meth:`leave`), with
-        ``backlog`` prompt tokens to prefill before its first answer (pair with
-        :meth:`answered`)."""
+        ``backlog`` prompt tokens to prefill before its first answer and the prompt's
+        block keys ``blocks`` pending there until then (:attr:`pending`; pair both
+        with :meth:`answered`)."""
         if name not in self._in_flight:
             self._track(name)
         self._in_flight[name] += 1
         self._backlog[name] += backlog
+        if blocks:
+            self.pending.hold(name, blocks)
 
-    def answered(self, name: str, backlog: int) -> None:
+    def answered(self, name: str, backlog: int, blocks: Sequence[int] = ()) -> None:
         """A request on ``name`` had its first answer (or ended): its ``backlog`` is
-        out of the endpoint's."""
+        out of the endpoint's, its ``blocks`` no longer pending."""
         if name in self._backlog:
             self._backlog[name] -= backlog
+        if blocks:
+            self.pending.release(name, blocks)
 
-    def leave(self, name: str, backlog: int = 0) -> None:
-        """One request in flight on ``name`` ended, with the ``backlog`` it still held."""
+    def leave(self, name: str, backlog: int = 0, blocks: Sequence[int] = ()) -> None:
+        """One request in flight on ``name`` ended, with the ``backlog`` and pending
+        ``blocks`` it still held."""
         self._in_flight[name] -= 1
         self._backlog[name] -= backlog
+        if blocks:
+            self.pending.release(name, blocks)
 
     @contextmanager
     def in_flight(self, name: str) -> Iterator[None]:

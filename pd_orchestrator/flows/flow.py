@@ -178,7 +178,7 @@ class Flow:
         self.route: Route | None = None
         """How the original prompt's legs go (known at the first attempt)."""
         self.budget = leg_budget(settings.upstream, settings.handback, len(plan.asked))
-        legs.prompt_tokens = plan.prompt_tokens
+        legs.prompt_tokens, legs.blocks = plan.prompt_tokens, plan.blocks
 
     def headers(self) -> dict[str, str]:
         """The response headers that report the decision (endpoint names only)."""

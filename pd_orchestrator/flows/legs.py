@@ -6,9 +6,12 @@ request goes through it, so every one is treated alike:
 * counted in flight on its endpoint from the moment it is sent until it is read to
   the end or closed (a stream for as long as it streams), and its prompt's tokens in
   the endpoint's backlog until its first decisive chunk or its one-token answer
-  (a prefill, a probe). None for a ``/tokenize`` or a decode leg whose KV a
-  connector brings (nothing to prefill), nor for a whole answer of more tokens
-  (it comes after its last token, not its first: the endpoint's reading covers it);
+  (a prefill, a probe), and for as long, the prompt's block keys
+  (:attr:`Legs.blocks`) pending there (:attr:`FleetState.pending`: the server will
+  hold them by the time it reaches a later prompt that shares them). None for a
+  ``/tokenize`` or a decode leg whose KV a connector brings (nothing to prefill),
+  nor for a whole answer of more tokens (it comes after its last token, not its
+  first: the endpoint's reading covers it);
 * its success or failure reported to the fleet: a failure when it happens
   (:meth:`FleetState.record_error`: a connection that cannot be made counts as a
   failed check; outlier detection counts 5xx answers, broken connections, timeouts
@@ -48,7 +51,7 @@ they are closed.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,8 +105,9 @@ class Leg:
     ``kind``: the API its chunks speak. ``whole``: its one batch is a whole answer.
     ``original_prompt``: it serves the client's prompt (not a continuation).
     ``held``: chunks read ahead (to the first decisive one) and not yet relayed.
-    ``backlog`` and ``on_answer``: the prompt tokens the leg holds in its endpoint's
-    backlog, and what gives them back (called at the first decisive chunk).
+    ``backlog``, ``blocks`` and ``on_answer``: the prompt tokens the leg holds in its
+    endpoint's backlog, the block keys it holds pending there, and what gives both
+    back (called at the first decisive chunk).
     ``tokens`` and ``usage``: the tokens of it the client got and what it reported.
     ``text_offset``: characters of answer the client got before this leg (its
     completions logprobs' offsets start there).
@@ -130,6 +134,7 @@ class Leg:
     phase: str = ""
     span: Span | None = None
     backlog: int = 0
+    blocks: Sequence[int] = ()
     on_answer: Callable[[Leg], None] | None = None
     text_offset: int = 0
 
@@ -205,7 +210,9 @@ class Legs:
 
     ``sent``: upstream requests sent so far. ``prompt_tokens``: the size of the prompt
     the next legs carry, which lengthens their read timeouts (the flow sets it: the
-    plan's estimate, then each continuation's token prompt).
+    plan's estimate, then each continuation's token prompt). ``blocks``: the block
+    keys of the prompt's leading blocks (the plan's; a continuation's start with
+    them), held pending with a leg's backlog.
     """
 
     def __init__(
@@ -228,6 +235,7 @@ class Legs:
         self.trace = trace
         self.failed: set[str] = set()
         self.prompt_tokens = 0
+        self.blocks: Sequence[int] = ()
         self.sent = 0
         self._count = 0
         self._open: list[tuple[Leg, ChunkStream | None]] = []
@@ -334,23 +342,25 @@ class Legs:
     ) -> Iterator[None]:
         """One upstream request: counted in :attr:`sent`, in flight on ``endpoint``
         while it runs (and after it succeeded when ``held``: a stream, until it is
-        closed; its ``backlog`` until its first decisive chunk); a failure or a
+        closed; its ``backlog`` and the prompt's :attr:`blocks` until its first
+        decisive chunk); a failure or a
         cancellation accounted for here, the one place."""
         self.sent += 1
         fleet, where = self.fleet, endpoint.name
-        fleet.enter(where, backlog)
+        blocks = self.blocks if backlog else ()
+        fleet.enter(where, backlog, blocks)
         try:
             yield
         except UpstreamError as exc:
-            fleet.leave(where, backlog)
+            fleet.leave(where, backlog, blocks)
             self._failed_leg(endpoint, exc, name, span)
             raise
         except BaseException:
-            fleet.leave(where, backlog)
+            fleet.leave(where, backlog, blocks)
             self._cancelled_leg(endpoint, name, span)
             raise
         if not held:
-            fleet.leave(where, backlog)
+            fleet.leave(where, backlog, blocks)
 
     def _backlog(self, phase: Phase, body: Json, *, stream: bool) -> int:
         """Prompt tokens the leg holds in its endpoint's backlog (module docstring)."""
@@ -365,8 +375,8 @@ class Legs:
     def _answered(self, leg: Leg) -> None:
         """``leg``'s first decisive chunk came (or it closed first): its backlog is out."""
         if leg.backlog:
-            self.fleet.answered(leg.endpoint.name, leg.backlog)
-            leg.backlog = 0
+            self.fleet.answered(leg.endpoint.name, leg.backlog, leg.blocks)
+            leg.backlog, leg.blocks = 0, ()
 
     def _failed_leg(
         self, endpoint: Endpoint, exc: UpstreamError, phase: str, span: Span | None
@@ -418,7 +428,7 @@ class Legs:
         leg.phase = name
         leg.span = span
         if backlog:
-            leg.backlog, leg.on_answer = backlog, self._answered
+            leg.backlog, leg.blocks, leg.on_answer = backlog, self.blocks, self._answered
         self._open.append((leg, stream))
         return leg
 
@@ -492,8 +502,8 @@ class Legs:
                         with anyio.move_on_after(CLOSE_SECONDS, shield=True):
                             await stream.aclose()
                 finally:
-                    self.fleet.leave(leg.endpoint.name, leg.backlog)
-                    leg.backlog = 0
+                    self.fleet.leave(leg.endpoint.name, leg.backlog, leg.blocks)
+                    leg.backlog, leg.blocks = 0, ()
                     self._closed(leg, stream.done)
                 return
         if leg.error is not None:  # an answer in hand (its leg was accounted) found faulty

@@ -20,6 +20,13 @@ subscriber, and offers what the request path needs::
     runtime.observe(profiles.decode, request, served_by)
     # the planner's CachedPrefix, for a threshold policy that reads it:
     runtime.cached_tokens(request, decoder)      # None without the precise index
+    runtime.blocks(request)                      # the keys a leg holds pending
+
+Built with the fleet's :class:`~pd_orchestrator.prefix.pending.PendingBlocks` (the
+block keys of the prompts in flight on each endpoint, before their first answer),
+:meth:`PrefixRuntime.cached_tokens` counts those too: in a burst of prompts that
+share a prefix, the ones queued behind the first find it cached when the server
+reaches them, though no KV event has said so yet.
 
 :meth:`PrefixRuntime.view_fields` is pure: the prompt text (a completion's
 string prompt, or the chat messages rendered by the simulator's prefix-stable
@@ -56,6 +63,7 @@ from pd_orchestrator.openai.tokenize import token_ids, tokenize_body
 from pd_orchestrator.policies.plugins import builtin_registry
 from pd_orchestrator.prefix.hashing import VllmBlockHasher
 from pd_orchestrator.prefix.index import IndexStats, PreciseIndex
+from pd_orchestrator.prefix.pending import PendingBlocks
 from pd_orchestrator.routing.engine import Profile
 from pd_orchestrator.routing.registry import Registry
 from pd_orchestrator.routing.types import PrefixFields, RoutingRequest
@@ -120,10 +128,16 @@ def _token_ids(prompt: Any) -> tuple[int, ...] | None:
 class PrefixRuntime:
     """Prefix-routing state and I/O; see the module docstring."""
 
-    def __init__(self, config: PrefixConfig, endpoints: Sequence[Endpoint]) -> None:
+    def __init__(
+        self,
+        config: PrefixConfig,
+        endpoints: Sequence[Endpoint],
+        pending: PendingBlocks[int] | None = None,
+    ) -> None:
         self.config = config
         self.index = self._index(config.precise, config.lora_adapters)
         self.subscriber = self._subscriber(config.precise, endpoints)
+        self.pending = pending
 
     @staticmethod
     def _index(precise: PreciseConfig | None, adapters: Mapping[str, str]) -> PreciseIndex | None:
@@ -158,14 +172,30 @@ class PrefixRuntime:
         )
 
     def cached_tokens(self, request: RoutingRequest, decoder: Endpoint) -> int | None:
-        """Leading prompt tokens ``decoder`` holds by the precise index (the planner's
-        :class:`~pd_orchestrator.planner.plan.CachedPrefix`); None without the index
-        or the prompt's token ids."""
-        if self.index is None or not request.token_ids:
+        """Leading prompt tokens ``decoder`` holds by the precise index, or by the
+        prompts in flight there (:attr:`pending`), the more (whole blocks, at most the
+        prompt; the planner's :class:`~pd_orchestrator.planner.plan.CachedPrefix`);
+        None without the index, the prompt's token ids or its adapter's path."""
+        index = self.index
+        if index is None or not request.token_ids:
             return None
-        return self.index.cached_tokens(
-            request.token_ids, decoder.name, request.lora, request.cache_salt
-        )
+        keys = index.keys(request.token_ids, request.lora, request.cache_salt)
+        if keys is None:
+            return None
+        name = decoder.name
+        blocks = index.match(keys, (name,)).get(name, 0)
+        if self.pending is not None:
+            blocks = max(blocks, self.pending.leading(keys, name))
+        return min(blocks * index.block_size, len(request.token_ids))
+
+    def blocks(self, request: RoutingRequest) -> Sequence[int]:
+        """The block keys of the prompt (empty without the index, the prompt's token
+        ids or its adapter's path; shared, not to be changed)."""
+        index = self.index
+        if index is None or self.pending is None or not request.token_ids:
+            return ()
+        keys = index.keys(request.token_ids, request.lora, request.cache_salt)
+        return () if keys is None else keys
 
     def registry(self) -> Registry:
         """The built-in plugin registry, ``precise-prefix`` bound to this index."""

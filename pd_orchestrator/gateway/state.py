@@ -128,7 +128,7 @@ def build_state(
     if previous is not None:
         fleet.inherit(previous.fleet)
     pairs = frozenset((p.prefill_group, p.decode_group) for p in config.compatibility.host_staged)
-    prefix = PrefixRuntime(config.prefix, endpoints)
+    prefix = PrefixRuntime(config.prefix, endpoints, fleet.pending)
     registry = prefix.registry()
     threshold = build_threshold(
         config.threshold, registry, pools={pool.name for pool in config.pools}

@@ -199,6 +199,11 @@ class Plan:
     """A continuation honours the request on this plan (a hand-back or a recovery may
     resubmit it): :attr:`RequestFacts.continuable`, or resumable where the plan's
     endpoints resume its grammar."""
+    blocks: Sequence[int] = ()
+    """The block keys of the prompt, by the planner's :class:`CachedPrefix`, when its
+    policy reads the cache (empty otherwise): the legs hold them pending on the
+    endpoint that prefills the prompt until its first answer
+    (:meth:`CachedPrefix.blocks`)."""
 
     @property
     def decoder(self) -> Endpoint:
@@ -281,7 +286,15 @@ class CachedPrefix(Protocol):
     cache (:attr:`~pd_orchestrator.policies.base.ThresholdContext.cached_tokens`)."""
 
     def cached_tokens(self, request: RoutingRequest, decoder: Endpoint) -> int | None:
-        """Leading prompt tokens of ``request`` that ``decoder`` holds (None: unknown)."""
+        """Leading prompt tokens of ``request`` that ``decoder`` holds, or will hold
+        when it reaches the prompt: with those of its prompts in flight (None:
+        unknown)."""
+        ...
+
+    def blocks(self, request: RoutingRequest) -> Sequence[int]:
+        """The block keys of ``request``'s prompt that a leg holds pending on its
+        endpoint until its first answer, for :meth:`cached_tokens` to count (empty:
+        none; the sequence is shared, not to be changed)."""
         ...
 
 
@@ -359,6 +372,7 @@ class Planner:
             decode_profile=self.profiles.decode,
             width=width,
             continuable=continuable,
+            blocks=self._blocks(routing),
         )
 
     def _ranking(
@@ -488,6 +502,13 @@ class Planner:
             return None
         cached = self.cache.cached_tokens(routing, decoder)
         return None if cached is None else max(0, min(cached, tokens))
+
+    def _blocks(self, routing: RoutingRequest) -> Sequence[int]:
+        """The prompt's block keys the legs hold pending, when a policy reads the cache."""
+        resolver = self.threshold
+        if self.cache is None or resolver is None or not resolver.reads_cache:
+            return ()
+        return self.cache.blocks(routing)
 
     def _cached_on(
         self, resolver: ThresholdResolver, routing: RoutingRequest, tokens: int

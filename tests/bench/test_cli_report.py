@@ -73,7 +73,7 @@ def _probes(out: Path) -> dict[str, dict[float, dict[str, float]]]:
 def test_seeds_pool_each_probe_over_the_workloads_draws(tmp_path: Path) -> None:
     common = (
         "--workload", "shared-prefix", "--virtual", "--fleet", "tiny", "--requests", "32",
-        "--policies", "decode-only,goodput", "--bisections", "1", "--attainment", "0.95",
+        "--policies", "always-pd,goodput", "--bisections", "1", "--attainment", "0.95",
         "--no-plots",
     )  # fmt: skip
     runs = {}

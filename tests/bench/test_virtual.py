@@ -236,3 +236,26 @@ def test_the_policy_sees_the_decoder_s_cached_prefix_as_a_precise_index_would(
     # cold: nothing held; warm: the document's full blocks, on the decoder that
     # decoded it the first time
     assert seen == ([0, 1984] if indexed else [None, None])
+
+
+def test_a_prompt_in_flight_counts_as_held_where_it_was_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The second of two copies of a document arrives before the first has its first
+    output: the decoder the routing sends it to holds the document pending (the
+    gateway's pending blocks), though its cache holds nothing yet."""
+    seen: list[tuple[str, int | None]] = []
+    decide = GoodputPolicy.decide
+
+    def spy(self: GoodputPolicy, context: ThresholdContext) -> ThresholdDecision:
+        seen.append((context.decoder.endpoint.name, context.cached_tokens))
+        return decide(self, context)
+
+    monkeypatch.setattr(GoodputPolicy, "decide", spy)
+    (goodput,) = resolve_strategies(["goodput"])
+    fleet = VirtualFleet(preset_fleet("tiny"), goodput, AFFINITY)
+    result = fleet.run(_workload((0.0, DOC), (0.0005, DOC)))
+    assert all(r.ok for r in result.records)
+    (first, cold), (second, pending) = seen
+    assert first == second  # affinity: the same decoder
+    assert (cold, pending) == (0, 1984)

@@ -79,6 +79,18 @@ def test_endpoints_a_request_named_are_forgotten_past_the_bound_least_recent_idl
     fleet.leave("busy:1")
 
 
+def test_a_prompt_s_blocks_are_pending_until_its_first_answer_or_its_end() -> None:
+    fleet = FleetState([D0])
+    fleet.enter("d0", 3000, (1, 2, 3))
+    fleet.enter("d0", 500, (1, 2, 4))
+    assert fleet.pending.leading((1, 2, 3), "d0") == 3
+    fleet.answered("d0", 3000, (1, 2, 3))
+    assert fleet.pending.leading((1, 2, 3), "d0") == 2  # the other prompt holds 1, 2
+    fleet.leave("d0", 500, (1, 2, 4))  # it ended before its first answer
+    assert fleet.pending.keys("d0") == 0
+    assert fleet.status("d0").backlog == 0
+
+
 def test_the_backlog_counts_prompt_tokens_until_their_first_answer() -> None:
     fleet = FleetState([D0])
     fleet.enter("d0", 3000)

@@ -95,6 +95,7 @@ async def _serve(
     attempt: Attempt | None = None,
     handback: HandbackConfig | None = None,
     state: FleetState | None = None,
+    blocks: tuple[int, ...] = (),
 ) -> Observed:
     metrics = GatewayMetrics()
     transport = MockTransport(script)
@@ -116,7 +117,8 @@ async def _serve(
         upstream, state or FleetState(fleet), metrics, "rid", anyio.current_time,
         forward=forward, trace=trace,
     )  # fmt: skip
-    flow = Flow(request, _plan_over(fleet), legs, attempt or Single(), settings)
+    plan = replace(_plan_over(fleet), blocks=blocks)
+    flow = Flow(request, plan, legs, attempt or Single(), settings)
     with anyio.fail_after(5):
         try:
             await flow.run(renderer_for(request, flow.transcript, Sink(), anyio.current_time))
@@ -424,6 +426,49 @@ async def test_a_prompt_is_in_its_endpoint_s_backlog_until_its_first_answer() ->
     assert seen == [("d0", tokens, 1), ("p0", tokens, 1), ("d0", 0, 1)]
     assert [state.status(n).backlog for n in ("d0", "d1", "p0")] == [0, 0, 0]
     assert [state.status(n).in_flight for n in ("d0", "d1", "p0")] == [0, 0, 0]
+
+
+async def test_a_prompt_s_blocks_are_pending_at_its_endpoint_until_its_first_answer() -> None:
+    """The plan's block keys are held pending with the backlog: at the decoder until
+    the attempt's rejection, at the prefiller until its answer, none for the decode
+    leg that brings the KV; none are left at the end."""
+    keys = (11, 12, 13)
+    state = FleetState((D0, D1, P0))
+    seen: list[tuple[str, int, int]] = []
+
+    def watching(name: str, answer: Any) -> Any:
+        def handler(request: Request) -> MockResponse:
+            pending = state.pending
+            seen.append((name, pending.leading(keys, "d0"), pending.leading(keys, "p0")))
+            response: MockResponse = answer(request)
+            return response
+
+        return handler
+
+    script = Script(
+        {
+            "d0": [
+                watching("d0", _stream(_completion_chunk([], "cache_threshold", first=True))),
+                watching("d0", _stream(_completion_chunk([5, 6], "length", first=True))),
+            ],
+            "p0": [watching("p0", _whole(PREFILL))],
+        }
+    )
+    run = await _serve(script, STREAM, state=state, blocks=keys)
+    assert run.flow.decision == "pd"
+    assert seen == [("d0", 3, 0), ("p0", 0, 3), ("d0", 0, 0)]
+    assert [state.pending.keys(n) for n in ("d0", "d1", "p0")] == [0, 0, 0]
+
+
+async def test_a_failed_leg_gives_its_pending_blocks_back() -> None:
+    state = FleetState((D0, D1, P0))
+    script = Script(
+        {"d0": [lambda request: MockResponse(503, json={"error": "busy"})],
+         "d1": [_stream(_completion_chunk([5, 6], "length", first=True))]}
+    )  # fmt: skip
+    run = await _serve(script, STREAM, state=state, blocks=(1, 2))
+    assert run.flow.decoder == D1
+    assert [state.pending.keys(n) for n in ("d0", "d1", "p0")] == [0, 0, 0]
 
 
 async def test_a_failed_leg_gives_its_backlog_back() -> None:

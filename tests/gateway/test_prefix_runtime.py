@@ -171,6 +171,30 @@ async def test_run_returns_at_once_without_event_sources() -> None:
     assert prefix.cached_tokens(request, endpoint("d0")) is None  # no index: unknown
 
 
+def test_the_cached_count_adds_the_prompts_in_flight_on_the_endpoint() -> None:
+    """A prompt sent to d0 and not yet answered: a later prompt sharing its first two
+    blocks counts them as held on d0 (no KV event has said so yet), none on d1; once
+    the first is answered, none."""
+    fleet = FleetState([endpoint("d0"), endpoint("d1")])
+    config = PrefixConfig.model_validate({"precise": {"events": {"publisher": None}}})
+    prefix = PrefixRuntime(config, [endpoint("d0"), endpoint("d1")], fleet.pending)
+    first = RoutingRequest(Role.DECODE, 0.0, token_ids=tuple(range(40)))
+    later = RoutingRequest(Role.DECODE, 0.0, token_ids=(*range(32), *range(100, 120)))
+    keys = prefix.blocks(first)
+    assert len(keys) == 2  # two whole blocks of 16
+    assert prefix.cached_tokens(later, endpoint("d0")) == 0
+    fleet.enter("d0", 40, keys)
+    assert prefix.cached_tokens(later, endpoint("d0")) == 32
+    assert prefix.cached_tokens(later, endpoint("d1")) == 0
+    assert (
+        prefix.cached_tokens(replace(later, token_ids=(1, *later.token_ids)), endpoint("d0")) == 0
+    )
+    fleet.answered("d0", 40, keys)
+    assert prefix.cached_tokens(later, endpoint("d0")) == 0
+    without = PrefixRuntime(config, [endpoint("d0")])  # no pending table: nothing to hold
+    assert without.blocks(first) == ()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -255,4 +279,5 @@ async def test_the_gateway_s_planner_reads_the_precise_index() -> None:
         async with upstream(None) as client:
             state = build_state(config, client, GatewayMetrics(), lambda: 0.0)
         assert state.planner.cache is state.prefix
+        assert state.prefix.pending is state.fleet.pending
         assert (state.prefix.index is not None) is indexed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -465,6 +466,9 @@ class _Cache:
         self.asked.append((request.affinity_key, decoder.name))
         return self.held
 
+    def blocks(self, request: RoutingRequest) -> tuple[int, ...]:
+        return (7, 8) if request.affinity_key == "k" else ()
+
 
 class _ReadsCache(_Fixed):
     reads_cache = True
@@ -487,6 +491,22 @@ def test_a_policy_that_reads_the_cache_sees_the_decoder_s_cached_prefix() -> Non
     blind, cache = _Fixed(), _Cache(64)
     assert seen(blind, cache) is None and not cache.asked  # no policy reads it: not asked
     assert blind.seen[-1].cached_on is None
+
+
+def test_the_plan_carries_the_prompt_s_blocks_only_for_a_policy_that_reads_the_cache() -> None:
+    """The legs hold the plan's block keys pending on the endpoint that prefills; a
+    plan whose policy reads no cache carries none (nobody would read them)."""
+    counted = RequestFacts(model="m", prompt_chars=400, prompt_tokens=100, affinity_key="k")
+    candidates = [Candidate(e) for e in FLEET]
+    profiles = build_profiles(RoutingConfig(), builtin_registry())
+
+    def blocks(policy: _Fixed, cache: _Cache | None) -> Sequence[int]:
+        planner = Planner(profiles, ThresholdResolver(policy), cache=cache)  # type: ignore[arg-type]
+        return planner.plan(counted, candidates, 0.0, 0).blocks
+
+    assert blocks(_ReadsCache(), _Cache(64)) == (7, 8)
+    assert blocks(_Fixed(), _Cache(64)) == ()
+    assert blocks(_ReadsCache(), None) == ()
 
 
 def test_a_policy_that_reads_the_cache_may_ask_it_of_a_prefiller_too() -> None:
