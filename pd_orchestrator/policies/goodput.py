@@ -51,7 +51,14 @@ For the chosen decoder and a prompt of ``L`` tokens, ``u`` of them uncached ther
   (:attr:`~pd_orchestrator.policies.base.ThresholdContext.cached_tokens`, a precise
   index fed by the servers' KV events) when the planner has one, else the prompt
   less the decoder's hit rate. Before any reading gives a hit rate, the prompt's
-  own cached share stands for the queue's too.
+  own cached share stands for the queue's too. The gateway's index also counts the
+  blocks of the prompts it sent to an endpoint that have had no first answer yet:
+  the server holds them by the time it reaches this prompt, though no KV event has
+  said so. In a cold burst of one prefix, the prompts queued behind the first were
+  otherwise counted uncached, with the queue they joined: on shared-prefix with 400
+  requests on mixed at x26.9 (first draw), a routed pick priced 28,000-31,000
+  queued tokens of its own prefix at 0.86-0.96 s and declined 12 requests to
+  decoders that then missed 16 (benchmarks/README, "The current matrix").
 * **stall**: what local prefills cost the streams decoding there. It is a rate,
   not one prompt's cost: a stream decodes for about ``W = out_mean * tpot`` seconds,
   and every prefill kept at its decoder meanwhile lands on it. If a share ``s`` of
