@@ -135,7 +135,8 @@ class _KvIndex:
         return max(engine.local_hit_tokens_of(hashes, tokens), pending)
 
     def blocks(self, request: RoutingRequest) -> Sequence[int]:
-        """None: the fleet's instances hold their prompts' hashes pending themselves."""
+        """Empty: each instance holds its requests' block hashes pending itself
+        (:meth:`_Instance.enter`)."""
         return ()
 
 

@@ -342,9 +342,9 @@ class Legs:
     ) -> Iterator[None]:
         """One upstream request: counted in :attr:`sent`, in flight on ``endpoint``
         while it runs (and after it succeeded when ``held``: a stream, until it is
-        closed; its ``backlog`` and the prompt's :attr:`blocks` until its first
-        decisive chunk); a failure or a
-        cancellation accounted for here, the one place."""
+        closed; its ``backlog``, and the prompt's :attr:`blocks` with it, until its
+        first decisive chunk); a failure or a cancellation accounted for here, the
+        one place."""
         self.sent += 1
         fleet, where = self.fleet, endpoint.name
         blocks = self.blocks if backlog else ()
