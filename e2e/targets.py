@@ -75,7 +75,11 @@ class Target:
                 self._endpoint(f"prefill-{i}", url) for i, url in enumerate(self.prefillers)
             ],
             "threshold": {"policy": {"type": "static", "value": 0.5}},
-            "timeouts": {"decode_attempt": 120, "prefill": 120, "decode": 120},
+            # Raised for CPU servers on a 2-core CI box, whose busy threads can hold
+            # the gateway's event loop off the CPU: under the preemption test's load a
+            # decode leg to the vLLM decoder once failed to connect mid-stream
+            # ("unavailable during decode"; the default connect timeout is 2 s).
+            "timeouts": {"connect": 10, "decode_attempt": 120, "prefill": 120, "decode": 120},
             "health": HEALTH,
         }
         config.update(overrides)
