@@ -173,9 +173,8 @@ class _Instance:
         self.expiry_at: float | None = None
         self.in_flight = 0
         self.backlog = 0
-        self._awaiting: dict[str, int] = {}
+        self._awaiting: dict[str, tuple[int, Sequence[bytes]]] = {}
         self.pending = pending
-        self._holding: dict[str, Sequence[bytes]] = {}
         self.busy = 0.0
         self.load: LoadSnapshot | None = None
         self._seen = (0, 0, 0)
@@ -203,20 +202,23 @@ class _Instance:
         pending until its first output (as the gateway counts them)."""
         self.in_flight += 1
         tokens = max(0, request.num_prompt_tokens - request.external_tokens)
-        self._awaiting[request.request_id] = tokens
-        self.backlog += tokens
         digest = request.digest
-        if tokens and digest is not None and digest.block_hashes:
-            self._holding[request.request_id] = digest.block_hashes
-            self.pending.hold(self.name, digest.block_hashes)
+        hashes = digest.block_hashes if tokens and digest is not None else ()
+        self._awaiting[request.request_id] = (tokens, hashes)
+        self.backlog += tokens
+        if hashes:
+            self.pending.hold(self.name, hashes)
 
     def answered(self, request_id: str) -> None:
         """The request's first output (or its end) came back: out of the backlog, its
         hashes no longer pending."""
-        self.backlog -= self._awaiting.pop(request_id, 0)
-        held = self._holding.pop(request_id, None)
-        if held is not None:
-            self.pending.release(self.name, held)
+        awaited = self._awaiting.pop(request_id, None)
+        if awaited is None:
+            return
+        tokens, hashes = awaited
+        self.backlog -= tokens
+        if hashes:
+            self.pending.release(self.name, hashes)
 
 
 class VirtualFleet:

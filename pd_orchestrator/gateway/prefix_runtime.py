@@ -176,17 +176,11 @@ class PrefixRuntime:
         prompts in flight there (:attr:`pending`), the more (whole blocks, at most the
         prompt; the planner's :class:`~pd_orchestrator.planner.plan.CachedPrefix`);
         None without the index, the prompt's token ids or its adapter's path."""
-        index = self.index
-        if index is None or not request.token_ids:
+        if self.index is None or not request.token_ids:
             return None
-        keys = index.keys(request.token_ids, request.lora, request.cache_salt)
-        if keys is None:
-            return None
-        name = decoder.name
-        blocks = index.match(keys, (name,)).get(name, 0)
-        if self.pending is not None:
-            blocks = max(blocks, self.pending.leading(keys, name))
-        return min(blocks * index.block_size, len(request.token_ids))
+        return self.index.cached_tokens(
+            request.token_ids, decoder.name, request.lora, request.cache_salt, self.pending
+        )
 
     def blocks(self, request: RoutingRequest) -> Sequence[int]:
         """The block keys of the prompt (empty without the index, the prompt's token

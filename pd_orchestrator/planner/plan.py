@@ -498,24 +498,29 @@ class Planner:
     ) -> int | None:
         """The prompt tokens ``decoder`` holds, when a policy reads them and the planner
         can tell (at most the prompt's ``tokens``)."""
-        if self.cache is None or not resolver.reads_cache:
+        cache = self._read_cache(resolver)
+        if cache is None:
             return None
-        cached = self.cache.cached_tokens(routing, decoder)
+        cached = cache.cached_tokens(routing, decoder)
         return None if cached is None else max(0, min(cached, tokens))
+
+    def _read_cache(self, resolver: ThresholdResolver | None) -> CachedPrefix | None:
+        """The planner's :class:`CachedPrefix` when ``resolver``'s policy reads it."""
+        if self.cache is None or resolver is None or not resolver.reads_cache:
+            return None
+        return self.cache
 
     def _blocks(self, routing: RoutingRequest) -> Sequence[int]:
         """The prompt's block keys the legs hold pending, when a policy reads the cache."""
-        resolver = self.threshold
-        if self.cache is None or resolver is None or not resolver.reads_cache:
-            return ()
-        return self.cache.blocks(routing)
+        cache = self._read_cache(self.threshold)
+        return () if cache is None else cache.blocks(routing)
 
     def _cached_on(
         self, resolver: ThresholdResolver, routing: RoutingRequest, tokens: int
     ) -> Callable[[Endpoint], int | None] | None:
         """:meth:`_cached` for any endpoint, when a policy reads it and the planner has
         an index."""
-        if self.cache is None or not resolver.reads_cache:
+        if self._read_cache(resolver) is None:
             return None
         return partial(self._cached, resolver, routing, tokens=tokens)
 

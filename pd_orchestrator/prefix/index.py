@@ -35,6 +35,7 @@ from pd_orchestrator.prefix.events import (
     KvEvent,
 )
 from pd_orchestrator.prefix.hashing import BlockExtras, LoraKey, VllmBlockHasher, external_hash
+from pd_orchestrator.prefix.pending import PendingBlocks
 from pd_orchestrator.prefix.table import BlockTable
 
 __all__ = ["IndexStats", "PreciseIndex"]
@@ -146,13 +147,17 @@ class PreciseIndex:
         endpoint: str,
         lora: str | None = None,
         cache_salt: str | None = None,
+        pending: PendingBlocks[int] | None = None,
     ) -> int | None:
-        """Leading tokens of a prompt whose blocks ``endpoint`` holds in a row (whole
-        blocks, at most ``len(token_ids)``); None when its adapter's path is unknown."""
+        """Leading tokens of a prompt whose blocks ``endpoint`` holds in a row, or that
+        its prompts in flight hold (``pending``), the more (whole blocks, at most
+        ``len(token_ids)``); None when its adapter's path is unknown."""
         keys = self.keys(token_ids, lora, cache_salt)
         if keys is None:
             return None
         blocks = self.match(keys, (endpoint,)).get(endpoint, 0)
+        if pending is not None:
+            blocks = max(blocks, pending.leading(keys, endpoint))
         return min(blocks * self.block_size, len(token_ids))
 
     def stats(self) -> IndexStats:
