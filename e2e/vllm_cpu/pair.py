@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -114,12 +115,50 @@ class ServerError(RuntimeError):
     """A server did not start or died; the message ends with its log's tail."""
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
+#: Where the kernel's own port picks start when it cannot say (Linux's default).
+_EPHEMERAL_LOW = 32768
+#: The lowest port handed out: above the well-known and most registered ones.
+_LOWEST_PORT = 10000
+_handed_out: set[int] = set()
+_ports = random.Random()
+
+
+def _ephemeral_low(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> int:
+    """The first port the kernel may pick for a ``bind(0)`` or an outgoing connect."""
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _EPHEMERAL_LOW
+
+
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now that stays free until a server binds it.
+
+    A vLLM server binds its ports tens of seconds after start. A port the kernel hands
+    out for ``bind(0)`` lies in its ephemeral range, where any outgoing connect in the
+    meantime (the other server's, vLLM's own ``get_open_port``) may take it: the server
+    then dies with "Address already in use". So the port comes from below that range,
+    where the kernel never picks, and is never handed out twice by this process.
+    """
+    high = _ephemeral_low()
+    for _ in range(200 if high > _LOWEST_PORT else 0):
+        port = _ports.randrange(_LOWEST_PORT, high)
+        if port not in _handed_out and _bindable(port):
+            _handed_out.add(port)
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))  # no room below the kernel's range: take its pick
+        picked: int = sock.getsockname()[1]
+        return picked
 
 
 @dataclass(frozen=True, slots=True)
