@@ -141,13 +141,14 @@ def _bindable(port: int) -> bool:
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now that stays free until a server binds it.
+    """A TCP port free on 127.0.0.1 now, from where the kernel never picks one itself.
 
     A vLLM server binds its ports tens of seconds after start. A port the kernel hands
-    out for ``bind(0)`` lies in its ephemeral range, where any outgoing connect in the
-    meantime (the other server's, vLLM's own ``get_open_port``) may take it: the server
-    then dies with "Address already in use". So the port comes from below that range,
-    where the kernel never picks, and is never handed out twice by this process.
+    out for ``bind(0)`` lies in its ephemeral range, where any outgoing connect or
+    ``bind(0)`` in the meantime (the other server's, vLLM's own) may be given it: the
+    server then dies with "Address already in use". So the port comes from below that
+    range, and this process never hands the same one out twice. Only an explicit bind
+    to the same number could still take it.
     """
     high = _ephemeral_low()
     for _ in range(200 if high > _LOWEST_PORT else 0):
