@@ -1,7 +1,8 @@
 """Start a real vLLM prefiller and decoder on loopback, NIXL over CPU, with the plugin.
 
-Runs from the project's own venv (stdlib + httpx); each server is a subprocess of
-the cached vLLM venv's python (``e2e/vllm_cpu/build-env.sh`` prints it). Both servers
+Runs from the project's own venv (httpx, and the project's port picker for the
+ports the servers bind late); each server is a subprocess of the cached vLLM venv's
+python (``e2e/vllm_cpu/build-env.sh`` prints it). Both servers
 load the tiny model (``e2e/vllm_cpu/tiny_model.py``) with the NixlConnector
 (``kv_role: kv_both``, ``kv_buffer_device: cpu``), prefix caching, prompt-token
 details, ``--enforce-eager``, a fixed ``PYTHONHASHSEED``, ``HF_HUB_OFFLINE=1``, a
@@ -26,11 +27,9 @@ import argparse
 import contextlib
 import json
 import os
-import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,8 @@ from pathlib import Path
 from types import TracebackType
 
 import httpx
+
+from pd_orchestrator.bench.peers import free_port
 
 __all__ = [
     "SMALL_DECODER_ARGS",
@@ -113,53 +114,6 @@ _EXCEPTION_LINE = re.compile(r"\b[A-Za-z_][\w.]*(?:Error|Exception): .*$")
 
 class ServerError(RuntimeError):
     """A server did not start or died; the message ends with its log's tail."""
-
-
-#: Where the kernel's own port picks start when it cannot say (Linux's default).
-_EPHEMERAL_LOW = 32768
-#: The lowest port handed out: above the well-known and most registered ones.
-_LOWEST_PORT = 10000
-_handed_out: set[int] = set()
-_ports = random.Random()
-
-
-def _ephemeral_low(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> int:
-    """The first port the kernel may pick for a ``bind(0)`` or an outgoing connect."""
-    try:
-        return int(path.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return _EPHEMERAL_LOW
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now, from where the kernel never picks one itself.
-
-    A vLLM server binds its ports tens of seconds after start. A port the kernel hands
-    out for ``bind(0)`` lies in its ephemeral range, where any outgoing connect or
-    ``bind(0)`` in the meantime (the other server's, vLLM's own) may be given it: the
-    server then dies with "Address already in use". So the port comes from below that
-    range, and this process never hands the same one out twice. Only an explicit bind
-    to the same number could still take it.
-    """
-    high = _ephemeral_low()
-    for _ in range(200 if high > _LOWEST_PORT else 0):
-        port = _ports.randrange(_LOWEST_PORT, high)
-        if port not in _handed_out and _bindable(port):
-            _handed_out.add(port)
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))  # no room below the kernel's range: take its pick
-        picked: int = sock.getsockname()[1]
-        return picked
 
 
 @dataclass(frozen=True, slots=True)

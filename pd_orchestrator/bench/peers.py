@@ -11,6 +11,7 @@ line) in its own process group with its output in a log file; stop it with
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -84,12 +85,54 @@ def peer_executable(peer: Peer, python: str = sys.executable) -> Path:
     return executable
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (the caller binds it soon after)."""
+_EPHEMERAL_LOW = 32768
+"""Where the kernel's own port picks start when it cannot say (Linux's default)."""
+
+_LOWEST_PORT = 10000
+"""The lowest port handed out: above the well-known and most registered ones."""
+
+_handed_out: set[int] = set()
+_ports = random.Random()
+
+
+def _ephemeral_low(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> int:
+    """The first port the kernel may pick for a ``bind(0)`` or an outgoing connect."""
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _EPHEMERAL_LOW
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now, for a child to bind, from where the kernel never
+    picks one itself.
+
+    A child binds its port some time after it starts (a vLLM server, tens of seconds).
+    A port the kernel hands out for ``bind(0)`` lies in its ephemeral range, where any
+    outgoing connect or ``bind(0)`` meanwhile may be given it, and the child then dies
+    with "Address already in use". So the port comes from below that range, and this
+    process never hands the same one out twice. Only an explicit bind to the same
+    number could still take it.
+    """
+    high = _ephemeral_low()
+    for _ in range(200 if high > _LOWEST_PORT else 0):
+        port = _ports.randrange(_LOWEST_PORT, high)
+        if port not in _handed_out and _bindable(host, port):
+            _handed_out.add(port)
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))  # no room below the kernel's range: take its pick
+        picked: int = sock.getsockname()[1]
+        return picked
 
 
 def start_process(name: str, argv: Sequence[str], url: str) -> Child:

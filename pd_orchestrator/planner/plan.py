@@ -48,7 +48,7 @@ What the planner learns comes back after the request: :meth:`Planner.learn`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Literal, Protocol
@@ -478,6 +478,8 @@ class Planner:
         if resolver.reads_prefillers:
             compatible = {e.name for e in prefillers.for_decoder(decoder.endpoint)}
         peers = _peers(ranking) if resolver.reads_peers and self.width is None else ()
+        cache = self._read_cache(resolver)
+        held = None if cache is None else partial(_held, cache, routing, tokens=tokens)
         context = ThresholdContext(
             model=facts.model,
             decoder=decoder,
@@ -487,22 +489,11 @@ class Planner:
             client_threshold=facts.client_threshold,
             now=now,
             peers=peers,
-            cached_tokens=self._cached(resolver, routing, decoder.endpoint, tokens),
-            cached_on=self._cached_on(resolver, routing, tokens),
+            cached_tokens=None if held is None else held(decoder.endpoint),
+            cached_on=held,
         )
         decision = resolver.decide(context)
         return decision if continuable else replace(decision, admission_only=True)
-
-    def _cached(
-        self, resolver: ThresholdResolver, routing: RoutingRequest, decoder: Endpoint, tokens: int
-    ) -> int | None:
-        """The prompt tokens ``decoder`` holds, when a policy reads them and the planner
-        can tell (at most the prompt's ``tokens``)."""
-        cache = self._read_cache(resolver)
-        if cache is None:
-            return None
-        cached = cache.cached_tokens(routing, decoder)
-        return None if cached is None else max(0, min(cached, tokens))
 
     def _read_cache(self, resolver: ThresholdResolver | None) -> CachedPrefix | None:
         """The planner's :class:`CachedPrefix` when ``resolver``'s policy reads it."""
@@ -514,15 +505,6 @@ class Planner:
         """The prompt's block keys the legs hold pending, when a policy reads the cache."""
         cache = self._read_cache(self.threshold)
         return () if cache is None else cache.blocks(routing)
-
-    def _cached_on(
-        self, resolver: ThresholdResolver, routing: RoutingRequest, tokens: int
-    ) -> Callable[[Endpoint], int | None] | None:
-        """:meth:`_cached` for any endpoint, when a policy reads it and the planner has
-        an index."""
-        if self._read_cache(resolver) is None:
-            return None
-        return partial(self._cached, resolver, routing, tokens=tokens)
 
     def _asked_on(self, decoder: Candidate, decoders: tuple[Candidate, ...]) -> Iterator[Candidate]:
         """The healthy decoders a request may be asked on: decode-first's pick; ask-all's
@@ -589,6 +571,15 @@ class Planner:
             adaptive.rejected(width.keys, name, plan.threshold.value, width.blocks)
         if served.decoder is not None:
             adaptive.served(width.keys, served.decoder.name)
+
+
+def _held(
+    cache: CachedPrefix, routing: RoutingRequest, endpoint: Endpoint, tokens: int
+) -> int | None:
+    """The prompt tokens ``endpoint`` holds by ``cache``, at most the prompt's ``tokens``
+    (None: the cache cannot tell)."""
+    cached = cache.cached_tokens(routing, endpoint)
+    return None if cached is None else max(0, min(cached, tokens))
 
 
 def _peers(ranking: RoutingResult) -> tuple[Candidate, ...]:
