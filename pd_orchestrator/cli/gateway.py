@@ -145,6 +145,8 @@ def serve_gateway(
     (default: bind ``config.listen`` now). ``gateway``: the gateway to serve
     (default: one built from ``config`` and ``config_path``). ``extra_sockets``: more
     listening sockets serving the same application (a worker's own metrics port).
+    ``listen.probe_port``: bound here too (``SO_REUSEPORT`` when ``sock`` has it, so
+    every worker serves it), answering only the probes.
     ``tls``: serve HTTPS with this certificate and key file.
     Logging is configured from ``config.logging`` first (uvicorn's records included).
     """
@@ -158,12 +160,16 @@ def serve_gateway(
     url = f"{scheme}://{config.listen.host}:{sock.getsockname()[1]}"
     if gateway is None:
         gateway = Gateway(config, config_path=config_path)
+    extra = list(extra_sockets or [])
+    probe_port = config.listen.probe_port
+    if probe_port is not None:  # bound with the port's own options (workers share it)
+        extra.append(bind_socket(config.listen.host, probe_port, reuse_port=sock_reuses(sock)))
     uvicorn_config = uvicorn.Config(
         gateway.app(),
         log_level="warning",
         log_config=None,
         timeout_graceful_shutdown=_CLOSE_SECONDS,  # after the gateway's own drain
-        http=gateway.http_protocol(),
+        http=gateway.http_protocol(probe_port),
         interface="asgi3",
         proxy_headers=False,
         server_header=False,
@@ -177,7 +183,7 @@ def serve_gateway(
     async def main() -> None:
         _tune_gc()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(server.serve, [sock, *(extra_sockets or [])])
+            tg.start_soon(server.serve, [sock, *extra])
             while not server.started:  # noqa: ASYNC110 - uvicorn exposes no event
                 await anyio.sleep(0.02)
             logger.info(
@@ -189,6 +195,11 @@ def serve_gateway(
                 await announced
 
     anyio.run(main, backend_options={"use_uvloop": True})
+
+
+def sock_reuses(sock: socket.socket) -> bool:
+    """Whether ``sock`` was bound with ``SO_REUSEPORT`` (a worker's shared port)."""
+    return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT))
 
 
 def _tune_gc() -> None:

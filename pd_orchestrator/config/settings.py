@@ -85,12 +85,17 @@ class _Strict(BaseModel):
 class ListenConfig(_Strict):
     """Where the gateway listens; ``workers`` > 1 runs that many gateway processes on
     the port (``SO_REUSEPORT``), each with its own state (see ``pd_orchestrator.cli.
-    workers``); ``worker_metrics_port`` P: worker *i* also serves on P + *i*."""
+    workers``); ``worker_metrics_port`` P: worker *i* also serves on P + *i*.
+    ``probe_port``: a second port on ``host`` that answers only ``/health``,
+    ``/ready`` and ``/metrics``, on connections counted apart from the main port's
+    ``limits.max_connections`` (point liveness and readiness probes there, and keep
+    it off the client-facing Service)."""
 
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
     workers: Annotated[int, Field(ge=1, le=64)] = 1
     worker_metrics_port: Annotated[int, Field(ge=1, le=65535)] | None = None
+    probe_port: Annotated[int, Field(ge=1, le=65535)] | None = None
 
 
 class SimSpec(_Strict):
@@ -410,6 +415,10 @@ class SidecarConfig(_Strict):
         return value
 
 
+MIB = 1 << 20
+KIB = 1 << 10
+
+
 class UpstreamConfig(_Strict):
     """The HTTP client towards vLLM instances (limits are per endpoint)."""
 
@@ -423,6 +432,11 @@ class UpstreamConfig(_Strict):
         default=4.0,
         description="idle connections are dropped after this; keep it below the upstream "
         "servers' keep-alive timeout (uvicorn, so vLLM: 5 s)",
+    )
+    max_line_bytes: Annotated[int, Field(ge=64 * KIB)] = Field(
+        default=16 * MIB,
+        description="longest server-sent event an endpoint may stream (a longer one is the "
+        "endpoint's protocol error); 16 MiB holds a first chunk with a 1M-token prompt's ids",
     )
     prefill_attempts: Annotated[int, Field(ge=1, le=10)] = Field(
         default=3, description="prefill attempts per hand-over, each on another prefiller"
@@ -514,10 +528,6 @@ class AdminConfig(_Strict):
         return value
 
 
-MIB = 1 << 20
-KIB = 1 << 10
-
-
 class LimitsConfig(_Strict):
     """Limits on what a client may send, each checked before the work it protects
     and answered in the OpenAI error shape.
@@ -539,8 +549,14 @@ class LimitsConfig(_Strict):
     connection's opening or the request's first byte) and ``body_timeout`` (the
     whole body, from the end of the head) answer 408 and close the connection;
     ``keepalive_timeout`` closes a connection idle between two requests;
-    ``max_connections`` (per process; default: half the open-file limit) answers a
-    connection past it 503 and closes it.
+    ``max_connections`` (per process; default: half the open-file limit) and
+    ``max_connection_share`` (of ``max_connections``, per client address): a
+    connection past either closes the longest idle connection first (the client's
+    own, past its share), and is answered 503 and closed when none is idle. Behind
+    a proxy every client shares the proxy's address: raise the share to 1.0 there.
+    ``max_concurrent_choices`` (default: one per 64 open files, 4 to 32): how many
+    of a request's ``n`` choices run upstream at once; the others wait their turn,
+    so one request holds a bounded number of upstream connections.
     """
 
     max_body_bytes: Annotated[int, Field(ge=KIB)] = 16 * MIB
@@ -554,6 +570,8 @@ class LimitsConfig(_Strict):
     body_timeout: Seconds = 30.0
     keepalive_timeout: Seconds = 5.0
     max_connections: Annotated[int, Field(ge=1)] | None = None
+    max_connection_share: Annotated[float, Field(gt=0.0, le=1.0)] = 0.5
+    max_concurrent_choices: Annotated[int, Field(ge=1)] | None = None
 
 
 class SecurityConfig(_Strict):

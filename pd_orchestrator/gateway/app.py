@@ -149,11 +149,12 @@ class Gateway:
         """The ASGI application (the gateway itself)."""
         return self
 
-    def http_protocol(self) -> type[asyncio.Protocol]:
+    def http_protocol(self, probe_port: int | None = None) -> type[asyncio.Protocol]:
         """The uvicorn HTTP protocol class to serve this gateway with: it enforces the
-        head limits of the current configuration while a head arrives
-        (:mod:`~pd_orchestrator.gateway.protocol`)."""
-        return limited_protocol(lambda: self.state.config.limits)
+        head limits of the current configuration while a head arrives, and the
+        connection caps (:mod:`~pd_orchestrator.gateway.protocol`); connections to
+        local port ``probe_port`` are the probe port's."""
+        return limited_protocol(lambda: self.state.config.limits, probe_port)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":

@@ -21,8 +21,22 @@ connection until the process runs out of file descriptors.
   and one whose answer had begun is closed;
 * closes a connection idle between requests after ``limits.keepalive_timeout``
   (uvicorn's keep-alive timer);
-* answers a connection opened past ``limits.max_connections`` (default: half the
-  process's open-file limit) 503 at once and closes it.
+* holds at most ``limits.max_connections`` connections (default: half the
+  process's open-file limit), and at most ``limits.max_connection_share`` of them
+  from one peer address: a connection past either first closes the longest idle
+  connection in its way (one waiting for its first request or idle between two, the
+  peer's own when the peer is at its share), as nginx and Envoy do, so holding the
+  cap costs a client a request in flight on every connection; with nothing idle to
+  close it is answered 503 at once and closed;
+* on the probe port (``listen.probe_port``, when the gateway serves one) answers
+  only ``/health``, ``/ready`` and ``/metrics`` (404 otherwise), on connections
+  counted apart (:data:`PROBE_CONNECTIONS` of them), so the probes stay answerable
+  however many connections clients hold on the main port.
+
+The head timer of a pipelined request (one sent while the answer before it is
+still under way) starts when that answer has ended: uvicorn reads such a request
+only then, and its timer must not close the connection under the answer in front
+of it.
 
 Each refusal closes the connection. A request the parser cannot read is answered
 400 (uvicorn's plain-text answer, rewritten). Every answer is
@@ -38,7 +52,9 @@ deadline it finds -- no timer is created or cancelled per request.
 from __future__ import annotations
 
 import asyncio
+import math
 import resource
+from collections import Counter
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any, Literal
@@ -49,9 +65,23 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from pd_orchestrator.config.settings import LimitsConfig
 from pd_orchestrator.openai.errors import error_body
 
-__all__ = ["TOO_MANY_CONNECTIONS", "default_max_connections", "error_bytes", "limited_protocol"]
+__all__ = [
+    "PROBE_CONNECTIONS",
+    "PROBE_PATHS",
+    "TOO_MANY_CONNECTIONS",
+    "TOO_MANY_FROM_PEER",
+    "default_concurrent_choices",
+    "default_max_connections",
+    "error_bytes",
+    "limited_protocol",
+]
 
 TOO_MANY_CONNECTIONS = "the gateway has too many connections open; try again"
+TOO_MANY_FROM_PEER = "this client has too many connections open to the gateway; try again"
+PROBE_PATHS = frozenset({b"/health", b"/ready", b"/metrics"})
+"""What the probe port answers."""
+PROBE_CONNECTIONS = 64
+"""Connections the probe port holds at once (apart from the main port's cap)."""
 _Waiting = Literal["request", "head", "body"]
 """What a connection's deadline waits for: a first request (nothing sent yet), the
 rest of a head, the rest of a body."""
@@ -80,13 +110,61 @@ def default_max_connections() -> int:
     return max(1, soft // 2)
 
 
-def limited_protocol(limits: Callable[[], LimitsConfig]) -> type[asyncio.Protocol]:
-    """An httptools protocol class that enforces the limits ``limits()`` gives."""
+class _Held:
+    """The connections one listener kind holds: how many, how many per peer address,
+    and the idle ones, longest idle first (an insertion-ordered dict)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.peers: Counter[str] = Counter()
+        self.idle: dict[Any, None] = {}
+
+    def admit(self, connection: Any, peer: str, cap: int, share: int) -> str | None:
+        """Count ``connection`` in, closing an idle one in its way; None, or why not."""
+        if self.peers[peer] >= share and not self._evict(peer):
+            return TOO_MANY_FROM_PEER
+        if self.count >= cap and not self._evict(None):
+            return TOO_MANY_CONNECTIONS
+        self.count += 1
+        self.peers[peer] += 1
+        return None
+
+    def release(self, peer: str) -> None:
+        self.count -= 1
+        self.peers[peer] -= 1
+        if not self.peers[peer]:
+            del self.peers[peer]
+
+    def _evict(self, peer: str | None) -> bool:
+        """Close the longest idle connection (of ``peer``, when given); whether one was."""
+        for connection in self.idle:
+            if peer is None or connection.peer == peer:
+                connection.evict()
+                return True
+        return False
+
+
+def default_concurrent_choices() -> int:
+    """``limits.max_concurrent_choices`` when unset: one per 64 of the process's open
+    files, at least 4 and at most 32 (a choice holds one or two upstream connections;
+    the connection cap leaves half the files to the upstream side)."""
+    return min(32, max(4, default_max_connections() // 32))
+
+
+def limited_protocol(
+    limits: Callable[[], LimitsConfig], probe_port: int | None = None
+) -> type[asyncio.Protocol]:
+    """An httptools protocol class that enforces the limits ``limits()`` gives;
+    connections to local port ``probe_port`` are the probe port's."""
     default_cap = default_max_connections()
+    main, probes = _Held(), _Held()
 
     class LimitedHttpToolsProtocol(HttpToolsProtocol):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
+            self.peer = ""
+            self._held: _Held | None = None
+            self._deferred: tuple[_Waiting, float] | None = None
             self._in_head = True
             self._unparsed = 0
             self._head_bytes = 0
@@ -100,9 +178,18 @@ def limited_protocol(limits: Callable[[], LimitsConfig]) -> type[asyncio.Protoco
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            if len(self.connections) > (self._limits.max_connections or default_cap):
-                self._refuse(503, TOO_MANY_CONNECTIONS)
+            self.peer = str(self.client[0]) if self.client else ""
+            probe = probe_port is not None and self.server is not None
+            probe = probe and self.server[1] == probe_port  # type: ignore[index]
+            held = probes if probe else main
+            cap = PROBE_CONNECTIONS if probe else (self._limits.max_connections or default_cap)
+            share = PROBE_CONNECTIONS if probe else self._limits.max_connection_share
+            refused = held.admit(self, self.peer, cap, max(1, math.ceil(cap * share)))
+            if refused is not None:
+                self._refuse(503, refused)
                 return
+            self._held = held
+            held.idle[self] = None
             self._expect("request", self._limits.header_timeout)
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -110,9 +197,24 @@ def limited_protocol(limits: Callable[[], LimitsConfig]) -> type[asyncio.Protoco
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
+            self._let_go()
             super().connection_lost(exc)
 
+        def evict(self) -> None:
+            """Close this idle connection to make room for a new one."""
+            self._let_go()
+            self.transport.close()
+
+        def _let_go(self) -> None:
+            held, self._held = self._held, None
+            if held is not None:
+                held.idle.pop(self, None)
+                held.release(self.peer)
+
         def data_received(self, data: bytes) -> None:
+            held = self._held
+            if held is not None:
+                held.idle.pop(self, None)
             if self._in_head:
                 self._unparsed += len(data)
             super().data_received(data)
@@ -125,12 +227,17 @@ def limited_protocol(limits: Callable[[], LimitsConfig]) -> type[asyncio.Protoco
             self._limits = limits()
             self._head_bytes = self._head_count = 0
             self._refusal = None
-            if self._deadline is None:  # a later request: its head's time starts now
+            if self._answering():  # pipelined: its time starts when the answer ended
+                self._deferred = ("head", self._limits.header_timeout)
+            elif self._deadline is None:  # a later request: its head's time starts now
                 self._expect("head", self._limits.header_timeout)
             self._waiting = "head"
 
         def on_url(self, url: bytes) -> None:
             self._count(len(url), 0)
+            if self._held is probes and url.split(b"?", 1)[0] not in PROBE_PATHS:
+                self._refusal = (404, "the probe port answers /health, /ready and /metrics")
+                raise _HeadRefused
             super().on_url(url)
 
         def on_header(self, name: bytes, value: bytes) -> None:
@@ -139,14 +246,35 @@ def limited_protocol(limits: Callable[[], LimitsConfig]) -> type[asyncio.Protoco
 
         def on_headers_complete(self) -> None:
             self._in_head = False
+            pipelined = self._answering()
             super().on_headers_complete()
-            self._expect("body", self._limits.body_timeout)
+            if pipelined:  # uvicorn reads its body once the answer before it ended
+                self._deferred = ("body", self._limits.body_timeout)
+            else:
+                self._expect("body", self._limits.body_timeout)
 
         def on_message_complete(self) -> None:
             self._in_head = True
             self._unparsed = 0
             self._deadline = None
+            self._deferred = None
             super().on_message_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self.transport.is_closing():
+                return
+            deferred, self._deferred = self._deferred, None
+            if deferred is not None:  # a request is half in: no keep-alive wait
+                self._unset_keepalive_if_required()
+                self._expect(*deferred)
+            elif self.timeout_keep_alive_task is not None and self._held is not None:
+                self._held.idle[self] = None  # idle until its next byte
+
+        def _answering(self) -> bool:
+            """An answer is under way on this connection (a request now is pipelined)."""
+            cycle = self.cycle
+            return cycle is not None and not cycle.response_complete
 
         def _count(self, size: int, headers: int) -> None:
             self._head_bytes += size

@@ -9,10 +9,12 @@ from __future__ import annotations
 import contextlib
 import socket
 from collections.abc import Iterator
+from functools import partial
 
 import anyio
 import pytest
 
+from pd_orchestrator.bench.peers import free_port
 from pd_orchestrator.children import Child
 
 from ..conftest import GatewayFactory, SimFactory, gateway_config
@@ -116,27 +118,47 @@ async def test_a_whole_request_is_served_on_the_same_connection(quick: Child) ->
 CAP = 3
 
 
+SLOW = {"max_connections": CAP, "header_timeout": 60.0, "keepalive_timeout": 60.0}
+"""A cap of three, and connections that may idle or hold a half-sent head for a minute."""
+PARTIAL = b"GET /health HTTP/1.1\r\nhost: x\r\n"
+"""A head begun and never ended: the connection is busy (not idle) until its timeout."""
+
+
 @pytest.fixture(scope="module")
 def capped(decoder: Child, module_gateways: GatewayFactory) -> Child:
-    """A gateway that takes at most three connections (and lets idle ones stay)."""
-    limits = {"max_connections": CAP, "header_timeout": 60.0, "keepalive_timeout": 60.0}
+    """A gateway that takes at most three connections, all from one client if it likes."""
+    limits = {**SLOW, "max_connection_share": 1.0}
     return module_gateways(gateway_config([decoder], [decoder], limits=limits))
 
 
-def _held(child: Child, count: int) -> list[socket.socket]:
-    """``count`` connections, each with one answered request and kept open."""
+def _held(
+    child: Child, count: int, *, busy: bool = True, source: str = "127.0.0.1", port: int = 0
+) -> list[socket.socket]:
+    """``count`` connections from ``source``, each with one answered request and kept
+    open: ``busy``, with a half-sent head after it, else idle."""
     held = []
     for _ in range(count):
-        sock = socket.create_connection(("127.0.0.1", child.port), timeout=BOUND)
+        address = ("127.0.0.1", port or child.port)
+        sock = socket.create_connection(address, timeout=BOUND, source_address=(source, 0))
         held.append(sock)
         sock.sendall(HEALTH)
         assert read_answer(sock)[0] == 200
+        if busy:
+            sock.sendall(PARTIAL)
     return held
 
 
+def _exchange_from(port: int, source: str, data: bytes = LAST) -> bytes:
+    """``raw_exchange`` from the loopback address ``source``."""
+    address = ("127.0.0.1", port)
+    with socket.create_connection(address, timeout=BOUND, source_address=(source, 0)) as sock:
+        sock.sendall(data)
+        return read_to_close(sock)
+
+
 async def test_a_connection_past_the_cap_is_503_and_closed(capped: Child) -> None:
-    """Old: every connection was taken until the process ran out of file descriptors,
-    then new ones got a bare reset."""
+    """With every held connection busy. Old: every connection was taken until the
+    process ran out of file descriptors, then new ones got a bare reset."""
     held = await anyio.to_thread.run_sync(_held, capped, CAP)
     try:
         received = await anyio.to_thread.run_sync(raw_exchange, capped.port, LAST, BOUND)
@@ -156,3 +178,107 @@ async def test_a_connection_past_the_cap_is_503_and_closed(capped: Child) -> Non
     finally:
         for sock in held:
             sock.close()
+
+
+async def test_at_the_cap_the_longest_idle_connection_makes_room(capped: Child) -> None:
+    """Cap-many keep-alive connections that each sent a request and idle (a client
+    sending ``GET /health`` every few seconds on each) do not lock others out: a new
+    connection closes the longest idle one and is served. Old: 503 for everyone, the
+    probes included, for as long as the idle connections were kept."""
+    held = await anyio.to_thread.run_sync(partial(_held, capped, CAP, busy=False))
+    try:
+        received = await anyio.to_thread.run_sync(raw_exchange, capped.port, LAST, BOUND)
+        assert received.startswith(b"HTTP/1.1 200 "), received[:200]
+        assert await anyio.to_thread.run_sync(read_to_close, held[0]) == b""  # the oldest
+        held[1].sendall(HEALTH)  # the others are still served
+        assert (await anyio.to_thread.run_sync(read_answer, held[1]))[0] == 200
+    finally:
+        for sock in held:
+            sock.close()
+
+
+SHARED = 4
+
+
+@pytest.fixture(scope="module")
+def shared(decoder: Child, module_gateways: GatewayFactory) -> Child:
+    """A cap of four, at most half of it (two) from one client address."""
+    limits = {**SLOW, "max_connections": SHARED, "max_connection_share": 0.5}
+    return module_gateways(gateway_config([decoder], [decoder], limits=limits))
+
+
+async def test_one_client_holds_at_most_its_share_of_the_cap(shared: Child) -> None:
+    """Busy connections from one address fill its share, not the cap: a third from it
+    is 503 (in words about that client), another address is still served. Old: one
+    client could hold every connection."""
+    held = await anyio.to_thread.run_sync(_held, shared, SHARED // 2)
+    try:
+        received = await anyio.to_thread.run_sync(_exchange_from, shared.port, "127.0.0.1")
+        status, error = raw_error(received)
+        assert status == 503 and "this client has too many connections" in error["message"]
+        received = await anyio.to_thread.run_sync(_exchange_from, shared.port, "127.0.0.2")
+        assert received.startswith(b"HTTP/1.1 200 "), received[:200]
+    finally:
+        for sock in held:
+            sock.close()
+
+
+@pytest.fixture(scope="module")
+def probed(decoder: Child, module_gateways: GatewayFactory) -> tuple[Child, int]:
+    """A capped gateway with a probe port; the gateway and that port."""
+    probe_port = free_port()
+    limits = {**SLOW, "max_connection_share": 1.0}
+    config = gateway_config([decoder], [decoder], limits=limits, listen={"probe_port": probe_port})
+    return module_gateways(config), probe_port
+
+
+def _probe_status(port: int, path: str) -> int:
+    request = f"GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n".encode()
+    received = raw_exchange(port, request, BOUND)
+    return int(received.split(b" ", 2)[1])
+
+
+async def test_the_probe_port_answers_whatever_the_main_port_holds(
+    probed: tuple[Child, int],
+) -> None:
+    """With the main port's cap held by busy connections, the probe port still answers
+    ``/health``, ``/ready`` and ``/metrics`` (and nothing else). Old: no probe port; the
+    Kubernetes probes on the main port failed and the gateway was restarted."""
+    gateway, probe_port = probed
+    held = await anyio.to_thread.run_sync(_held, gateway, CAP)
+    try:
+        received = await anyio.to_thread.run_sync(raw_exchange, gateway.port, LAST, BOUND)
+        assert raw_error(received)[0] == 503
+        for path in ("/health", "/metrics", "/health?verbose=1"):
+            assert await anyio.to_thread.run_sync(_probe_status, probe_port, path) == 200
+        with anyio.fail_after(BOUND):  # ready once the fleet was checked
+            while await anyio.to_thread.run_sync(_probe_status, probe_port, "/ready") != 200:  # noqa: ASYNC110 - readiness shows no event
+                await anyio.sleep(0.1)
+        assert await anyio.to_thread.run_sync(_probe_status, probe_port, "/v1/models") == 404
+    finally:
+        for sock in held:
+            sock.close()
+
+
+# -- pipelining ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def delayed(module_sims: SimFactory, module_gateways: GatewayFactory) -> Child:
+    """A gateway with half-second timeouts over a decoder that answers after 2 s."""
+    decoder = module_sims(*INSTANT, "--response-delay", "2")
+    return module_gateways(gateway_config([decoder], [decoder], limits=TIMEOUTS))
+
+
+async def test_a_pipelined_half_head_waits_for_the_answer_before_it(delayed: Child) -> None:
+    """A second request head, half sent behind a stream, has its header timeout from
+    the end of that stream: the stream ends with ``[DONE]``, then the half head gets
+    its 408. Old: the half head's timer closed the connection under the stream at the
+    header timeout, without an error event or ``[DONE]``."""
+    body = b'{"model": "sim-model", "prompt": "hello", "max_tokens": 4, "stream": true}'
+    first = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    received = await anyio.to_thread.run_sync(raw_exchange, delayed.port, first + PARTIAL, BOUND)
+    stream, _, after = received.partition(b"HTTP/1.1 408 ")
+    assert stream.startswith(b"HTTP/1.1 200 ") and b"data: [DONE]" in stream, received[-300:]
+    assert b"request head took more than 0.5 s" in after
