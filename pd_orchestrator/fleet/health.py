@@ -31,14 +31,17 @@ class HealthMonitor:
         self.config = config
 
     async def check(self, endpoint: Endpoint) -> bool:
-        """One check of one endpoint; records and returns the result."""
+        """One check of one endpoint; records and returns the result. A check the
+        gateway could not make (out of its own descriptors) is not recorded."""
         late = False
         try:
             response = await self.upstream.get(endpoint, "/health", limit=self.config.timeout)
             healthy = response.status_code == 200
         except UpstreamTimeout:
             healthy, late = False, True
-        except UpstreamError:
+        except UpstreamError as exc:
+            if exc.gateways_own:
+                return False
             healthy = False
         self.fleet.record_check(endpoint.name, healthy, late=late)
         return healthy

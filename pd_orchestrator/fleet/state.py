@@ -226,7 +226,9 @@ class FleetState:
     def record_error(self, name: str, exc: UpstreamError) -> None:
         """A leg of real traffic failed with ``exc``: a connection that could not be
         made counts against active health too; outlier detection counts the rest and
-        may eject the endpoint."""
+        may eject the endpoint. The gateway's own failure counts for nothing."""
+        if exc.gateways_own:
+            return
         self._track(name)
         if exc.connection_failed:
             self.record_failure(name)

@@ -9,7 +9,9 @@ choice relays, hands back and recovers on its own (a hand-back continues the cho
 that was handed back). The client sees one id, each choice under its ``index``, one
 usage figure (the prompt once, every choice's completion tokens), one ``[DONE]``.
 A choice that fails fails the request: after the response started, with one SSE
-error event.
+error event. At most ``concurrency`` choices run at once (``limits.
+max_concurrent_choices``); the others wait for one to end, so a request holds a
+bounded number of upstream connections whatever its ``n``.
 """
 
 from __future__ import annotations
@@ -71,15 +73,20 @@ class _First:
 
 
 async def run_choices(
-    flows: Sequence[Flow], request: ClientRequest, sink: ClientSink, clock: Callable[[], float]
+    flows: Sequence[Flow],
+    request: ClientRequest,
+    sink: ClientSink,
+    clock: Callable[[], float],
+    concurrency: int,
 ) -> Outcome:
-    """Serve ``flows`` (choice *i* is ``flows[i]``) into ``sink``; choice 0's outcome
-    (its hand-backs summed with the others')."""
+    """Serve ``flows`` (choice *i* is ``flows[i]``) into ``sink``, at most
+    ``concurrency`` at once; choice 0's outcome (its hand-backs summed with the
+    others')."""
     renderers = [
         renderer_for(flow.request, flow.transcript, sink, clock, index=i, final=False)
         for i, flow in enumerate(flows)
     ]
-    done = await _run_all(flows, renderers)
+    done = await _run_all(flows, renderers, anyio.CapacityLimiter(concurrency))
     handbacks = sum(o.handbacks for o in done)
     usage = _usage(flows)
     if request.stream:
@@ -92,10 +99,12 @@ async def run_choices(
 
 
 async def _run_all(
-    flows: Sequence[Flow], renderers: Sequence[StreamRenderer | WholeRenderer]
+    flows: Sequence[Flow],
+    renderers: Sequence[StreamRenderer | WholeRenderer],
+    slots: anyio.CapacityLimiter,
 ) -> list[Outcome]:
-    """Run every choice, choice 0 first (the others start once it began, with its id);
-    the first failure cancels the others and is raised."""
+    """Run every choice, choice 0 first (the others start once it began, with its id),
+    each holding one of ``slots``; the first failure cancels the others and is raised."""
     first = _First(renderers[0])
     outcomes: list[Outcome | None] = [None] * len(flows)
     failures: list[BaseException] = []
@@ -104,11 +113,13 @@ async def _run_all(
         flow = flows[index]
         try:
             if index == 0:
-                outcomes[0] = await flow.run(first)
+                async with slots:
+                    outcomes[0] = await flow.run(first)
                 return
-            await first.began.wait()
-            flow.transcript.identity = flows[0].transcript.identity  # one id for all
-            outcomes[index] = await flow.run(renderers[index])
+            await first.began.wait()  # choice 0 holds its slot by now
+            async with slots:
+                flow.transcript.identity = flows[0].transcript.identity  # one id for all
+                outcomes[index] = await flow.run(renderers[index])
         except Exception as exc:
             failures.append(exc)
             tg.cancel_scope.cancel()  # one choice failed: the request did

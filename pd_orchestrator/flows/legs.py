@@ -272,7 +272,15 @@ class Legs:
         return exc
 
     def _failure(self, endpoint: Endpoint, exc: UpstreamError, phase: str) -> None:
-        """Count and log a failed leg (the one place upstream failures are logged)."""
+        """Count and log a failed leg (the one place upstream failures are logged); the
+        gateway's own failure (:attr:`UpstreamError.gateways_own`) is counted as the
+        gateway's and nothing is held against the endpoint."""
+        if exc.gateways_own:
+            self.metrics.count_resource_error(getattr(exc, "resource", "other"))
+            logger.warning("the gateway could not reach %s during %s: %s (its own limit)",
+                           endpoint.name, phase, exc.message)  # fmt: skip
+            exc.logged = True
+            return
         self.metrics.count_upstream_error(endpoint.name, type(exc).__name__)
         self.failed.add(endpoint.name)
         self.fleet.record_error(endpoint.name, exc)
@@ -383,7 +391,8 @@ class Legs:
     ) -> None:
         outcome = exc.outcome
         self._failure(endpoint, exc, phase)
-        self.metrics.count_leg(endpoint.name, phase, outcome, None)
+        if not exc.gateways_own:  # never sent: not a leg of the endpoint's
+            self.metrics.count_leg(endpoint.name, phase, outcome, None)
         if span is not None:
             RequestTrace.end_leg(span, outcome, {"pd.error": str(exc)})
 

@@ -35,6 +35,7 @@ from pd_orchestrator.gateway.auth import forwarded_headers
 from pd_orchestrator.gateway.lifecycle import SHUTTING_DOWN, Drain
 from pd_orchestrator.gateway.limits import read_body
 from pd_orchestrator.gateway.observe import Answered, log_access, span_attributes
+from pd_orchestrator.gateway.protocol import default_concurrent_choices
 from pd_orchestrator.gateway.response import error_of, refuse, respond
 from pd_orchestrator.gateway.state import GatewayState
 from pd_orchestrator.model.load import Candidate
@@ -70,6 +71,7 @@ class CompletionPath:
         self.drain = drain
         self._ids = ids
         self._ordinals = itertools.count()
+        self._concurrent_choices = default_concurrent_choices()
         self._told: set[str] = set()
         """Decoders named in the log as taking no admission-only threshold."""
 
@@ -110,7 +112,13 @@ class CompletionPath:
         forward = forwarded_headers(headers, own_keys=own_keys, tracing=trace)
         flows = self._flows(state, admitted.request, plan, forward, trace)
         flow = flows[0]
-        serve = partial(self._run, flow) if len(flows) == 1 else partial(self._choices, flows)
+        limits = state.config.limits
+        concurrency = limits.max_concurrent_choices or self._concurrent_choices
+        serve = (
+            partial(self._run, flow)
+            if len(flows) == 1
+            else partial(self._choices, flows, concurrency)
+        )
         self.metrics.in_flight.inc()
         try:
             pending = await respond(receive, send, serve, flow.headers, self.drain.scopes)
@@ -225,8 +233,8 @@ class CompletionPath:
         renderer = renderer_for(flow.request, flow.transcript, sink, self.clock)
         return await flow.run(renderer)
 
-    async def _choices(self, flows: list[Flow], sink: ClientSink) -> Outcome:
-        return await run_choices(flows, flows[0].request, sink, self.clock)
+    async def _choices(self, flows: list[Flow], concurrency: int, sink: ClientSink) -> Outcome:
+        return await run_choices(flows, flows[0].request, sink, self.clock, concurrency)
 
     def _learn(
         self, state: GatewayState, admitted: Admitted, plan: Plan, outcome: Outcome | None

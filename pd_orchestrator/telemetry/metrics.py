@@ -22,6 +22,9 @@
   and error class, and what the flow did about them: ``retried`` (on another decoder
   before the client got anything), ``recovered`` (continued on another decoder
   mid-answer), ``fell_back`` (the decoder prefilled alone after the prefill side failed);
+* ``pd_orchestrator_gateway_resource_errors_total{resource}`` -- upstream connections
+  the gateway could not open because it ran out of its own ``file_descriptors``,
+  ``socket_buffers`` or ``memory`` (never counted against an endpoint);
 * ``pd_orchestrator_prefill_retries_total`` -- prefill legs sent again after a failed one;
 * ``pd_orchestrator_kv_transfers_total{connector}`` -- P/D hand-overs: decode legs
   sent with a prefiller's KV transfer parameters, by the decoder's connector;
@@ -147,6 +150,12 @@ class GatewayMetrics:
             "pd_orchestrator_upstream_errors",
             "Failures talking to endpoints, by endpoint and error class.",
             ["upstream", "kind"],
+            registry=r,
+        )
+        self.resource_errors = Counter(
+            "pd_orchestrator_gateway_resource_errors",
+            "Upstream connections the gateway could not open for want of its own resources.",
+            ["resource"],
             registry=r,
         )
         self.prefill_retries = Counter(
@@ -294,6 +303,10 @@ class GatewayMetrics:
     def count_upstream_error(self, upstream: str, kind: str) -> None:
         """One failure talking to ``upstream`` (``kind``: the error's class)."""
         self.upstream_errors.labels(self._upstream(upstream), kind).inc()
+
+    def count_resource_error(self, resource: str) -> None:
+        """The gateway ran out of its own ``resource`` opening an upstream connection."""
+        self.resource_errors.labels(resource).inc()
 
     def count_kv_transfer(self, connector: str) -> None:
         """One decode leg sent with KV transfer parameters through ``connector``."""

@@ -33,6 +33,7 @@ from pd_orchestrator.config.settings import TimeoutConfig, UpstreamConfig
 from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.openai.errors import error_message
 from pd_orchestrator.upstream.errors import (
+    GatewayResourceError,
     UpstreamProtocolError,
     UpstreamStatusError,
     UpstreamTimeout,
@@ -43,6 +44,7 @@ from pd_orchestrator.upstream.transport import (
     ConnectionBroken,
     HttpTransport,
     Origin,
+    OutOfResources,
     PoolTimedOut,
     ReadTimedOut,
     Request,
@@ -75,6 +77,10 @@ def _translate(endpoint: Endpoint, phase: Phase) -> Iterator[None]:
     role = role_label(endpoint)
     try:
         yield
+    except OutOfResources as exc:
+        raise GatewayResourceError(
+            endpoint.name, phase, str(exc), role=role, resource=exc.resource
+        ) from exc
     except ConnectFailed as exc:
         raise UpstreamUnavailable(endpoint.name, phase, str(exc), role=role) from exc
     except (ReadTimedOut, PoolTimedOut) as exc:
@@ -98,11 +104,17 @@ class Reply:
         return self.content.decode(errors="replace")
 
 
-class _SseSplitter:
-    """Cuts a byte stream into the ``data`` payloads of server-sent events."""
+class _LineTooLong(Exception):
+    """An event longer than the splitter's limit (the upstream's protocol error)."""
 
-    def __init__(self) -> None:
+
+class _SseSplitter:
+    """Cuts a byte stream into the ``data`` payloads of server-sent events, none
+    longer than ``limit`` bytes (:class:`_LineTooLong`: nothing longer is kept)."""
+
+    def __init__(self, limit: int) -> None:
         self._tail = b""
+        self.limit = limit
 
     def feed(self, piece: bytes) -> list[bytes]:
         data = self._tail + piece if self._tail else piece
@@ -113,6 +125,9 @@ class _SseSplitter:
                 data = data[:-1] + b"\r"
         events = data.split(b"\n\n")
         self._tail = events.pop()
+        if len(data) > self.limit and max(map(len, (self._tail, *events))) > self.limit:
+            self._tail = b""
+            raise _LineTooLong
         return [payload for event in events if (payload := _payload(event)) is not None]
 
     def rest(self) -> bytes | None:
@@ -135,15 +150,18 @@ class ChunkStream:
 
     ``async for batch in stream`` yields the chunks that one network read completed
     (never an empty batch). An ``error`` chunk raises :class:`UpstreamStatusError`;
-    a stream that ends without ``[DONE]`` raises :class:`UpstreamProtocolError`.
+    a stream that ends without ``[DONE]``, or an event longer than ``max_line``
+    bytes, raises :class:`UpstreamProtocolError`.
     """
 
-    def __init__(self, response: Response, endpoint: Endpoint, phase: Phase) -> None:
+    def __init__(
+        self, response: Response, endpoint: Endpoint, phase: Phase, max_line: int = 16 << 20
+    ) -> None:
         self.endpoint = endpoint
         self.phase = phase
         self._response = response
         self._pieces = response.__aiter__()
-        self._splitter = _SseSplitter()
+        self._splitter = _SseSplitter(max_line)
         self._done = False
         self._drained = False
 
@@ -162,7 +180,10 @@ class ChunkStream:
                     piece = await self._pieces.__anext__()
                 except StopAsyncIteration:
                     piece = None
-            payloads = self._splitter.feed(piece) if piece is not None else []
+            try:
+                payloads = self._splitter.feed(piece) if piece is not None else []
+            except _LineTooLong:
+                raise self._error(f"an event exceeds {self._splitter.limit} bytes") from None
             if piece is None:
                 rest = self._splitter.rest()
                 if rest is None:
@@ -232,6 +253,7 @@ class Upstream:
         transport: Transport | None = None,
     ) -> None:
         self.timeouts = timeouts
+        self._max_line = config.max_line_bytes
         self._transport: Transport = transport or HttpTransport(
             max_connections=config.max_connections,
             max_keepalive=config.max_keepalive_connections,
@@ -331,7 +353,7 @@ class Upstream:
         failures become :class:`UpstreamError` (any status is returned)."""
         with _translate(endpoint, phase):
             response = await self._transport.send(request, timeouts)
-            return Reply(response.status, await _read_all(response))
+            return Reply(response.status, await self._read_all(response, endpoint, phase))
 
     async def post_json(
         self,
@@ -373,9 +395,27 @@ class Upstream:
         with _translate(endpoint, phase):
             response = await self._transport.send(request, timeouts)
             if response.status < 300:
-                return ChunkStream(response, endpoint, phase)
-            content = await _read_all(response)
+                return ChunkStream(response, endpoint, phase, self._max_line)
+            content = await self._read_all(response, endpoint, phase)
         raise _status_error(endpoint, phase, response.status, content)
+
+    async def _read_all(self, response: Response, endpoint: Endpoint, phase: Phase) -> bytes:
+        """The whole body of ``response``, which is closed whatever happens; a body
+        longer than ``upstream.max_line_bytes`` is the endpoint's protocol error."""
+        pieces: list[bytes] = []
+        size = 0
+        try:
+            async for piece in response:
+                size += len(piece)
+                if size > self._max_line:
+                    message = f"the answer exceeds {self._max_line} bytes"
+                    raise UpstreamProtocolError(
+                        endpoint.name, phase, message, role=role_label(endpoint)
+                    )
+                pieces.append(piece)
+        finally:
+            await response.aclose()
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     async def get_json(self, endpoint: Endpoint, url: str) -> Any:
         """``GET url`` (a connector's side channel of ``endpoint``, from its config) and
@@ -395,14 +435,6 @@ class Upstream:
         timeouts = Timeouts(connect=min(t.connect, limit), read=limit, pool=min(t.pool, limit))
         request = self._request(endpoint, "GET", path, b"", None)
         return await self._exchange(endpoint, request, Phase.PROBE, timeouts)
-
-
-async def _read_all(response: Response) -> bytes:
-    """The whole body of ``response``, which is closed whatever happens."""
-    try:
-        return await response.read()
-    finally:
-        await response.aclose()
 
 
 def _decoded(endpoint: Endpoint, phase: Phase, reply: Reply, what: str) -> Any:

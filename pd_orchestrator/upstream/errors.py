@@ -7,6 +7,9 @@ Exception tree::
     +-- UpstreamTimeout           a phase timeout elapsed
     +-- UpstreamStatusError       the endpoint answered a non-2xx status
     +-- UpstreamProtocolError     the answer was not what vLLM sends
+    +-- GatewayResourceError      the gateway itself ran out of descriptors, socket
+                                  buffers or memory to connect: its own fault, never
+                                  the endpoint's
 
 :func:`client_error` maps them to what the client is told, in the gateway's own
 words: the endpoint by its config name (never its URL), its part and the phase,
@@ -22,7 +25,8 @@ never the upstream's text (the gateway logs that):
   they state (:func:`known_refusal`): only those numbers pass, so no host, path,
   address, HTML or traceback an upstream writes can reach the client;
 * any other status (5xx; 401/403/429 and the like are about the gateway's own
-  access, not the client's input) or an unreadable answer -> 502.
+  access, not the client's input) or an unreadable answer -> 502;
+* the gateway's own resources ran out -> 503, in words that name the gateway.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 __all__ = [
     "PASSED_THROUGH",
     "ClientError",
+    "GatewayResourceError",
     "UpstreamError",
     "UpstreamProtocolError",
     "UpstreamStatusError",
@@ -56,6 +61,9 @@ class UpstreamError(Exception):
 
     retryable = True
     endpoint_at_fault = True
+    gateways_own = False
+    """The gateway's own failure: nothing about the endpoint is learnt from it (no
+    health or outlier count, no ``upstream_errors_total``)."""
     outcome = "protocol"
 
     def __init__(self, endpoint: str, phase: str, message: str, *, role: str = "") -> None:
@@ -128,6 +136,28 @@ class UpstreamStatusError(UpstreamError):
 
 class UpstreamProtocolError(UpstreamError):
     """The answer could not be understood."""
+
+
+class GatewayResourceError(UpstreamError):
+    """The gateway could not open a connection to the endpoint because it ran out of
+    ``resource`` itself (``file_descriptors``: EMFILE/ENFILE, ``socket_buffers``:
+    ENOBUFS, ``memory``: ENOMEM). Not the endpoint's doing: another endpoint would
+    fail alike, so it is not retried elsewhere either."""
+
+    retryable = False
+    endpoint_at_fault = False
+    gateways_own = True
+    outcome = "gateway_resource"
+
+    def __init__(
+        self, endpoint: str, phase: str, message: str, *, role: str = "", resource: str
+    ) -> None:
+        super().__init__(endpoint, phase, message, role=role)
+        self.resource = resource
+
+    def client_error(self) -> ClientError:
+        words = self.resource.replace("_", " ")
+        return ClientError(503, f"the gateway is out of {words} (its own limit); try again")
 
 
 @dataclass(frozen=True, slots=True)

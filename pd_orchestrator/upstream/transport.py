@@ -13,8 +13,10 @@ Contract:
   connection (that is how vLLM learns to abort a request).
 * Failures raise :class:`TransportError` subclasses: :class:`ConnectFailed` (no
   connection; nothing was sent), :class:`ReadTimedOut` (no byte within the read
-  timeout), :class:`PoolTimedOut` (no connection slot within the pool timeout) and
-  :class:`ConnectionBroken` (the peer closed or sent something that is not HTTP).
+  timeout), :class:`PoolTimedOut` (no connection slot within the pool timeout),
+  :class:`ConnectionBroken` (the peer closed or sent something that is not HTTP) and
+  :class:`OutOfResources` (this process could not make a socket: out of file
+  descriptors, socket buffers or memory -- its own limit, not the peer's doing).
 * A request that fails on a reused keep-alive connection before any byte of an
   answer is sent again once on a new connection (the server closed the idle
   connection as the request left). Idle connections expire after
@@ -28,6 +30,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import errno
 import ssl
 import time
 from collections import deque
@@ -46,6 +49,7 @@ __all__ = [
     "MockResponse",
     "MockTransport",
     "Origin",
+    "OutOfResources",
     "PoolTimedOut",
     "ReadTimedOut",
     "Request",
@@ -65,6 +69,23 @@ class TransportError(Exception):
 
 class ConnectFailed(TransportError):
     """No connection could be made; nothing was sent."""
+
+
+class OutOfResources(ConnectFailed):
+    """This process ran out of ``resource`` making the connection; nothing was sent."""
+
+    def __init__(self, message: str, resource: str) -> None:
+        super().__init__(message)
+        self.resource = resource
+
+
+_RESOURCES = {
+    errno.EMFILE: "file_descriptors",
+    errno.ENFILE: "file_descriptors",
+    errno.ENOBUFS: "socket_buffers",
+    errno.ENOMEM: "memory",
+}
+"""The errors of connect() that are the calling process's own, by what ran out."""
 
 
 class ReadTimedOut(TransportError):
@@ -408,7 +429,11 @@ class _Pool:
         except TimeoutError as exc:
             raise ConnectFailed(f"connect timed out after {seconds:g} s") from exc
         except OSError as exc:
-            raise ConnectFailed(exc.strerror or type(exc).__name__) from exc
+            message = exc.strerror or type(exc).__name__
+            resource = _RESOURCES.get(exc.errno or 0)
+            if resource is not None:
+                raise OutOfResources(message, resource) from exc
+            raise ConnectFailed(message) from exc
         return connection
 
     def release(self, connection: _Connection) -> None:

@@ -83,6 +83,7 @@ def gateway_series() -> set[str]:
     metrics.record_threshold(ThresholdDecision(0.7, "static", "fixed"))
     metrics.count_leg("d0", "decode", "ok", 0.02)
     metrics.count_upstream_error("d0", "UpstreamTimeout")
+    metrics.count_resource_error("file_descriptors")
     metrics.count_kv_transfer("nixl")
     metrics.count_ejection("d0", "consecutive_errors")
     metrics.handbacks.inc()
