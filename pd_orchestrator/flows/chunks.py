@@ -2,8 +2,9 @@
 
 Upstream chunks are read into a :class:`ChunkView`, once each; a field read there
 that has a type vLLM never sends (``choices`` not a list, token ids not integers, a
-``finish_reason`` that is not a string...) raises :class:`MalformedChunk`, which the
-legs turn into the endpoint's protocol error. A chunk whose leg speaks the
+``finish_reason`` that is not a string, a choice ``index`` other than 0: every leg
+asks for one choice, the gateway numbers the client's) raises :class:`MalformedChunk`,
+which the legs turn into the endpoint's protocol error. A chunk whose leg speaks the
 client's API is relayed as it came (every field vLLM sent survives: tool calls,
 reasoning, logprobs), with the client's id and creation time, and with token ids
 kept only when the client asked for them. A completions chunk that serves a chat
@@ -123,6 +124,9 @@ def _first_choice(chunk: Json) -> Json | None:
     choice = choices[0]
     if type(choice) is not dict:
         raise MalformedChunk("a choice is not an object")
+    index = choice.get("index", 0)
+    if index != 0 or type(index) is not int or len(choices) > 1:
+        raise MalformedChunk("a leg asks for one choice; the answer has another")
     return choice
 
 

@@ -9,9 +9,10 @@
   count: the decoder is ejected).
 * One that breaks the protocol (``--protocol-fault``): content after the finish
   reason, token ids that are not integers, ``choices`` that is not a list, a finish
-  reason that is not a string. Beside a healthy decoder every request ends identical
-  to the reference (retried before its first byte, recovered after it), and the
-  faulty decoder's legs are counted as protocol errors.
+  reason that is not a string, a choice numbered 7, an event past the line limit.
+  Beside a healthy decoder every request ends identical to the reference (retried
+  before its first byte, recovered after it), and the faulty decoder's legs are
+  counted as protocol errors.
 """
 
 from __future__ import annotations
