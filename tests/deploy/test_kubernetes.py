@@ -245,8 +245,21 @@ def test_the_gateway_reads_its_config_from_the_config_map() -> None:
     (volume,) = [v for v in _pod(deployment)["volumes"] if v["name"] == "config"]
     assert volume["configMap"]["name"] == "pd-orchestrator-config"
     assert Path(args.config) == Path(mount["mountPath"]) / "config.yaml"
-    port = next(p for p in container["ports"] if p["name"] == "http")["containerPort"]
-    assert _gateway_config()["listen"] == {"host": "0.0.0.0", "port": port}
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    listen = {"host": "0.0.0.0", "port": ports["http"], "probe_port": ports["probe"]}
+    assert _gateway_config()["listen"] == listen
+
+
+def test_the_gateway_is_probed_on_its_probe_port_which_no_service_exposes() -> None:
+    """Clients holding the connection cap of the main port cannot fail the probes
+    (and get the gateway restarted): the probes go to ``listen.probe_port``, which
+    the Service does not route clients to."""
+    deployment = _find("Deployment", "pd-orchestrator", "gateway")
+    (container,) = _ours(deployment)
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"]["port"] == "probe", probe
+    service = _find("Service", "pd-orchestrator", "gateway")
+    assert all(p["targetPort"] != "probe" for p in service["spec"]["ports"])
 
 
 def test_the_config_map_passes_check_config(tmp_path: Path) -> None:
