@@ -44,7 +44,7 @@ _AT_START: tuple[tuple[str, Callable[[GatewayConfig], object]], ...] = (
     ("listen", lambda c: c.listen),
     ("upstream connection pool", lambda c: (
         c.upstream.max_connections, c.upstream.max_keepalive_connections,
-        c.upstream.keepalive_expiry,
+        c.upstream.keepalive_expiry, c.upstream.max_line_bytes,
     )),
     ("timeouts", lambda c: c.timeouts),
     ("tracing", lambda c: c.tracing),
