@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import inspect
 import json
@@ -151,6 +152,7 @@ def serve_gateway(
     Logging is configured from ``config.logging`` first (uvicorn's records included).
     """
     from pd_orchestrator.gateway import Gateway
+    from pd_orchestrator.gateway.protocol import count_accept_errors
     from pd_orchestrator.telemetry.logs import configure_logging
 
     configure_logging(config.logging)
@@ -182,6 +184,7 @@ def serve_gateway(
 
     async def main() -> None:
         _tune_gc()
+        count_accept_errors(asyncio.get_running_loop(), gateway.metrics.count_resource_error)
         async with anyio.create_task_group() as tg:
             tg.start_soon(server.serve, [sock, *extra])
             while not server.started:  # noqa: ASYNC110 - uvicorn exposes no event

@@ -64,12 +64,14 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from pd_orchestrator.config.settings import LimitsConfig
 from pd_orchestrator.openai.errors import error_body
+from pd_orchestrator.upstream.transport import own_resource
 
 __all__ = [
     "PROBE_CONNECTIONS",
     "PROBE_PATHS",
     "TOO_MANY_CONNECTIONS",
     "TOO_MANY_FROM_PEER",
+    "count_accept_errors",
     "default_concurrent_choices",
     "default_max_connections",
     "error_bytes",
@@ -142,6 +144,24 @@ class _Held:
                 connection.evict()
                 return True
         return False
+
+
+def count_accept_errors(loop: asyncio.AbstractEventLoop, count: Callable[[str], None]) -> None:
+    """Make ``loop`` call ``count(resource)`` for each error it reports that is the
+    process's own (an ``accept()`` that ran out of descriptors: the event loop stops
+    accepting for a moment and reports it), then handle it as before."""
+    previous = loop.get_exception_handler()
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        resource = own_resource(context.get("exception"))
+        if resource is not None:
+            count(resource)
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
 
 
 def default_concurrent_choices() -> int:

@@ -23,8 +23,9 @@
   before the client got anything), ``recovered`` (continued on another decoder
   mid-answer), ``fell_back`` (the decoder prefilled alone after the prefill side failed);
 * ``pd_orchestrator_gateway_resource_errors_total{resource}`` -- upstream connections
-  the gateway could not open because it ran out of its own ``file_descriptors``,
-  ``socket_buffers`` or ``memory`` (never counted against an endpoint);
+  the gateway could not open, and client connections it could not accept, because
+  it ran out of its own ``file_descriptors``, ``socket_buffers`` or ``memory``
+  (never counted against an endpoint);
 * ``pd_orchestrator_prefill_retries_total`` -- prefill legs sent again after a failed one;
 * ``pd_orchestrator_kv_transfers_total{connector}`` -- P/D hand-overs: decode legs
   sent with a prefiller's KV transfer parameters, by the decoder's connector;
@@ -154,7 +155,7 @@ class GatewayMetrics:
         )
         self.resource_errors = Counter(
             "pd_orchestrator_gateway_resource_errors",
-            "Upstream connections the gateway could not open for want of its own resources.",
+            "Connections the gateway could not open or accept for want of its own resources.",
             ["resource"],
             registry=r,
         )

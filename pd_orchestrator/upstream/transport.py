@@ -57,6 +57,7 @@ __all__ = [
     "Timeouts",
     "Transport",
     "TransportError",
+    "own_resource",
 ]
 
 HIGH_WATER = 1 << 20
@@ -86,6 +87,13 @@ _RESOURCES = {
     errno.ENOMEM: "memory",
 }
 """The errors of connect() that are the calling process's own, by what ran out."""
+
+
+def own_resource(exc: BaseException | None) -> str | None:
+    """What ran out, when ``exc`` is this process's own resource error (else None)."""
+    if isinstance(exc, OSError):
+        return _RESOURCES.get(exc.errno or 0)
+    return None
 
 
 class ReadTimedOut(TransportError):
@@ -430,7 +438,7 @@ class _Pool:
             raise ConnectFailed(f"connect timed out after {seconds:g} s") from exc
         except OSError as exc:
             message = exc.strerror or type(exc).__name__
-            resource = _RESOURCES.get(exc.errno or 0)
+            resource = own_resource(exc)
             if resource is not None:
                 raise OutOfResources(message, resource) from exc
             raise ConnectFailed(message) from exc

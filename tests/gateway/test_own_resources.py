@@ -7,11 +7,14 @@ concurrent ``n`` = 16 streams.
 * With that bound lifted the gateway runs out of descriptors, and that is the
   gateway's own failure: a 503 in its words, counted in
   ``pd_orchestrator_gateway_resource_errors_total``, never against the healthy
-  decoder (no ``upstream_errors_total``, no ejection, no failed leg).
+  decoder (no ``upstream_errors_total``, no ejection, no failed leg). An
+  ``accept()`` that runs out is counted there too.
 """
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +25,7 @@ import pytest
 import yaml
 
 from pd_orchestrator.children import Child, start_child, stop_child
+from pd_orchestrator.gateway.protocol import count_accept_errors
 
 from ..conftest import SimFactory, gateway_config
 from .helpers import MODEL, Answer, call, metric, metrics_text
@@ -134,3 +138,18 @@ async def test_running_out_of_descriptors_is_the_gateways_own_failure(gateway_wi
         assert _sample(text, "pd_orchestrator_upstream_requests_total", outcome=outcome) == 0
     body = {"model": MODEL, "prompt": "after", "max_tokens": 2}
     assert (await call(gateway.url, "completion", body)).status == 200  # the decoder is in
+
+
+def test_an_accept_out_of_descriptors_is_counted_as_the_gateways() -> None:
+    """The event loop reports an ``accept()`` that ran out of descriptors (and stops
+    accepting for a moment): the gateway counts it as its own resource error; other
+    errors it reports are only handled as before."""
+    loop = asyncio.new_event_loop()
+    counted: list[str] = []
+    try:
+        count_accept_errors(loop, counted.append)
+        for exc in (OSError(errno.EMFILE, "Too many open files"), OSError(errno.ECONNRESET, "")):
+            loop.call_exception_handler({"message": "socket.accept() failed", "exception": exc})
+    finally:
+        loop.close()
+    assert counted == ["file_descriptors"]

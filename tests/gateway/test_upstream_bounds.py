@@ -6,6 +6,8 @@ bad answer, and the endpoint's leg is counted as a protocol failure."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from pd_orchestrator.children import Child
@@ -38,37 +40,32 @@ async def _protocol_faults(gateway: Child) -> float:
 
 
 @pytest.fixture(scope="module")
-def numbered_seven(module_sims: SimFactory, module_gateways: GatewayFactory) -> Child:
-    return _gateway(module_sims, module_gateways, "choice-index")
+def faulty(module_sims: SimFactory, module_gateways: GatewayFactory) -> Callable[[str], Child]:
+    """A gateway over a decoder with the given fault (started once per fault)."""
+    started: dict[str, Child] = {}
+
+    def get(fault: str) -> Child:
+        if fault not in started:
+            started[fault] = _gateway(module_sims, module_gateways, fault)
+        return started[fault]
+
+    return get
 
 
+@pytest.mark.parametrize("fault", ["choice-index", "long-line"])
 @STREAM
-async def test_a_choice_index_the_request_did_not_ask_for_is_a_protocol_error(
-    numbered_seven: Child, stream: bool
+async def test_an_answer_past_the_protocol_is_the_endpoints_error(
+    faulty: Callable[[str], Child], fault: str, stream: bool
 ) -> None:
-    """Old: an n=1 answer with ``index: 7`` was relayed as it came."""
+    """``choice-index``: an n=1 answer whose choice is numbered 7. ``long-line``: an
+    answer whose last chunk carries 17 MiB, past the default 16 MiB limit. Old: both
+    relayed as they came (a 64 MiB line cost the gateway 135 MiB)."""
+    assert LONG_LINE > 16 << 20
+    gateway = faulty(fault)
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "stream": stream}
-    answer = await call(numbered_seven.url, "completion", body)
+    answer = await call(gateway.url, "completion", body)
     assert "failed" in _failed_cleanly(answer)
     for chunk in [*answer.chunks, answer.body or {}]:
-        assert all(c.get("index") != 7 for c in chunk.get("choices") or [])
-    assert await _protocol_faults(numbered_seven) >= 1
-
-
-@pytest.fixture(scope="module")
-def long_lines(module_sims: SimFactory, module_gateways: GatewayFactory) -> Child:
-    return _gateway(module_sims, module_gateways, "long-line")
-
-
-@STREAM
-async def test_an_event_longer_than_the_limit_is_a_protocol_error(
-    long_lines: Child, stream: bool
-) -> None:
-    """An answer whose last chunk carries 17 MiB, past the default 16 MiB limit. Old:
-    relayed whole (a 64 MiB line cost the gateway 135 MiB)."""
-    body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "stream": stream}
-    answer = await call(long_lines.url, "completion", body)
-    assert "failed" in _failed_cleanly(answer)
-    assert all("padding" not in c for chunk in answer.chunks for c in chunk.get("choices") or [])
-    assert LONG_LINE > 16 << 20
-    assert await _protocol_faults(long_lines) >= 1
+        for choice in chunk.get("choices") or []:
+            assert choice.get("index") != 7 and "padding" not in choice
+    assert await _protocol_faults(gateway) >= 1
