@@ -121,8 +121,9 @@ class _Held:
         self.peers: Counter[str] = Counter()
         self.idle: dict[Any, None] = {}
 
-    def admit(self, connection: Any, peer: str, cap: int, share: int) -> str | None:
-        """Count ``connection`` in, closing an idle one in its way; None, or why not."""
+    def admit(self, peer: str, cap: int, share: int) -> str | None:
+        """Count a new connection from ``peer`` in, closing an idle one in its way
+        (``share``: the most one peer may hold); None, or why not."""
         if self.peers[peer] >= share and not self._evict(peer):
             return TOO_MANY_FROM_PEER
         if self.count >= cap and not self._evict(None):
@@ -204,7 +205,7 @@ def limited_protocol(
             held = probes if probe else main
             cap = PROBE_CONNECTIONS if probe else (self._limits.max_connections or default_cap)
             share = PROBE_CONNECTIONS if probe else self._limits.max_connection_share
-            refused = held.admit(self, self.peer, cap, max(1, math.ceil(cap * share)))
+            refused = held.admit(self.peer, cap, max(1, math.ceil(cap * share)))
             if refused is not None:
                 self._refuse(503, refused)
                 return
