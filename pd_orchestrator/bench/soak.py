@@ -1,13 +1,14 @@
 """The soak: the embedded system under a steady load and recurring faults for an hour.
 
 :func:`run_soak` starts simulated pools (two decoders, one of them short of KV
-blocks so that it preempts and the gateway hands requests back; two prefillers), a
+blocks so that it preempts; two prefillers), a
 reference instance no fault touches, and the gateway in front of the pools, all on
 loopback. It sends requests at ``rate`` per second (at most ``concurrency`` at once):
 plain streamed and whole ones on both APIs, constrained ones (``json_schema``, a
 named tool), ``n`` > 1, repeats of earlier prompts (warm: decode-first) and clients
 that leave mid-stream. Each period (:data:`FAULTS`) a decoder is killed and
-restarted on its port, and a prefiller answers HTTP 500 to every request for a while.
+restarted on its port, a prefiller answers HTTP 500 to every request for a while, and
+the other decoder breaks every answer after a few tokens for a while.
 
 Every answer is judged against the reference's tokens
 (:mod:`pd_orchestrator.bench.verdicts`). Every ``sample_every`` seconds the soak
@@ -41,6 +42,7 @@ from typing import Any
 import anyio
 import httpx
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
@@ -77,7 +79,7 @@ MODEL = "sim-model"
 _NIXL = ("--kv-connector", "nixl", "--model", MODEL)
 DECODER = ("--profile", "h200-llama3-8b", "--time-scale", "2", *_NIXL)
 """A decoder at about 13 ms per token: streams are caught mid-answer by the faults."""
-PRESSURED = (*DECODER, "--num-kv-blocks", "40", "--max-num-seqs", "8")
+PRESSURED = (*DECODER, "--num-kv-blocks", "64", "--max-num-seqs", "8")
 """A decoder that cannot hold many answers at once: it preempts, the gateway hands back."""
 PREFILLER = ("--profile", "instant", *_NIXL)
 BOUND = 60.0
@@ -90,10 +92,15 @@ FAULTS: tuple[tuple[float, str], ...] = (
     (12.0, "restart decode-0"),
     (25.0, "failing prefill-0"),
     (40.0, "restart prefill-0"),
+    (48.0, "dropping decode-1"),
+    (56.0, "restart decode-1"),
 )
 """Each period's faults: (seconds into the period, action). ``kill`` is SIGKILL;
 ``failing`` restarts the instance with ``--failure-rate 1`` (HTTP 500 to every
-completion request, health checks answered); ``restart`` brings it back healthy."""
+completion request, health checks answered); ``dropping`` restarts it with
+``--drop-after-tokens 8`` (every answer breaks after 8 tokens: the gateway continues
+it elsewhere from the tokens already sent, as it does a hand-back); ``restart``
+brings it back healthy."""
 
 
 @dataclass(frozen=True)
@@ -128,24 +135,25 @@ _SHAPES: tuple[str, ...] = (
     "leave",
     "warm",
 )
-"""One cycle of the mix. ``warm`` repeats the cycle's ``chat-stream`` prompt with a longer answer:
-the decoder that holds it admits it (decode-first), and may preempt and hand it back."""
-_WARMED = _SHAPES.index("chat-stream")
+"""One cycle of the mix. ``warm`` repeats a recent ``chat-stream`` or ``chat-whole``
+prompt with a longer answer: the decoder that holds it admits it (decode-first)."""
+_WARMED = (_SHAPES.index("chat-stream"), _SHAPES.index("chat-whole"))
 
 
 def make_job(index: int, run: str, max_tokens: int, rng: random.Random) -> Job:
     """The ``index``-th request of a run: its shape from :data:`_SHAPES`, a prompt no
-    instance has seen (``warm``: an earlier ``chat-stream`` prompt, on the same API),
-    ``max_tokens`` tokens and ``ignore_eos``."""
+    instance has seen (``warm``: this or the last cycle's chat prompt, streamed, twice
+    ``max_tokens``), ``max_tokens`` tokens and ``ignore_eos``."""
     cycle, place = divmod(index, len(_SHAPES))
     shape = _SHAPES[place]
     seen = index
     if shape == "warm":
-        seen = cycle * len(_SHAPES) + _WARMED
+        warm = _SHAPES[:place].count("warm")
+        seen = max(cycle - warm // 2, 0) * len(_SHAPES) + _WARMED[warm % 2]
     prompt = f"{run}-{seen}: " + "a request of a long soak through a faulty fleet. " * 4
     body: dict[str, Any] = {
         "model": MODEL,
-        "max_tokens": max_tokens * 4 if shape == "warm" else max_tokens,
+        "max_tokens": max_tokens * 2 if shape == "warm" else max_tokens,
         "ignore_eos": True,
         "temperature": 0,
         "return_token_ids": True,
@@ -227,13 +235,15 @@ def _describe(job: Job, answer: Answer, expected: list[int]) -> str:
 @dataclass(frozen=True)
 class Reading:
     """One sample of the gateway: seconds into the run, RSS (bytes), open descriptors,
-    the event-loop probes' p99 (seconds) since the last reading, hand-backs so far."""
+    the event-loop probes' p99 (seconds) since the last reading, hand-backs and
+    recoveries so far."""
 
     at: float
     rss: int
     fds: int
     lag_p99: float
     handbacks: float = 0.0
+    recovered: float = 0.0
 
 
 def growth(first: float, last: float) -> float:
@@ -325,7 +335,7 @@ def render(tally: Tally, readings: Sequence[Reading], elapsed: float) -> Table:
         ("lost", str(verdicts[LOST])),
         ("duplicated", str(verdicts[DUPLICATED])),
         ("hung", str(verdicts[HUNG])),
-        ("hand-backs (gateway)", f"{last.handbacks:.0f}"),
+        ("hand-backs / recoveries (gateway)", f"{last.handbacks:.0f} / {last.recovered:.0f}"),
         ("gateway RSS (MiB)", f"{last.rss / 2**20:.1f}"),
         ("gateway open descriptors", str(last.fds)),
         ("event-loop lag p99 (ms, /health probe)", _ms(lag)),
@@ -418,14 +428,17 @@ class _Fleet:
         }
 
 
+_FLAGS = {"failing": ("--failure-rate", "1.0"), "dropping": ("--drop-after-tokens", "8")}
+
+
 async def _apply(fleet: _Fleet, action: str) -> None:
     """One action of :data:`FAULTS`; a start waits for the simulator off the loop."""
     verb, name = action.split()
     fleet.kill(name)
     if verb == "restart":
         await anyio.to_thread.run_sync(fleet.start, name)
-    elif verb == "failing":
-        await anyio.to_thread.run_sync(partial(fleet.start, name, "--failure-rate", "1.0"))
+    elif verb in _FLAGS:
+        await anyio.to_thread.run_sync(partial(fleet.start, name, *_FLAGS[verb]))
 
 
 def fault_times(duration: float, period: float) -> Iterator[tuple[float, str]]:
@@ -451,13 +464,16 @@ def _fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-async def _handbacks(http: httpx.AsyncClient, url: str) -> float:
-    text = (await http.get(f"{url}/metrics")).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("pd_orchestrator_handbacks_total")
-    )
+async def _continuations(http: httpx.AsyncClient, url: str) -> tuple[float, float]:
+    """The gateway's hand-backs and recoveries (streams continued after a break) so far."""
+    handbacks = recovered = 0.0
+    for family in text_string_to_metric_families((await http.get(f"{url}/metrics")).text):
+        for sample in family.samples:
+            if sample.name == "pd_orchestrator_handbacks_total":
+                handbacks += sample.value
+            elif sample.name == "pd_orchestrator_upstream_errors_total":
+                recovered += sample.value if sample.labels.get("kind") == "recovered" else 0.0
+    return handbacks, recovered
 
 
 class _Run:
@@ -472,6 +488,7 @@ class _Run:
         self.probes: list[float] = []
         self.references: dict[str, list[int]] = {}
         self.started = 0.0
+        self.run = f"soak{random.Random(options.seed).getrandbits(32):08x}"
 
     @property
     def pid(self) -> int:
@@ -500,7 +517,6 @@ class _Run:
 
     async def load(self, http: httpx.AsyncClient, ref: httpx.AsyncClient) -> None:
         rng = random.Random(self.options.seed)
-        run = f"soak{rng.getrandbits(32):08x}"
         slots = anyio.Semaphore(self.options.concurrency)
 
         async def slot(job: Job) -> None:
@@ -514,7 +530,7 @@ class _Run:
             while (due := index / self.options.rate) < self.options.duration:
                 await anyio.sleep(max(0.0, due - self.elapsed()))
                 await slots.acquire()
-                tg.start_soon(slot, make_job(index, run, self.options.max_tokens, rng))
+                tg.start_soon(slot, make_job(index, self.run, self.options.max_tokens, rng))
                 index += 1
 
     async def faults(self) -> None:
@@ -535,12 +551,18 @@ class _Run:
     async def sample(self, http: httpx.AsyncClient) -> None:
         probes, self.probes = self.probes, []
         try:
-            handbacks = await _handbacks(http, self.fleet.gateway.url)
+            handbacks, recovered = await _continuations(http, self.fleet.gateway.url)
         except httpx.HTTPError:
-            handbacks = self.readings[-1].handbacks if self.readings else 0.0
+            last = self.readings[-1] if self.readings else Reading(0.0, 0, 0, 0.0)
+            handbacks, recovered = last.handbacks, last.recovered
         self.readings.append(
             Reading(
-                self.elapsed(), _rss(self.pid), _fds(self.pid), percentile(probes, 99), handbacks
+                self.elapsed(),
+                _rss(self.pid),
+                _fds(self.pid),
+                percentile(probes, 99),
+                handbacks,
+                recovered,
             )
         )
 
