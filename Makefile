@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PORT ?= 8000
 
 .PHONY: run test lint format unit e2e lock clean vllm-env tiny-model e2e-vllm bench \
-	vllm033-env plugin-vllm033 e2e-live overhead chaos
+	vllm033-env plugin-vllm033 e2e-live overhead chaos soak
 
 $(STAMP): requirements/lock.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ overhead: $(STAMP)
 CHAOS_ARGS ?=
 chaos: $(STAMP)
 	PDO_CHAOS_LOAD_REQUESTS=2000 PDO_CHAOS_LOAD_CONCURRENCY=200 $(BIN)/pytest tests/chaos -q $(CHAOS_ARGS)
+
+## soak: the simulated pools and the gateway under load and faults for an hour, every answer checked (not in `make test`; SOAK_ARGS="--duration 600 --rate 20")
+SOAK_ARGS ?=
+soak: $(STAMP)
+	$(BIN)/pd-orchestrator soak $(SOAK_ARGS)
 
 ## lint: ruff check + format check, mypy --strict on both packages, the layer contract (import-linter)
 lint: $(STAMP)

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from pd_orchestrator import __version__
-from pd_orchestrator.cli import bench, gateway, sidecar, sim, top, up
+from pd_orchestrator.cli import bench, gateway, sidecar, sim, soak, top, up
 
 __all__ = ["build_parser", "main"]
 
@@ -18,6 +18,7 @@ _COMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]],
     sidecar.add_parser,
     top.add_parser,
     bench.add_parser,
+    soak.add_parser,
 )
 
 

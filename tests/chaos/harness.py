@@ -3,17 +3,10 @@ in front of it, a client that judges every answer against the reference, and the
 checks that end each test.
 
 Every test module injects one fault into real processes on loopback and asserts on
-tokens. With a fixed seed and temperature 0 every request must end either
-
-* **identical**: token for token what the reference instance answers to the same
-  request, with one finish reason (a string), or
-* with **one clean error**: an HTTP error in the OpenAI shape, or a stream whose
-  tokens so far are the reference's first ones, then one error event in that shape,
-  then ``[DONE]``.
-
-Anything else is a failure of the gateway: **lost** (tokens missing or different, a
-stream cut without ``[DONE]``, an error in another shape), **duplicated** (more
-tokens than the reference) or **hung** (no end within the request's bound). After
+tokens. With a fixed seed and temperature 0 every request must end identical to the
+reference instance's answer or with one clean error; anything else is lost,
+duplicated or hung (no end within the request's bound): the verdicts of
+:mod:`pd_orchestrator.bench.verdicts`, which the soak shares. After
 the fault, every simulator still alive must report ``vllm:num_requests_running``
 back to 0: no upstream request is left running.
 
@@ -34,6 +27,17 @@ from typing import Any
 import anyio
 import httpx
 
+from pd_orchestrator.bench.verdicts import (
+    CLEAN_ERROR,
+    DUPLICATED,
+    HUNG,
+    IDENTICAL,
+    Answer,
+    Job,
+    Progress,
+    judge,
+    send,
+)
 from pd_orchestrator.children import Child
 
 from ..conftest import GatewayFactory, SimFactory, gateway_config
@@ -66,14 +70,6 @@ PREFILLER = ("--profile", "instant", *NIXL)
 BOUND = 45.0
 """Seconds a request may take before it counts as hung."""
 REPORT: list[Tally] = []
-
-IDENTICAL, CLEAN_ERROR, LOST, DUPLICATED, HUNG = (
-    "identical",
-    "clean_error",
-    "lost",
-    "duplicated",
-    "hung",
-)
 
 
 # -- the fleet ----------------------------------------------------------------------------------
@@ -141,22 +137,6 @@ def start_fleet(
 
 
 # -- requests -----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Job:
-    """One request: its API (``completion`` or ``chat``) and body."""
-
-    kind: str
-    body: dict[str, Any]
-
-    @property
-    def path(self) -> str:
-        return "/v1/completions" if self.kind == "completion" else "/v1/chat/completions"
-
-    @property
-    def stream(self) -> bool:
-        return bool(self.body.get("stream"))
-
-
 def jobs(
     count: int,
     *,
@@ -187,109 +167,6 @@ def jobs(
             body["prompt"] = prompt
         made.append(Job("chat" if chat else "completion", body))
     return made
-
-
-@dataclass
-class Answer:
-    """What a client got: status, the token ids before any error, the finish reasons,
-    the error (OpenAI shape or not), whether a stream ended with ``[DONE]`` and
-    whether anything followed its error event."""
-
-    status: int
-    tokens: list[int] = field(default_factory=list)
-    finishes: list[Any] = field(default_factory=list)
-    error: Any = None
-    done: bool = True
-    after_error: bool = False
-
-
-class Progress:
-    """Tokens streamed to clients so far (a fault may wait for some)."""
-
-    def __init__(self) -> None:
-        self.tokens = 0
-        self.streams_started = 0
-
-    async def wait(self, *, tokens: int = 0, streams: int = 0, bound: float = 30.0) -> None:
-        await until(lambda: self.tokens >= tokens and self.streams_started >= streams, bound)
-
-
-def _choice_ids(chunk: dict[str, Any]) -> list[int]:
-    ids: list[int] = []
-    for choice in chunk.get("choices") or []:
-        ids += choice.get("token_ids") or []
-    return ids
-
-
-def _finishes(chunk: dict[str, Any]) -> list[Any]:
-    choices = chunk.get("choices") or []
-    return [c["finish_reason"] for c in choices if c.get("finish_reason") is not None]
-
-
-async def send(
-    client: httpx.AsyncClient, url: str, job: Job, progress: Progress | None = None
-) -> Answer:
-    """Send ``job`` and read its whole answer."""
-    if not job.stream:
-        response = await client.post(url + job.path, json=job.body)
-        data = response.json()
-        if response.status_code != 200:
-            return Answer(response.status_code, error=data)
-        tokens = list(data["choices"][0].get("token_ids") or [])
-        return Answer(200, tokens=tokens, finishes=_finishes(data))
-    async with client.stream("POST", url + job.path, json=job.body) as response:
-        if response.status_code != 200:
-            return Answer(response.status_code, error=json.loads(await response.aread()))
-        answer = Answer(200, done=False)
-        first = True
-        async for line in response.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            payload = line[6:]
-            if payload == "[DONE]":
-                answer.done = True
-                break
-            if answer.error is not None:
-                answer.after_error = True
-            chunk = json.loads(payload)
-            if "error" in chunk:
-                answer.error = chunk
-                continue
-            ids = _choice_ids(chunk)
-            answer.tokens += ids
-            answer.finishes += _finishes(chunk)
-            if progress is not None and ids:
-                progress.tokens += len(ids)
-                if first:
-                    progress.streams_started += 1
-                    first = False
-    return answer
-
-
-def _openai_error(body: Any) -> bool:
-    inner = body.get("error") if isinstance(body, dict) else None
-    return (
-        isinstance(inner, dict)
-        and isinstance(inner.get("message"), str)
-        and isinstance(inner.get("type"), str)
-        and isinstance(inner.get("code"), int)
-    )
-
-
-def judge(answer: Answer, expected: list[int]) -> str:
-    """The verdict on ``answer`` against the reference's tokens (see the module doc)."""
-    tokens = answer.tokens
-    if answer.error is None and answer.status == 200 and answer.done:
-        if tokens == expected:
-            finishes = answer.finishes
-            return IDENTICAL if len(finishes) == 1 and isinstance(finishes[0], str) else LOST
-        return DUPLICATED if len(tokens) > len(expected) else LOST
-    clean = _openai_error(answer.error) and answer.done and not answer.after_error
-    if not clean:
-        return LOST
-    if tokens != expected[: len(tokens)]:
-        return DUPLICATED if len(tokens) > len(expected) else LOST
-    return CLEAN_ERROR
 
 
 # -- the tally ----------------------------------------------------------------------------------

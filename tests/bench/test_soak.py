@@ -1,0 +1,171 @@
+"""The soak's pure parts: the mix, the fault schedule, the verdicts, the growth check
+and the report."""
+
+from __future__ import annotations
+
+import io
+import random
+
+from rich.console import Console
+
+from pd_orchestrator.bench.soak import (
+    FAULTS,
+    Reading,
+    SoakOptions,
+    SoakResult,
+    Tally,
+    fault_times,
+    growth,
+    judge_run,
+    make_job,
+    render,
+    verdict_table,
+)
+from pd_orchestrator.bench.verdicts import (
+    CLEAN_ERROR,
+    DUPLICATED,
+    IDENTICAL,
+    LEFT,
+    LOST,
+    Answer,
+    Job,
+    judge_job,
+)
+
+MiB = 2**20
+EXPECTED = [5, 6, 7, 8]
+ERROR = {"error": {"message": "decoder unavailable", "type": "ServiceUnavailable", "code": 503}}
+
+
+def _job(n: int = 1, leave: int | None = None) -> Job:
+    return Job("completion", {"prompt": "p", "stream": True, "n": n}, leave)
+
+
+def _answer(by_index: dict[int, list[int]], **fields: object) -> Answer:
+    answer = Answer(200, **fields)  # type: ignore[arg-type]
+    for index, tokens in by_index.items():
+        answer.by_index[index] = list(tokens)
+        answer.tokens += tokens
+        answer.finishes_by_index[index] = ["length"]
+        answer.finishes.append("length")
+    return answer
+
+
+def test_every_choice_of_an_n_answer_is_judged_and_the_worst_counts() -> None:
+    assert judge_job(_job(2), _answer({0: EXPECTED, 1: EXPECTED}), EXPECTED) == IDENTICAL
+    assert judge_job(_job(2), _answer({0: EXPECTED, 1: EXPECTED[:3]}), EXPECTED) == LOST
+    assert judge_job(_job(2), _answer({0: EXPECTED, 1: [*EXPECTED, 9]}), EXPECTED) == DUPLICATED
+    assert judge_job(_job(2), _answer({0: EXPECTED}), EXPECTED) == LOST  # a choice missing
+    outside = _answer({0: EXPECTED, 1: EXPECTED, 7: EXPECTED})
+    assert judge_job(_job(2), outside, EXPECTED) == LOST
+
+
+def test_a_client_that_leaves_must_have_had_a_prefix() -> None:
+    job = _job(leave=2)
+    assert judge_job(job, Answer(200, tokens=[5, 6], done=False, left=True), EXPECTED) == LEFT
+    assert judge_job(job, Answer(200, tokens=[5, 7], done=False, left=True), EXPECTED) == LOST
+
+
+def test_clean_errors_and_cut_streams() -> None:
+    assert judge_job(_job(), Answer(503, error=ERROR), EXPECTED) == CLEAN_ERROR
+    cut = Answer(200, tokens=[5, 6], done=False)
+    assert judge_job(_job(), cut, EXPECTED) == LOST
+    assert judge_job(_job(), Answer(500, error="Internal Server Error"), EXPECTED) == LOST
+
+
+def test_an_http_500_in_the_openai_shape_is_not_a_clean_error() -> None:
+    tally = Tally()
+    inner = {"message": "internal error: TypeError", "type": "InternalServerError", "code": 500}
+    tally.add(_job(), Answer(500, error={"error": inner}), EXPECTED)
+    tally.add(_job(), Answer(503, error=ERROR), EXPECTED)
+    assert tally.verdicts[CLEAN_ERROR] == 2 and tally.unclean == 1
+    assert dict(tally.errors) == {"500 InternalServerError": 1, "503 ServiceUnavailable": 1}
+    checks = dict((name, ok) for name, ok, _ in judge_run(SoakResult(tally, []), SoakOptions()))
+    assert checks["every error clean (no HTTP 500)"] is False
+
+
+def test_growth() -> None:
+    assert growth(100, 104) == 0.04
+    assert growth(100, 90) == -0.1
+    assert growth(0, 10) == 0.0
+
+
+def _readings(rss: list[int], fds: list[int], every: float = 300.0) -> list[Reading]:
+    return [
+        Reading(i * every, r * MiB, f, 0.01) for i, (r, f) in enumerate(zip(rss, fds, strict=True))
+    ]
+
+
+def _checks(result: SoakResult) -> dict[str, bool]:
+    return {name: ok for name, ok, _ in judge_run(result, SoakOptions())}
+
+
+def _passing_tally() -> Tally:
+    tally = Tally()
+    tally.add(_job(), _answer({0: EXPECTED}), EXPECTED)
+    return tally
+
+
+def test_flatness_is_measured_from_the_ten_minute_reading() -> None:
+    # +50% in the first ten minutes (warm-up) does not count; +4% after does not fail
+    flat = _readings([60, 90, 100, 102, 104], [20, 40, 50, 51, 52])
+    checks = _checks(SoakResult(_passing_tally(), flat))
+    assert checks["RSS flat"] and checks["descriptors flat"]
+    assert all(checks.values())
+    growing = _readings([60, 90, 100, 103, 106], [20, 40, 50, 50, 60])
+    checks = _checks(SoakResult(_passing_tally(), growing))
+    assert not checks["RSS flat"] and not checks["descriptors flat"]
+
+
+def test_a_short_run_is_held_to_its_descriptors_coming_back() -> None:
+    short = _readings([60, 61], [20, 30], every=60.0)
+    checks = _checks(SoakResult(_passing_tally(), short, fds_before=20, fds_after=27))
+    assert "RSS flat" not in checks and checks["descriptors back after the load"]
+    checks = _checks(SoakResult(_passing_tally(), short, fds_before=20, fds_after=40))
+    assert not checks["descriptors back after the load"]
+
+
+def test_lost_duplicated_or_a_dead_gateway_fail_the_run() -> None:
+    tally = _passing_tally()
+    tally.add(_job(), Answer(200, tokens=[5], done=False), EXPECTED)
+    result = SoakResult(tally, [], alive=False)
+    checks = _checks(result)
+    assert not checks["0 lost"] and not checks["gateway alive"] and checks["0 duplicated"]
+    result.checks = judge_run(result, SoakOptions())
+    assert not result.passed
+
+
+def test_the_report_shows_every_figure() -> None:
+    tally = _passing_tally()
+    tally.add(_job(), Answer(503, error=ERROR), EXPECTED)
+    tally.ttft += [0.1, 0.2]
+    readings = [Reading(10.0, 64 * MiB, 33, 0.02, 4.0)]
+    console = Console(file=io.StringIO(), width=140)
+    console.print(render(tally, readings, 600.0))
+    console.print(verdict_table(judge_run(SoakResult(tally, readings), SoakOptions())))
+    text = console.file.getvalue()  # type: ignore[attr-defined]
+    for expected in ("soak at 10.0 min", "503 ServiceUnavailable: 1", "64.0", "33", "pass"):
+        assert expected in text, expected
+
+
+def test_the_mix_has_every_shape_and_is_seeded() -> None:
+    jobs = [make_job(i, "run", 24, random.Random(0)) for i in range(24)]
+    bodies = [job.body for job in jobs]
+    assert any("response_format" in b for b in bodies)
+    assert any("tool_choice" in b for b in bodies)
+    assert {b.get("n") for b in bodies} >= {2, 3}
+    assert any(job.leave_after for job in jobs)
+    assert {job.kind for job in jobs} == {"chat", "completion"}
+    assert {job.stream for job in jobs} == {True, False}
+    warm = [job for job in jobs if job.body["max_tokens"] > 24]
+    cold = [job.body.get("messages") for job in jobs if job.body["max_tokens"] == 24]
+    assert len(warm) == 6 and all(job.body["messages"] in cold for job in warm)
+    again = [make_job(i, "run", 24, random.Random(0)).body for i in range(24)]
+    assert again == bodies
+
+
+def test_the_faults_repeat_each_period_within_the_run() -> None:
+    times = list(fault_times(150.0, 60.0))
+    assert len(times) == 2 * len(FAULTS) + sum(1 for at, _ in FAULTS if at < 30.0)
+    assert times[len(FAULTS)] == (60.0 + FAULTS[0][0], FAULTS[0][1])
+    assert all(at < 150.0 for at, _ in times)
