@@ -308,11 +308,9 @@ def _bounds(schema: Mapping[str, Json], step: float) -> tuple[float, float]:
         low = schema["exclusiveMinimum"] + step
     if "exclusiveMaximum" in schema and not isinstance(schema["exclusiveMaximum"], bool):
         high = schema["exclusiveMaximum"] - step
-    if low is None and high is None:
-        low, high = 0, 100
-    elif low is None:
-        low = high - 100
-    elif high is None:
+    if low is None:
+        low = 0 if high is None else high - 100
+    if high is None:
         high = low + 100
     return float(low), float(high)
 
@@ -349,7 +347,7 @@ _FORMATS: dict[str, Callable[[random.Random], str]] = {
     "time": lambda rng: f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}:00Z",
     "email": lambda rng: f"{_word(rng)}@example.com",
     "uri": lambda rng: f"https://example.com/{_word(rng)}",
-    "uuid": lambda rng: "%08x-0000-4000-8000-%012x" % (rng.getrandbits(32), rng.getrandbits(48)),
+    "uuid": lambda rng: f"{rng.getrandbits(32):08x}-0000-4000-8000-{rng.getrandbits(48):012x}",
 }
 
 

@@ -72,7 +72,7 @@ def _tools(raw: Any) -> tuple[Tool, ...]:
     for entry in raw:
         function = entry.get("function") if isinstance(entry, dict) else None
         name = function.get("name") if isinstance(function, dict) else None
-        if not isinstance(name, str):
+        if not isinstance(function, dict) or not isinstance(name, str):
             raise ShapeError("tools: each tool needs a function with a name", "tools")
         tools.append(Tool(name, function.get("parameters") or _EMPTY_PARAMETERS))
     return tuple(tools)
@@ -114,7 +114,8 @@ def _structured(raw: Any) -> Constraint:
                 "(json, regex, choice and json_object are)",
                 "structured_outputs",
             )
-    kinds = [k for k in ("json", "regex", "choice", "json_object") if raw.get(k) not in (None, False)]
+    names = ("json", "regex", "choice", "json_object")
+    kinds = [name for name in names if raw.get(name) not in (None, False)]
     if len(kinds) != 1:
         raise ShapeError(
             "structured_outputs: exactly one of json, regex, choice, json_object is required",

@@ -18,7 +18,6 @@ from pd_orchestrator.sim.constrained import (
     Tool,
     UnsupportedConstraint,
     regex_text,
-    schema_value,
 )
 from pd_orchestrator.sim.engine import FinishReason
 from pd_orchestrator.sim.shaping import CallShaper, parse_calls
@@ -164,4 +163,4 @@ def test_a_continuation_from_any_split_point_gives_the_same_document(
 def test_resumed_tokens_that_are_not_the_document_are_refused() -> None:
     constraint = Constraint("json", schema=WEATHER)
     with pytest.raises(ValueError, match="cache_hit_resume_tokens"):
-        make_engine().add_request(_constrained("a", [400, 401] + TOK.encode("[1"), constraint, 2))
+        make_engine().add_request(_constrained("a", [400, 401, *TOK.encode("[1")], constraint, 2))
