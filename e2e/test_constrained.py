@@ -314,7 +314,7 @@ async def _handed_back_round(target: Target, gateway: str, extra: dict[str, Any]
     for result, reference in zip(results, references, strict=True):
         assert result["ids"] == reference["ids"], "the output differs from the reference"
         assert result["usage"]["completion_tokens"] == len(result["ids"])
-        if "logprobs" in extra and target.name != "sim":  # the simulator returns none
+        if "logprobs" in extra:
             assert len(result["tokens"]) == len(result["ids"])
             for name in LOGPROB_LISTS:
                 assert result[name] == reference[name], f"logprobs {name} differ"

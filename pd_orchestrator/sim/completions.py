@@ -55,6 +55,7 @@ from pd_orchestrator.sim.instance import (
     json_object,
     until_disconnect,
 )
+from pd_orchestrator.sim.logprobs import asked_top, logprobs_of
 from pd_orchestrator.sim.shaping import CallShaper, ShapeError, constraint_of
 from pd_orchestrator.sim.tokenizer import WORD_BASE
 from pd_orchestrator.vllm_plugin.policy import InvalidThresholdError, request_admission_only
@@ -79,6 +80,8 @@ class _Job:
     arrival: float
     drop_after: int | None
     constraint: Constraint | None
+    top: int | None
+    """Alternatives per token the answer's logprobs carry (None: no logprobs)."""
 
 
 class Completions:
@@ -143,6 +146,7 @@ class Completions:
             arrival=self.sim.clock(),
             drop_after=int(drop) if drop and drop.isdigit() else self.sim.options.drop_after_tokens,
             constraint=constraint,
+            top=asked_top(kind, request.model_extra or {}),
         )
 
     def _prompt_ids(self, request: OpenAIRequest) -> list[int]:
@@ -303,7 +307,15 @@ class Completions:
         )
         if job.kind == "chat":
             answer["choices"][0]["message"] = shaper.message(text)
+        if job.top is not None:
+            answer["choices"][0]["logprobs"] = self._logprobs(job, tokens, job.prompt_ids[-1])
         return corrupt(answer, self.sim.options.protocol_fault)
+
+    def _logprobs(self, job: _Job, ids: list[int], previous: int, offset: int = 0) -> Any:
+        """The logprobs of ``ids`` in the answer's shape (:mod:`.logprobs`)."""
+        assert job.top is not None
+        figures = logprobs_of(self.sim.tokenizer, job.kind, ids, previous, job.top, offset)
+        return figures if job.kind == "completion" else {"content": figures}
 
     async def _stream(
         self, job: _Job, receive: MemoryObjectReceiveStream[RequestOutput]
@@ -315,7 +327,12 @@ class Completions:
         fault = self.sim.options.protocol_fault
         shaper = CallShaper(job.constraint)
 
-        def chunk(text: str | None, delta: dict[str, Any] | None = None, **fields: Any) -> bytes:
+        def chunk(
+            text: str | None,
+            delta: dict[str, Any] | None = None,
+            logprobs: Any = None,
+            **fields: Any,
+        ) -> bytes:
             body = stream_chunk(
                 kind=job.kind,
                 response_id=job.request_id,
@@ -326,11 +343,14 @@ class Completions:
             )
             if delta is not None:
                 body["choices"][0]["delta"] = delta
+            if logprobs is not None:
+                body["choices"][0]["logprobs"] = logprobs
             return encode_event(corrupt(body, fault))
 
         last: RequestOutput | None = None
         first_at: float | None = None
         sent = 0
+        previous, offset = job.prompt_ids[-1], 0
         try:
             if job.kind == "chat":
                 yield chunk(None, role=True, prompt_token_ids=prompt_ids)
@@ -350,9 +370,17 @@ class Completions:
                         delta = shaper.delta(text) if job.kind == "chat" else None
                     if job.kind == "chat":
                         reason = shaper.finish(shaper.text(), reason)
+                    logprobs = None
+                    if job.top is not None and output.new_token_ids:
+                        ids = list(output.new_token_ids)
+                        logprobs = self._logprobs(job, ids, previous, offset)
+                        tokenizer = self.sim.tokenizer
+                        offset += sum(len(tokenizer.token_text(t)) for t in ids)
+                        previous = ids[-1]
                     yield chunk(
                         text_or_none,
                         delta,
+                        logprobs,
                         finish_reason=reason,
                         token_ids=list(output.new_token_ids) if want_ids else None,
                         prompt_token_ids=prompt_ids,

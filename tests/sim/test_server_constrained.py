@@ -1,5 +1,6 @@
 """The simulator's constrained answers over HTTP: structured outputs and tool calls in
-vLLM's shapes, whole and streamed, and a continuation that resumes the document."""
+vLLM's shapes, whole and streamed, a continuation that resumes the document, and
+logprobs consistent with the tokens."""
 
 from __future__ import annotations
 
@@ -203,3 +204,36 @@ async def test_a_continuation_resumes_the_named_call_as_the_gateway_sends_it(sim
              "cache_hit_resume_tokens": 2}  # fmt: skip
     refused = await _post(sim.url, "/v1/completions", wrong)
     assert refused.status_code == 400 and "cache_hit_resume_tokens" in refused.text
+
+
+async def test_logprobs_follow_the_tokens_whole_streamed_and_continued(sim: Child) -> None:
+    body = {"model": MODEL, "prompt": "Logprobs, please.", "max_tokens": 12, "logprobs": 3,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    whole = (await _post(sim.url, "/v1/completions", body)).json()["choices"][0]
+    logprobs, ids = whole["logprobs"], whole["token_ids"]
+    assert "".join(logprobs["tokens"]) == whole["text"] and len(logprobs["tokens"]) == len(ids)
+    for token, value, top in zip(
+        logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True
+    ):
+        assert next(iter(top)) == token and top[token] == value == max(top.values()) <= 0
+        assert len(top) == 3
+    offsets = logprobs["text_offset"]
+    assert offsets[0] == 0 and all(
+        b - a == len(t) for a, b, t in zip(offsets, offsets[1:], logprobs["tokens"], strict=False)
+    )
+    chunks = await _chunks(sim.url, "/v1/completions", body)
+    streamed: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    for chunk in chunks:
+        for name in streamed:
+            streamed[name] += (chunk["choices"][0]["logprobs"] or {}).get(name) or []
+    assert streamed == {name: logprobs[name] for name in streamed}
+    prompt = (await _post(sim.url, "/tokenize", {"prompt": "Logprobs, please."})).json()["tokens"]
+    rest = body | {"prompt": prompt + ids[:5], "max_tokens": 7}
+    continued = (await _post(sim.url, "/v1/completions", rest)).json()["choices"][0]["logprobs"]
+    assert continued["token_logprobs"] == logprobs["token_logprobs"][5:]
+    chat = _chat("Logprobs, please.", logprobs=True, top_logprobs=2, max_tokens=6)
+    content = (await _post(sim.url, "/v1/chat/completions", chat)).json()["choices"][0]
+    entries = content["logprobs"]["content"]
+    assert "".join(e["token"] for e in entries) == content["message"]["content"]
+    assert all(len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["token"] == e["token"]
+               for e in entries)  # fmt: skip
