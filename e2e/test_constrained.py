@@ -195,7 +195,10 @@ def test_a_cold_constrained_request_goes_pd_and_a_warm_one_decode(
     _honours(constraint, cold)
     reference = _chat(target.reference, body | {"cache_hit_threshold": 0, "stream": False})
     assert cold["ids"] == reference["ids"]
-    assert [c["arguments"] for c in cold["calls"]] == [c["arguments"] for c in reference["calls"]]
+    # vLLM dumps a whole answer's required calls again (", " and ": "), streams them raw
+    assert [json.loads(c["arguments"]) for c in cold["calls"]] == [
+        json.loads(c["arguments"]) for c in reference["calls"]
+    ]
     warm = _chat(gateway, body)
     assert warm["decision"] == "decode"
     assert warm["ids"] == cold["ids"] and warm["text"] == cold["text"]

@@ -12,8 +12,10 @@
 a named tool's text is the arguments of one call (``content`` empty, the finish the
 engine's); ``required`` and an ``auto`` answer that calls tools generate
 ``[{"name": ..., "parameters": {...}}, ...]`` and answer one call per element (the
-finish ``tool_calls``). Streamed, each call's first delta carries its id, type and
-name, later ones only more ``arguments``; a call keeps one id.
+finish ``tool_calls``; whole, each call's arguments re-dumped as vLLM parses and
+dumps them, ``", "`` and ``": "`` separators). Streamed, each call's first delta
+carries its id, type and name, later ones only more ``arguments`` (the generated
+text); a call keeps one id.
 """
 
 from __future__ import annotations
@@ -213,6 +215,15 @@ def parse_calls(text: str) -> list[tuple[str, str]]:
     return calls
 
 
+def _redumped(arguments: str) -> str:
+    """``arguments`` as vLLM writes a whole answer's parsed call (``json.dumps``), or as
+    generated when they do not parse (cut short)."""
+    try:
+        return json.dumps(json.loads(arguments), ensure_ascii=False)
+    except json.JSONDecodeError:
+        return arguments
+
+
 def _call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
@@ -259,6 +270,8 @@ class CallShaper:
         if calls is None:
             return {"role": "assistant", "content": text, "tool_calls": []}
         assert self.constraint is not None
+        if self.named is None:  # vLLM parses the calls and dumps each one's arguments
+            calls = [(name, _redumped(arguments)) for name, arguments in calls]
         tool_calls = [
             {"id": _call_id(), "type": "function", "function": {"name": n, "arguments": a}}
             for n, a in calls

@@ -104,9 +104,11 @@ async def test_required_calls_tools_and_finishes_with_tool_calls(sim: Child) -> 
             name = call["function"]["name"]
             jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[name])
         streamed = _streamed_calls(await _chunks(sim.url, "/v1/chat/completions", body))
-        assert [(c["name"], c["arguments"]) for c in streamed] == [
-            (c["function"]["name"], c["function"]["arguments"]) for c in calls
+        assert [(c["name"], json.loads(c["arguments"])) for c in streamed] == [
+            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls
         ]
+        if any(json.loads(c["function"]["arguments"]) for c in calls):  # vLLM's dumps
+            assert any(": " in c["function"]["arguments"] for c in calls)
         assert all(len(c["ids"]) == 1 for c in streamed)
 
 
