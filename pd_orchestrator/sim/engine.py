@@ -38,6 +38,13 @@ uses the digest's block hashes and generation state and keeps only the tokens af
 the last full prompt block. Such requests cannot be used with ``record_events``
 (the events carry the blocks' tokens).
 
+A constrained request (``EngineRequest.constraint``: a structured output or a tool
+choice) answers its constraint's document (:mod:`~pd_orchestrator.sim.constrained`),
+then EOS, whatever ``ignore_eos`` and ``min_tokens`` say (as a grammar that only
+allows EOS once it is complete); the document is seeded by the generation state
+after the prompt less its last ``resume_tokens``, so a continuation carries on with
+the same document.
+
 A finished producer request that ended by length keeps its blocks referenced under
 a lease until :meth:`Engine.release` (a consumer took them) or expiry. It holds them
 under its ``hold_keys`` (what the consumer names it by: its request id for a NIXL
