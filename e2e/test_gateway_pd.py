@@ -95,13 +95,15 @@ LOGPROB_LISTS = ("tokens", "text_offset")
 async def _completion_answer(
     client: httpx.AsyncClient, gateway: str, body: dict[str, Any]
 ) -> dict[str, Any]:
-    """Token ids, text and logprob tokens and offsets of a completions answer, streamed
-    (the pieces joined) or whole."""
+    """Token ids, text, logprob tokens and offsets and usage (None: not sent) of a
+    completions answer, streamed (the pieces joined) or whole."""
     if not body.get("stream"):
         answer = await client.post(f"{gateway}/v1/completions", json=body)
         assert answer.status_code == 200, answer.text
-        return _parts([answer.json()["choices"][0]])
+        whole = answer.json()
+        return _parts([whole["choices"][0]], whole.get("usage"))
     choices: list[dict[str, Any]] = []
+    usage = None
     async with client.stream("POST", f"{gateway}/v1/completions", json=body) as response:
         assert response.status_code == 200
         async for line in response.aiter_lines():
@@ -109,11 +111,13 @@ async def _completion_answer(
                 chunk = json.loads(line[6:])
                 assert "error" not in chunk, chunk
                 choices += chunk["choices"]
-    return _parts(choices)
+                usage = chunk.get("usage") or usage
+    return _parts(choices, usage)
 
 
-def _parts(choices: list[dict[str, Any]]) -> dict[str, Any]:
-    parts: dict[str, Any] = {"ids": [], "text": "", **{name: [] for name in LOGPROB_LISTS}}
+def _parts(choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
+    parts: dict[str, Any] = {"ids": [], "text": "", "usage": usage,
+                             **{name: [] for name in LOGPROB_LISTS}}  # fmt: skip
     for choice in choices:
         parts["ids"] += choice.get("token_ids") or []
         parts["text"] += choice.get("text") or ""

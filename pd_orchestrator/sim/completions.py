@@ -37,6 +37,7 @@ from pd_orchestrator.openai.responses import (
 )
 from pd_orchestrator.openai.sse import DONE, encode_event
 from pd_orchestrator.prefix.hashing import BlockExtras
+from pd_orchestrator.sim.constrained import Constraint
 from pd_orchestrator.sim.engine import EngineRequest, RequestOutput, SamplingSpec
 from pd_orchestrator.sim.faults import corrupt
 from pd_orchestrator.sim.handover import (
@@ -54,6 +55,8 @@ from pd_orchestrator.sim.instance import (
     json_object,
     until_disconnect,
 )
+from pd_orchestrator.sim.logprobs import asked_top, logprobs_of
+from pd_orchestrator.sim.shaping import CallShaper, ShapeError, constraint_of
 from pd_orchestrator.sim.tokenizer import WORD_BASE
 from pd_orchestrator.vllm_plugin.policy import InvalidThresholdError, request_admission_only
 
@@ -76,6 +79,9 @@ class _Job:
     prompt_ids: list[int]
     arrival: float
     drop_after: int | None
+    constraint: Constraint | None
+    top: int | None
+    """Alternatives per token the answer's logprobs carry (None: no logprobs)."""
 
 
 class Completions:
@@ -125,6 +131,10 @@ class Completions:
         if request.model != self.sim.model:
             raise HTTPFailure(404, f"The model `{request.model}` does not exist.", "model")
         prompt_ids = self._prompt_ids(request)
+        try:
+            constraint = constraint_of(request)
+        except ShapeError as exc:
+            raise HTTPFailure(400, str(exc), exc.param) from None
         base = http_request.headers.get("x-request-id") or uuid.uuid4().hex
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         drop = http_request.headers.get("x-drop-after-tokens")
@@ -135,6 +145,8 @@ class Completions:
             prompt_ids=prompt_ids,
             arrival=self.sim.clock(),
             drop_after=int(drop) if drop and drop.isdigit() else self.sim.options.drop_after_tokens,
+            constraint=constraint,
+            top=asked_top(kind, request.model_extra or {}),
         )
 
     def _prompt_ids(self, request: OpenAIRequest) -> list[int]:
@@ -197,6 +209,8 @@ class Completions:
             force_reject=forced,
             extras=_extras(job.request),
             hold_keys=hold_keys(self.sim.connectors, params, job.request_id),
+            constraint=job.constraint,
+            resume_tokens=job.request.cache_hit_resume_tokens or 0,
         )
         try:
             return self.sim.runner.submit(engine_request)
@@ -271,12 +285,15 @@ class Completions:
         self._observe(job, first_at)
         transfer = last.transfer if last is not None else None
         request = job.request
+        text = self.sim.tokenizer.decode(tokens)
+        shaper = CallShaper(job.constraint)
+        finish = last.finish_reason.value if last and last.finish_reason else "abort"
         answer = completion_body(
             kind=job.kind,
             response_id=job.request_id,
             model=self.sim.model,
-            text=self.sim.tokenizer.decode(tokens),
-            finish_reason=last.finish_reason.value if last and last.finish_reason else "abort",
+            text=text,
+            finish_reason=shaper.finish(text, finish) if job.kind == "chat" else finish,
             usage=self._usage(job, last),
             token_ids=tokens if request.return_token_ids else None,
             prompt_token_ids=job.prompt_ids if request.return_token_ids else None,
@@ -288,7 +305,17 @@ class Completions:
                 else None
             ),
         )
+        if job.kind == "chat":
+            answer["choices"][0]["message"] = shaper.message(text)
+        if job.top is not None:
+            answer["choices"][0]["logprobs"] = self._logprobs(job, tokens, job.prompt_ids[-1])
         return corrupt(answer, self.sim.options.protocol_fault)
+
+    def _logprobs(self, job: _Job, ids: list[int], previous: int, offset: int = 0) -> Any:
+        """The logprobs of ``ids`` in the answer's shape (:mod:`.logprobs`)."""
+        assert job.top is not None
+        figures = logprobs_of(self.sim.tokenizer, job.kind, ids, previous, job.top, offset)
+        return figures if job.kind == "completion" else {"content": figures}
 
     async def _stream(
         self, job: _Job, receive: MemoryObjectReceiveStream[RequestOutput]
@@ -298,8 +325,14 @@ class Completions:
         want_ids = request.return_token_ids
         prompt_ids: list[int] | None = job.prompt_ids if want_ids else None
         fault = self.sim.options.protocol_fault
+        shaper = CallShaper(job.constraint)
 
-        def chunk(text: str | None, **fields: Any) -> bytes:
+        def chunk(
+            text: str | None,
+            delta: dict[str, Any] | None = None,
+            logprobs: Any = None,
+            **fields: Any,
+        ) -> bytes:
             body = stream_chunk(
                 kind=job.kind,
                 response_id=job.request_id,
@@ -308,11 +341,16 @@ class Completions:
                 text=text,
                 **fields,
             )
+            if delta is not None:
+                body["choices"][0]["delta"] = delta
+            if logprobs is not None:
+                body["choices"][0]["logprobs"] = logprobs
             return encode_event(corrupt(body, fault))
 
         last: RequestOutput | None = None
         first_at: float | None = None
         sent = 0
+        previous, offset = job.prompt_ids[-1], 0
         try:
             if job.kind == "chat":
                 yield chunk(None, role=True, prompt_token_ids=prompt_ids)
@@ -324,12 +362,25 @@ class Completions:
                         first_at = self.sim.clock()
                     reason = output.finish_reason.value if output.finish_reason else None
                     text = self.sim.tokenizer.decode(output.new_token_ids)
+                    delta = None
                     if job.kind == "chat" and not output.new_token_ids:
                         text_or_none: str | None = None
                     else:
                         text_or_none = text
+                        delta = shaper.delta(text) if job.kind == "chat" else None
+                    if job.kind == "chat":
+                        reason = shaper.finish(shaper.text(), reason)
+                    logprobs = None
+                    if job.top is not None and output.new_token_ids:
+                        ids = list(output.new_token_ids)
+                        logprobs = self._logprobs(job, ids, previous, offset)
+                        tokenizer = self.sim.tokenizer
+                        offset += sum(len(tokenizer.token_text(t)) for t in ids)
+                        previous = ids[-1]
                     yield chunk(
                         text_or_none,
+                        delta,
+                        logprobs,
                         finish_reason=reason,
                         token_ids=list(output.new_token_ids) if want_ids else None,
                         prompt_token_ids=prompt_ids,

@@ -38,6 +38,13 @@ uses the digest's block hashes and generation state and keeps only the tokens af
 the last full prompt block. Such requests cannot be used with ``record_events``
 (the events carry the blocks' tokens).
 
+A constrained request (``EngineRequest.constraint``: a structured output or a tool
+choice) answers its constraint's document (:mod:`~pd_orchestrator.sim.constrained`),
+then EOS, whatever ``ignore_eos`` and ``min_tokens`` say (as a grammar that only
+allows EOS once it is complete); the document is seeded by the generation state
+after the prompt less its last ``resume_tokens``, so a continuation carries on with
+the same document.
+
 A finished producer request that ended by length keeps its blocks referenced under
 a lease until :meth:`Engine.release` (a consumer took them) or expiry. It holds them
 under its ``hold_keys`` (what the consumer names it by: its request id for a NIXL
@@ -57,6 +64,7 @@ from pd_orchestrator.model.hardware import LatencyProfile
 from pd_orchestrator.model.hashing import HashAlgo
 from pd_orchestrator.prefix.hashing import BlockExtras
 from pd_orchestrator.sim.blocks import BlockHasher, BlockPool
+from pd_orchestrator.sim.constrained import Constraint
 from pd_orchestrator.sim.digest import PromptDigest
 from pd_orchestrator.sim.generation import advance, advance_all, initial_state, next_token
 from pd_orchestrator.sim.tokenizer import EOS_TOKEN_ID
@@ -107,6 +115,10 @@ class EngineRequest:
     for a consumer (None: its request id when it is a producer and the engine's
     connector is ``nixl``). ``digest``: the prompt as a digest (then
     ``prompt_token_ids`` is ignored and may be empty); see the module docstring.
+    ``constraint``: what shapes the output (a structured output or a tool choice), its
+    document seeded by the generation state after the prompt less its last
+    ``resume_tokens`` (a continuation's output so far, which must be the document's
+    start: ``ValueError`` otherwise); it carries on where they leave it.
     """
 
     request_id: str
@@ -120,6 +132,8 @@ class EngineRequest:
     extras: BlockExtras | None = None
     digest: PromptDigest | None = None
     hold_keys: tuple[str, ...] | None = None
+    constraint: Constraint | None = None
+    resume_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -272,6 +286,10 @@ class _Req:
     load_seconds: float = 0.0
     offset: int = 0
     """Position of ``tokens[0]``: 0, or the digest's tokens covered by block hashes."""
+    document: tuple[int, ...] | None = None
+    """A constrained request's whole output, then EOS (None: free generation)."""
+    document_start: int = 0
+    """Tokens of ``document`` already in the prompt (a continuation's)."""
 
     @property
     def num_tokens(self) -> int:
@@ -375,13 +393,26 @@ class Engine:
 
     def _new_req(self, request: EngineRequest) -> _Req:
         tokens = list(request.prompt_token_ids)
-        return _Req(
+        resumed = request.resume_tokens if request.constraint is not None else 0
+        if not 0 <= resumed <= len(tokens):
+            raise ValueError("cache_hit_resume_tokens exceeds the prompt")
+        before = advance_all(self._root_state, tokens[: len(tokens) - resumed])
+        req = _Req(
             spec=request,
             tokens=tokens,
             num_prompt=len(tokens),
-            state=advance_all(self._root_state, tokens),
+            state=advance_all(before, tokens[len(tokens) - resumed :]),
             hashes=self.prompt_hashes(tokens, request.extras),
         )
+        if request.constraint is not None:
+            req.document = request.constraint.tokens(before)
+            req.document_start = resumed
+            if resumed and (req.document or ())[:resumed] != tuple(tokens[-resumed:]):
+                raise ValueError(
+                    "cache_hit_resume_tokens: the prompt's last tokens are not the start "
+                    "of this constraint's output"
+                )
+        return req
 
     def _digest_req(self, request: EngineRequest) -> _Req:
         digest = request.digest
@@ -602,8 +633,12 @@ class Engine:
 
     def _sample(self, req: _Req, finish_time: float) -> RequestOutput:
         sampling = req.spec.sampling
-        allow_eos = not sampling.ignore_eos and req.num_output >= sampling.min_tokens
-        token = next_token(req.state, allow_eos=allow_eos)
+        if req.document is not None:  # the constraint's document, then EOS
+            index = req.document_start + req.num_output
+            token = req.document[index] if index < len(req.document) else EOS_TOKEN_ID
+        else:
+            allow_eos = not sampling.ignore_eos and req.num_output >= sampling.min_tokens
+            token = next_token(req.state, allow_eos=allow_eos)
         req.tokens.append(token)
         req.state = advance(req.state, token)
         self.hasher.extend(req.hashes, req.tokens, req.spec.extras, req.offset)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import anyio
@@ -144,7 +145,19 @@ async def _load_read(gateway: str, decoder: str = "decode-0") -> dict[str, Any]:
                 await anyio.sleep(0.1)
 
 
-TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+LONG_ARGUMENTS = {
+    "type": "object",
+    "properties": {"ids": {"type": "array", "items": {"type": "integer", "minimum": 10,
+                                                      "maximum": 99},
+                           "minItems": 60, "maxItems": 60}},
+    "required": ["ids"],
+}  # fmt: skip
+DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+          "minItems": 60, "maxItems": 60}  # fmt: skip
+"""121 tokens of JSON (the simulator's), within ``OUTPUT``: enough to preempt."""
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": LONG_ARGUMENTS}}]
+"""A tool whose call (the simulator answers ``auto`` with calls or text) runs past
+``OUTPUT`` tokens as text with ``ignore_eos`` does."""
 
 
 async def test_constrained_requests_go_admission_only_and_are_never_handed_back(
@@ -172,7 +185,7 @@ async def test_constrained_requests_go_admission_only_and_are_never_handed_back(
             tg.start_soon(one, i)
     for i, answer in enumerate(answers):
         assert answer is not None and answer.status == 200 and answer.decision == "decode"
-        expected = await call(reference.url, "chat", _body("chat", i, False))
+        expected = await call(reference.url, "chat", _body("chat", i, False) | {"tools": TOOLS})
         assert answer.token_ids == expected.token_ids
     text = await metrics_text(gateway.url)
     assert metric(text, "pd_orchestrator_handbacks_total") == 0
@@ -201,7 +214,7 @@ async def test_a_preempted_structured_output_is_handed_back_and_continued(
     gateway = gateway_factory(config)
     load = await _load_read(gateway.url)
     assert load["admission_only"] is True and load["resumes"] is True
-    structured = {"response_format": {"type": "json_object"}}
+    structured = {"structured_outputs": {"json": DIGITS}}
     await _warm(gateway.url, kind)
     answers: list[Answer | None] = [None] * len(PROMPTS)
 
@@ -213,8 +226,10 @@ async def test_a_preempted_structured_output_is_handed_back_and_continued(
             tg.start_soon(one, i)
     for i, answer in enumerate(answers):
         assert answer is not None and answer.status == 200, answer
-        expected = await call(reference.url, kind, _body(kind, i, False))
+        expected = await call(reference.url, kind, _body(kind, i, False) | structured)
         assert answer.token_ids == expected.token_ids and answer.text == expected.text
+        digits = json.loads(answer.text)  # one document across the legs
+        assert len(digits) == 60 and all(0 <= d <= 9 for d in digits)
     text = await metrics_text(gateway.url)
     assert metric(text, "pd_orchestrator_handbacks_total") >= 1
     resumable = metric(text, "pd_orchestrator_constrained_requests_total", threshold="resumable")
