@@ -10,9 +10,8 @@ a composite orders and averages them by the threshold each sends
 
 - ``max`` / ``min`` (:class:`ComposeParams`: ``policies``, one or more specs): the
   child route with the largest / smallest threshold, whole (its policy name and
-  reason, and the peer or prefiller it names), the first child winning ties. Only
-  thresholds of :class:`Ask` routes are combined in the sense of being compared;
-  no route is made up. ``max`` of ``min-uncached-tokens`` and ``load-adaptive``
+  reason, and the peer or prefiller it names), the first child winning ties: no
+  route is made up. ``max`` of ``min-uncached-tokens`` and ``load-adaptive``
   prefills locally only when both agree it is cheap; ``min`` when either does.
   Bounds: the max / min of the children's lows and highs.
 - ``weighted`` (:class:`WeightedParams`: ``policies`` and as many ``weights`` >= 0,
