@@ -62,6 +62,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import assert_never
 
 from pd_orchestrator.bench.fleet import FleetSpec, InstanceSpec
 from pd_orchestrator.bench.results import RequestRecord, RunResult
@@ -72,6 +73,7 @@ from pd_orchestrator.config.settings import HandbackConfig
 from pd_orchestrator.flows.request import TOKEN_ID_CHARS
 from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.model.load import Candidate, LoadSnapshot
+from pd_orchestrator.model.route import Ask, Decline, GoPD, Local, Whole, threshold_of
 from pd_orchestrator.planner.plan import NoCandidateError, Plan, Planner, RequestFacts, Served
 from pd_orchestrator.prefix.pending import PendingBlocks
 from pd_orchestrator.routing import RoutingProfiles
@@ -365,8 +367,8 @@ class VirtualFleet:
         finally:
             self.kv_index.prompt = None
         if self.planner.threshold is not None:
-            decision = plan.threshold
-            self.decisions[f"{decision.policy}:{decision.reason}"] += 1
+            route = plan.route
+            self.decisions[f"{route.policy}:{route.reason}"] += 1
         return plan, facts
 
     def instance(self, name: str) -> _Instance:
@@ -480,12 +482,16 @@ class _Flow:
             self.record.decision = "pd"
             self.prefill(now + self.hop, self.digest, self.request.max_tokens, 0.0)
             return
-        threshold = plan.threshold.value
-        self.record.threshold = threshold
-        if threshold >= 1.0:  # no prompt meets it: straight to P/D, as the gateway does
-            self.record.decision = "pd"
-            self.prefill(now + self.hop, self.digest, self.request.max_tokens, 0.0)
-            return
+        threshold = self.record.threshold = threshold_of(plan.route)
+        match plan.route:
+            case GoPD() | Decline():  # no prompt meets it: straight to P/D, as the gateway does
+                self.record.decision = "pd"
+                self.prefill(now + self.hop, self.digest, self.request.max_tokens, 0.0)
+                return
+            case Ask() | Local() | Whole():
+                pass
+            case _:
+                assert_never(plan.route)
         self.record.decision = "decode"
         attempt = self.leg(self.digest, self.request.max_tokens, threshold)
         fleet.submit(decoder, now + self.hop, attempt, self.on_attempt, self.fail)

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, assert_never
 
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
@@ -53,6 +53,7 @@ from pd_orchestrator.flows.chunks import ChunkView, MalformedChunk, view_answer
 from pd_orchestrator.flows.legs import Leg, Legs
 from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.model.endpoints import Endpoint
+from pd_orchestrator.model.route import Ask, Decline, GoPD, Local, Whole
 from pd_orchestrator.openai.responses import Kind
 from pd_orchestrator.openai.tokenize import token_ids, tokenize_body
 from pd_orchestrator.planner.plan import Plan
@@ -120,8 +121,13 @@ class Single:
 
     async def run(self, route: Route, plan: Plan, legs: Legs, body: Json) -> Attempted:
         decoder = plan.asked[0]
-        if plan.threshold.value >= 1.0:
-            return Attempted(decoder, None)
+        match plan.route:
+            case GoPD() | Decline():  # no decoder admits it: straight to P/D
+                return Attempted(decoder, None)
+            case Ask() | Local() | Whole():
+                pass
+            case _:
+                assert_never(plan.route)
         leg = await legs.open(decoder, route.path, body, Phase.DECODE_ATTEMPT, kind=route.kind)
         if admits(await leg.read_until_decisive()):
             return Attempted(decoder, leg)

@@ -94,6 +94,7 @@ from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.flows.sink import GatewayError
 from pd_orchestrator.flows.transcript import Transcript
 from pd_orchestrator.model.endpoints import Endpoint
+from pd_orchestrator.model.route import threshold_of
 from pd_orchestrator.openai.responses import Kind
 from pd_orchestrator.planner.plan import Plan
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
@@ -242,10 +243,9 @@ class Flow:
         if route is None:
             ids = await self.attempt.prompt_ids(request, plan, self.legs)
             route = self.route = Route.of(request, ids)
-        threshold = plan.threshold
         body = route.body(
-            request, threshold.value, stream=self.stream_legs,
-            admission_only=threshold.admission_only,
+            request, threshold_of(plan.route), stream=self.stream_legs,
+            admission_only=plan.route.admission_only,
         )  # fmt: skip
         attempted = await self.attempt.run(route, plan, self.legs, body)
         self._phase("decode_attempt", started)

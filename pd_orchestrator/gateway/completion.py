@@ -153,7 +153,7 @@ class CompletionPath:
             plan = state.planner.plan(admitted.facts, candidates, now, next(self._ordinals))
         except NoCandidateError as exc:
             raise GatewayError(503, str(exc)) from None
-        self.metrics.record_threshold(plan.threshold)
+        self.metrics.record_threshold(plan.route)
         if not admitted.facts.continuable:
             self._constrained(plan, candidates)
         return admitted, plan
@@ -164,7 +164,7 @@ class CompletionPath:
         if plan.continuable:
             self.metrics.constrained.labels("resumable").inc()
             return
-        admission_only = plan.threshold.admission_only
+        admission_only = plan.route.admission_only
         self.metrics.constrained.labels("admission-only" if admission_only else "zero").inc()
         if admission_only:
             return

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pd_orchestrator.flows.flow import Flow
+from pd_orchestrator.model.route import threshold_of
 from pd_orchestrator.telemetry.logs import ACCESS_LOGGER
 
 __all__ = ["Answered", "log_access", "span_attributes"]
@@ -54,9 +55,9 @@ def span_attributes(answered: Answered) -> dict[str, Any]:
             "pd.request_id": request.request_id,
             "gen_ai.request.model": request.model,
             "pd.decoder": flow.decoder.name,
-            "pd.threshold": plan.threshold.value,
-            "pd.threshold.policy": plan.threshold.policy,
-            "pd.threshold.reason": plan.threshold.reason,
+            "pd.threshold": threshold_of(plan.route),
+            "pd.threshold.policy": plan.route.policy,
+            "pd.threshold.reason": plan.route.reason,
             "pd.handbacks": transcript.handbacks,
             "gen_ai.usage.output_tokens": transcript.completion_tokens,
         }

@@ -113,7 +113,8 @@ def build_state(
     """Build the state of ``config``; raises ``RoutingConfigError`` on bad plugins
     (policy errors are ``RoutingConfigError`` too).
 
-    Endpoints that keep their name and URL across a reload keep their health.
+    Endpoints that keep their name and URL across a reload keep their health; a
+    ``goodput`` policy keeps what the one of the same name learnt.
     """
     endpoints = endpoints_from_config(config)
     fleet = FleetState(
@@ -133,6 +134,8 @@ def build_state(
     threshold = build_threshold(
         config.threshold, registry, pools={pool.name for pool in config.pools}
     )
+    if previous is not None and previous.planner.threshold is not None:
+        threshold.inherit(previous.planner.threshold)
     width = config.ask_all.width if config.mode == "ask-all" else None
     adaptive = _adaptive_width(config, prefix, previous)
     profiles = build_profiles(config.routing, registry)

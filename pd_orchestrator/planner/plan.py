@@ -9,11 +9,12 @@ returns a :class:`Plan`:
    the first is asked first; the rest are where a failed attempt, an ask-all
    fan-out or a continuation goes, in that order.
    Each profile sees the endpoints of its role only, with one exception: for a
-   threshold policy that declares ``reads_spill`` (decode-first, a request that
-   names no prefillers), the decode profile also ranks the prefillers whose pool
-   spills. When it picks one, the policy decides for it as for a decoder: a
-   decision of 0 serves the request whole there (the ranked decoders after it, for
-   a failed attempt); any other sends the planner back to rank the decoders alone.
+   threshold policy that ranks spilling prefillers (``ranks_spill``; decode-first, a
+   request that names no prefillers), the decode profile also ranks the prefillers
+   whose pool spills. When it picks one, the policy decides for it as for a decoder:
+   :class:`Whole` or :class:`Local` serves the request whole there (the ranked
+   decoders after it, for a failed attempt); any other route sends the planner back
+   to rank the decoders alone.
 2. **Fan-out**: the decoders the attempt asks (``asked``): all of them in turn for
    decode-first (one at a time; the next only if one cannot be reached), the top
    ``width`` at once for ask-all, or with ``width: adaptive`` the decoders likely to
@@ -24,15 +25,16 @@ returns a :class:`Plan`:
    prefillers the request named itself (a sidecar's header). A class's ranking is
    worked out when first asked for (:class:`PrefillRanking`): a request its
    decoder admits needs none, unless the threshold policy reads the prefillers.
-4. **Threshold**: the policy's decision for the first decoder, which sees that
-   decoder's load, the prompt's size, its compatible prefillers' load, for
-   decode-first its *peers* (the other ranked decoders those prefillers reach) and,
-   when the planner has a :class:`CachedPrefix` (the gateway's precise prefix index)
-   and a policy reads it, the prompt tokens that decoder holds. A
-   decision of 1 (P/D at once, no decode attempt) may name a peer to decode on: it
-   then leads the plan's decoders. A decision of 0 (served whole) may name a
-   prefiller whose pool spills (``spill``): it then leads the plan's decoders, and
-   serves the request itself.
+4. **Route**: the policy's :data:`~pd_orchestrator.model.route.Route` for the first
+   decoder, which sees that decoder's load and the prompt's size and, read lazily
+   (:class:`_Reads`: worked out the first time the policy asks), its compatible
+   prefillers' load, for decode-first its *peers* (the other ranked decoders those
+   prefillers reach) and, when the planner has a :class:`CachedPrefix` (the gateway's
+   precise prefix index), the prompt tokens an endpoint holds. :class:`GoPD` may name
+   a peer to decode on: it then leads the plan's decoders. :class:`Whole` names a
+   prefiller whose pool spills: it then leads the plan's decoders, and serves the
+   request itself. The policy is then told the final route
+   (:meth:`~pd_orchestrator.policies.threshold.ThresholdResolver.chosen`).
 5. **Prompt size** in tokens (exact when counted, else estimated from its
    characters), which lengthens the read timeouts of the request's legs.
 6. **Spare decoders** (:meth:`Plan.spare_decoders`): the decode profile's ranking
@@ -50,15 +52,15 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from functools import partial
-from typing import Literal, Protocol
+from typing import Literal, Protocol, assert_never
 
 from pd_orchestrator.config.settings import AskAllFallbackConfig
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.load import Candidate
+from pd_orchestrator.model.route import Ask, Decline, GoPD, Local, Route, Whole, threshold_of
 from pd_orchestrator.planner.choices import FleetView, next_decoder, pick_fallback, suspects
 from pd_orchestrator.planner.width import AdaptiveWidth, Asked
-from pd_orchestrator.policies.base import LatencyObservation, ThresholdContext, ThresholdDecision
+from pd_orchestrator.policies.base import LatencyObservation, ThresholdContext
 from pd_orchestrator.policies.estimator import PromptLengthEstimator
 from pd_orchestrator.policies.threshold import ThresholdResolver
 from pd_orchestrator.routing.engine import Profile
@@ -78,15 +80,15 @@ __all__ = [
     "compatibility_class",
 ]
 
-DECODE_ONLY = ThresholdDecision(0.0, "none", "no-threshold")
+DECODE_ONLY = Local("none", "no-threshold")
 """The decision of a planner without a threshold resolver (every decoder admits)."""
 
-NO_PREFILLER = ThresholdDecision(0.0, "gateway", "no-prefiller")
+NO_PREFILLER = Local("gateway", "no-prefiller")
 """The decision for a request no prefiller can serve: the fleet has none, or the
 request named none (a sidecar without llm-d's prefiller header: llm-d then serves on
 the decoder alone). Admitted wherever it goes, whatever its own threshold."""
 
-NOT_CONTINUABLE = ThresholdDecision(0.0, "gateway", "not-continuable")
+NOT_CONTINUABLE = Local("gateway", "not-continuable")
 """The decision for a request a continuation could not honour (see
 :attr:`RequestFacts.continuable`) when a decoder it may go to cannot take it
 admission-only (an older plugin): admitted wherever it goes, never handed back."""
@@ -180,12 +182,82 @@ class PrefillRanking:
 
 
 @dataclass(frozen=True, slots=True)
+class _Asking:
+    """One request as the planner asks its policy about it: its facts and routing
+    request, the snapshot's decoders and prefillers, the prefill ranking, its tokens."""
+
+    facts: RequestFacts
+    routing: RoutingRequest
+    decoders: tuple[Candidate, ...]
+    prefillers: PrefillRanking
+    prefillers_in: tuple[Candidate, ...]
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Choice:
+    """A ranking's pick, whether a continuation honours the request there, the route
+    for it and the context the policy decided on (None: the planner decided alone)."""
+
+    decoder: Candidate
+    continuable: bool
+    route: Route
+    context: ThresholdContext | None = None
+
+
+class _Reads:
+    """What a policy reads of the plan beyond the pick
+    (:class:`~pd_orchestrator.policies.base.ContextReads`), worked out the first time
+    it asks: the pick's compatible prefillers (in snapshot order), its peers (for
+    decode-first), the prompt tokens an endpoint holds by the planner's cache."""
+
+    __slots__ = ("_asking", "_cache", "_cached", "_decode_first", "_decoder", "_peers",
+                 "_prefillers", "_ranking")  # fmt: skip
+
+    def __init__(
+        self,
+        asking: _Asking,
+        decoder: Candidate,
+        ranking: RoutingResult,
+        cache: CachedPrefix | None,
+        *,
+        decode_first: bool,
+    ) -> None:
+        self._asking, self._decoder, self._ranking = asking, decoder, ranking
+        self._cache, self._decode_first = cache, decode_first
+        self._prefillers: tuple[Candidate, ...] | None = None
+        self._peers: tuple[Candidate, ...] | None = None
+        self._cached: dict[str, int | None] = {}
+
+    def prefillers(self) -> tuple[Candidate, ...]:
+        if self._prefillers is None:
+            asking = self._asking
+            reach = {e.name for e in asking.prefillers.for_decoder(self._decoder.endpoint)}
+            self._prefillers = tuple(c for c in asking.prefillers_in if c.endpoint.name in reach)
+        return self._prefillers
+
+    def peers(self) -> tuple[Candidate, ...]:
+        if self._peers is None:
+            self._peers = _peers(self._ranking) if self._decode_first else ()
+        return self._peers
+
+    def cached_tokens(self, endpoint: Endpoint) -> int | None:
+        if self._cache is None:
+            return None
+        name = endpoint.name
+        if name not in self._cached:
+            cached = self._cache.cached_tokens(self._asking.routing, endpoint)
+            self._cached[name] = None if cached is None else max(0, cached)
+        return self._cached[name]
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     """The routing decision for one request (see the module docstring)."""
 
     decoders: tuple[Endpoint, ...]
     asked: tuple[Endpoint, ...]
-    threshold: ThresholdDecision
+    route: Route
     prefillers: PrefillRanking
     candidates: tuple[Candidate, ...]
     routing: RoutingRequest
@@ -200,10 +272,10 @@ class Plan:
     resubmit it): :attr:`RequestFacts.continuable`, or resumable where the plan's
     endpoints resume its grammar."""
     blocks: Sequence[int] = ()
-    """The block keys of the prompt, by the planner's :class:`CachedPrefix`, when its
-    policy reads the cache (empty otherwise): the legs hold them pending on the
-    endpoint that prefills the prompt until its first answer
-    (:meth:`CachedPrefix.blocks`)."""
+    """The block keys of the prompt, by the planner's :class:`CachedPrefix` (empty
+    without one): the legs hold them pending on the endpoint that prefills the prompt
+    until its first answer (:meth:`CachedPrefix.blocks`), for the cache's counts that a
+    policy reads."""
 
     @property
     def decoder(self) -> Endpoint:
@@ -305,8 +377,8 @@ class Planner:
     decode-first, the decoders are asked one at a time), the bridged
     ``(prefill connector, decode connector)`` pairs and, for ``width: adaptive``,
     the :class:`~pd_orchestrator.planner.width.AdaptiveWidth` that chooses whom to ask,
-    and ``cache``, what the decoders' prefix caches hold (read only for a policy that
-    declares ``reads_cache``)."""
+    and ``cache``, what the endpoints' prefix caches hold (read when a policy asks; the
+    legs hold each prompt's blocks pending on it)."""
 
     profiles: RoutingProfiles
     threshold: ThresholdResolver | None = None
@@ -347,32 +419,34 @@ class Planner:
             self.connector_pairs,
             facts.prefillers,
         )
-        tokens = self._prompt_tokens(facts)
+        asking = _Asking(facts, routing, decoders_in, prefillers, prefillers_in,
+                         self._prompt_tokens(facts))  # fmt: skip
         ranking = self._ranking(facts, routing, decoders_in, prefillers_in)
-        decoder, continuable, threshold = self._choose(
-            facts, routing, ranking, decoders_in, prefillers, prefillers_in, tokens
-        )
-        if decoder.endpoint.spill and threshold.value != 0.0:
+        choice = self._choose(asking, ranking)
+        if choice.decoder.endpoint.spill and not _served_whole(choice.route):
             # the spilling prefiller the routing picked does not take it: decoders only
             ranking = self.profiles.decode.run(routing, decoders_in)
-            decoder, continuable, threshold = self._choose(
-                facts, routing, ranking, decoders_in, prefillers, prefillers_in, tokens
-            )
-        decoders = _leading(_decoding(ranking, decoder), threshold, prefillers_in)
-        width = self._adaptive(routing, decoders, candidates, threshold.value)
+            choice = self._choose(asking, ranking)
+        route = _final(choice.route)
+        if choice.context is not None and self.threshold is not None:
+            self.threshold.chosen(choice.context, route)
+            if not choice.continuable:  # the decoders it may be asked on all take it
+                route = replace(route, admission_only=True)
+        decoders = _leading(_decoding(ranking, choice.decoder), route, prefillers_in)
+        width = self._adaptive(routing, decoders, candidates, threshold_of(route))
         return Plan(
             decoders=decoders,
             asked=self._asked(decoders) if width is None else width.decoders,
-            threshold=threshold,
+            route=route,
             prefillers=prefillers,
             candidates=candidates,
             routing=routing,
             ranking=ranking,
-            prompt_tokens=tokens,
+            prompt_tokens=asking.tokens,
             decode_profile=self.profiles.decode,
             width=width,
-            continuable=continuable,
-            blocks=self._blocks(routing),
+            continuable=choice.continuable,
+            blocks=() if self.cache is None else self.cache.blocks(routing),
         )
 
     def _ranking(
@@ -393,39 +467,39 @@ class Planner:
     def _spills(
         self, facts: RequestFacts, prefillers: tuple[Candidate, ...]
     ) -> tuple[Candidate, ...]:
-        """The prefillers whose pool spills, ranked with the decoders: only when a policy
-        reads them (``reads_spill``), for decode-first, and for a request that names no
-        prefillers of its own."""
+        """The prefillers whose pool spills, ranked with the decoders: only for a policy
+        that ranks them (``ranks_spill``), for decode-first, and for a request that
+        names no prefillers of its own."""
         resolver = self.threshold
-        if resolver is None or not resolver.reads_spill:
+        if resolver is None or not resolver.ranks_spill:
             return ()
         if self.width is not None or facts.prefillers is not None:
             return ()
         return tuple(c for c in prefillers if c.endpoint.spill)
 
-    def _choose(
-        self,
-        facts: RequestFacts,
-        routing: RoutingRequest,
-        ranking: RoutingResult,
-        decoders: tuple[Candidate, ...],
-        prefillers: PrefillRanking,
-        prefillers_in: tuple[Candidate, ...],
-        tokens: int,
-    ) -> tuple[Candidate, bool, ThresholdDecision]:
+    def _choose(self, asking: _Asking, ranking: RoutingResult) -> _Choice:
         """The ranking's pick, whether a continuation honours the request there, and the
-        threshold for it; :class:`NoCandidateError` when the ranking is empty."""
+        route for it; :class:`NoCandidateError` when the ranking is empty."""
         if ranking.pick is None:
             raise NoCandidateError(_why("decoder", ranking))
-        decoder = ranking.pick.candidate
+        decoder, facts = ranking.pick.candidate, asking.facts
         continuable = facts.continuable or (
-            facts.resumable and self._resumes(decoder, decoders, prefillers, prefillers_in)
-        )
-        threshold = self._threshold(
-            facts, decoder, decoders, prefillers, prefillers_in, routing.now, tokens, continuable,
-            ranking=ranking, routing=routing,
+            facts.resumable and self._resumes(decoder, asking.decoders, asking.prefillers,
+                                              asking.prefillers_in)
         )  # fmt: skip
-        return decoder, continuable, threshold
+        resolver = self.threshold
+        if resolver is None:
+            return _Choice(decoder, continuable, DECODE_ONLY)
+        if not continuable and not self._admission_only(decoder, asking.decoders):
+            return _Choice(decoder, continuable, NOT_CONTINUABLE)
+        if facts.prefillers == () or (facts.prefillers is None and not asking.prefillers_in):
+            return _Choice(decoder, continuable, NO_PREFILLER)
+        reads = _Reads(asking, decoder, ranking, self.cache, decode_first=self.width is None)
+        context = ThresholdContext(
+            facts.model, decoder, asking.tokens, facts.prompt_chars, facts.client_threshold,
+            asking.routing.now, reads,
+        )  # fmt: skip
+        return _Choice(decoder, continuable, resolver.decide(context), context)
 
     def _prompt_tokens(self, facts: RequestFacts) -> int:
         """The prompt's tokens: counted, or estimated from its characters."""
@@ -452,59 +526,6 @@ class Planner:
         if self.width != "adaptive" or self.adaptive is None:
             return None
         return self.adaptive.asked(routing, decoders, candidates, threshold)
-
-    def _threshold(
-        self,
-        facts: RequestFacts,
-        decoder: Candidate,
-        decoders: tuple[Candidate, ...],
-        prefillers: PrefillRanking,
-        candidates: tuple[Candidate, ...],
-        now: float,
-        tokens: int,
-        continuable: bool,
-        *,
-        ranking: RoutingResult,
-        routing: RoutingRequest,
-    ) -> ThresholdDecision:
-        resolver = self.threshold
-        if resolver is None:
-            return DECODE_ONLY
-        if not continuable and not self._admission_only(decoder, decoders):
-            return NOT_CONTINUABLE
-        if facts.prefillers == () or (facts.prefillers is None and not candidates):
-            return NO_PREFILLER
-        compatible: set[str] = set()
-        if resolver.reads_prefillers:
-            compatible = {e.name for e in prefillers.for_decoder(decoder.endpoint)}
-        peers = _peers(ranking) if resolver.reads_peers and self.width is None else ()
-        cache = self._read_cache(resolver)
-        held = None if cache is None else partial(_held, cache, routing, tokens=tokens)
-        context = ThresholdContext(
-            model=facts.model,
-            decoder=decoder,
-            prompt_tokens=tokens,
-            prompt_chars=facts.prompt_chars,
-            prefillers=tuple(c for c in candidates if c.endpoint.name in compatible),
-            client_threshold=facts.client_threshold,
-            now=now,
-            peers=peers,
-            cached_tokens=None if held is None else held(decoder.endpoint),
-            cached_on=held,
-        )
-        decision = resolver.decide(context)
-        return decision if continuable else replace(decision, admission_only=True)
-
-    def _read_cache(self, resolver: ThresholdResolver | None) -> CachedPrefix | None:
-        """The planner's :class:`CachedPrefix` when ``resolver``'s policy reads it."""
-        if self.cache is None or resolver is None or not resolver.reads_cache:
-            return None
-        return self.cache
-
-    def _blocks(self, routing: RoutingRequest) -> Sequence[int]:
-        """The prompt's block keys the legs hold pending, when a policy reads the cache."""
-        cache = self._read_cache(self.threshold)
-        return () if cache is None else cache.blocks(routing)
 
     def _asked_on(self, decoder: Candidate, decoders: tuple[Candidate, ...]) -> Iterator[Candidate]:
         """The healthy decoders a request may be asked on: decode-first's pick; ask-all's
@@ -568,18 +589,9 @@ class Planner:
         if adaptive is None or width is None:
             return
         for name in served.rejected:
-            adaptive.rejected(width.keys, name, plan.threshold.value, width.blocks)
+            adaptive.rejected(width.keys, name, threshold_of(plan.route), width.blocks)
         if served.decoder is not None:
             adaptive.served(width.keys, served.decoder.name)
-
-
-def _held(
-    cache: CachedPrefix, routing: RoutingRequest, endpoint: Endpoint, tokens: int
-) -> int | None:
-    """The prompt tokens ``endpoint`` holds by ``cache``, at most the prompt's ``tokens``
-    (None: the cache cannot tell)."""
-    cached = cache.cached_tokens(routing, endpoint)
-    return None if cached is None else max(0, min(cached, tokens))
 
 
 def _peers(ranking: RoutingResult) -> tuple[Candidate, ...]:
@@ -601,21 +613,48 @@ def _decoding(ranking: RoutingResult, pick: Candidate) -> tuple[Endpoint, ...]:
     return (pick.endpoint, *decoders) if pick.endpoint.spill else decoders
 
 
+def _served_whole(route: Route) -> bool:
+    """Whether ``route``, answered for a spilling prefiller the routing picked, serves
+    the request there (prefilled locally or named whole); any other declines it."""
+    match route:
+        case Local() | Whole():
+            return True
+        case Ask() | GoPD() | Decline():
+            return False
+        case _:
+            assert_never(route)
+
+
+def _final(route: Route) -> Ask | Local | GoPD | Whole:
+    """``route`` for the plan: a :class:`Decline` answered for a decoder (only a
+    spilling prefiller can be declined) goes P/D at once, as no decoder admits it."""
+    match route:
+        case Decline(policy=policy, reason=reason):
+            return GoPD(policy, reason)
+        case Ask() | Local() | GoPD() | Whole():
+            return route
+        case _:
+            assert_never(route)
+
+
 def _leading(
-    decoders: tuple[Endpoint, ...], decision: ThresholdDecision, prefillers: tuple[Candidate, ...]
+    decoders: tuple[Endpoint, ...], route: Route, prefillers: tuple[Candidate, ...]
 ) -> tuple[Endpoint, ...]:
-    """``decoders`` led by the one the decision names: a ranked decoder moves first; a
+    """``decoders`` led by the one the route names: a ranked decoder moves first; a
     prefiller whose pool spills (:attr:`~pd_orchestrator.model.endpoints.Endpoint.spill`),
-    named by a decision of 0, goes first and serves the request whole, the ranked
+    named by :class:`Whole`, goes first and serves the request whole, the ranked
     decoders after it for a failed attempt. Unchanged when it names none, or an
     endpoint that is neither."""
-    name = decision.decoder
-    if name is None:
-        return decoders
-    lead = next((e for e in decoders if e.name == name), None)
-    if lead is None and decision.value == 0.0:
-        spills = (c.endpoint for c in prefillers if c.endpoint.spill)
-        lead = next((e for e in spills if e.name == name), None)
+    match route:
+        case GoPD(peer=str() as name):
+            lead = next((e for e in decoders if e.name == name), None)
+        case Whole(prefiller=name):
+            lead = next((e for e in decoders if e.name == name), None)
+            if lead is None:
+                spills = (c.endpoint for c in prefillers if c.endpoint.spill)
+                lead = next((e for e in spills if e.name == name), None)
+        case _:
+            lead = None
     if lead is None or lead is decoders[0]:
         return decoders
     return (lead, *(e for e in decoders if e is not lead))

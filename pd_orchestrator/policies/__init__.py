@@ -4,8 +4,9 @@ Typical use by the gateway::
 
     threshold = build_threshold(config.threshold, builtin_registry(), pools=pool_names)
     tokens = threshold.estimate_tokens(model, prompt_chars)
-    decision = threshold.decide(ThresholdContext(model, decoder, tokens, prompt_chars,
-                                                 prefillers, client_threshold, now))
+    route = threshold.decide(ThresholdContext(model, decoder, tokens, prompt_chars,
+                                              client_threshold, now, reads))
+    threshold.chosen(context, final_route)
     ...
     threshold.observe(LatencyObservation(model, pool, now, ttft=..., itl=...))
     threshold.observe_usage(model, prompt_chars, usage.prompt_tokens)
@@ -19,7 +20,6 @@ from pd_orchestrator.policies.base import (
     POLICY,
     LatencyObservation,
     ThresholdContext,
-    ThresholdDecision,
     ThresholdPolicy,
 )
 from pd_orchestrator.policies.build import PolicyConfigError, build_policy
@@ -55,7 +55,6 @@ __all__ = [
     "SloFeedbackPolicy",
     "StaticPolicy",
     "ThresholdContext",
-    "ThresholdDecision",
     "ThresholdPolicy",
     "ThresholdResolver",
     "WeightedPolicy",

@@ -2,34 +2,41 @@
 
 A policy maps a :class:`ThresholdContext` (the request's model and size, the
 chosen decoder with its load, the compatible prefillers with theirs, the client's
-own threshold, the clock) to a :class:`ThresholdDecision`: the threshold sent on
-the decode attempt, the policy that set it and a short reason. The decoder admits
-a request iff its prefix-cache hit ratio (cached tokens / prompt tokens) is at
+own threshold, the clock) to a :data:`~pd_orchestrator.model.route.Route`: ask the
+decoder at a threshold, prefill locally, go P/D now, serve whole on a spilling
+prefiller, or decline, with the policy that chose it and a short reason. The decoder
+admits a request iff its prefix-cache hit ratio (cached tokens / prompt tokens) is at
 least the threshold, so a higher threshold sends more requests through P/D and a
 lower one keeps more prefill on the decoder.
 
 Policies do no I/O and read no clock but ``context.now``. Some keep state (a
-smoothed value, a window of latencies); their output is then a deterministic
-function of the sequence of calls they received (:meth:`ThresholdPolicy.decide`
-and :meth:`ThresholdPolicy.observe`), so a replay of one sequence decides alike.
+smoothed value, a window of latencies, what they kept where); :meth:`~ThresholdPolicy.decide`
+changes none of it: they learn from :meth:`~ThresholdPolicy.chosen` (the final route
+of a request they decided, after composition) and :meth:`~ThresholdPolicy.observe`
+(its latencies). Their output is a deterministic function of that sequence of calls,
+so a replay of one sequence decides alike.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.model.load import Candidate, LoadSnapshot
+from pd_orchestrator.model.route import Route
 from pd_orchestrator.routing.registry import PluginKind
 
 __all__ = [
+    "NOTHING",
     "POLICY",
+    "ContextReads",
+    "Given",
     "LatencyObservation",
+    "Leaf",
     "ThresholdContext",
-    "ThresholdDecision",
     "ThresholdPolicy",
     "clamp_ratio",
     "ramp",
@@ -48,6 +55,54 @@ def ramp(value: float, start: float, full: float) -> float:
     return clamp_ratio((value - start) / (full - start))
 
 
+class ContextReads(Protocol):
+    """Where a :class:`ThresholdContext`'s lazy parts come from: the planner's snapshot
+    (worked out the first time a policy asks), or :class:`Given` values."""
+
+    def prefillers(self) -> tuple[Candidate, ...]:
+        """The prefillers whose KV can reach the decoder, with their readings."""
+        ...
+
+    def peers(self) -> tuple[Candidate, ...]:
+        """The other ranked decoders the same prefillers reach, best first."""
+        ...
+
+    def cached_tokens(self, endpoint: Endpoint) -> int | None:
+        """The prompt tokens ``endpoint`` holds by the prefix index (None: unknown)."""
+        ...
+
+
+class Given:
+    """:class:`ContextReads` of fixed values: ``cached`` maps an endpoint's name to the
+    prompt tokens it holds (absent: unknown)."""
+
+    __slots__ = ("_cached", "_peers", "_prefillers")
+
+    def __init__(
+        self,
+        prefillers: tuple[Candidate, ...] = (),
+        peers: tuple[Candidate, ...] = (),
+        cached: Mapping[str, int] | None = None,
+    ) -> None:
+        self._prefillers, self._peers = prefillers, peers
+        self._cached = dict(cached or {})
+        if any(tokens < 0 for tokens in self._cached.values()):
+            raise ValueError("cached tokens must be >= 0")
+
+    def prefillers(self) -> tuple[Candidate, ...]:
+        return self._prefillers
+
+    def peers(self) -> tuple[Candidate, ...]:
+        return self._peers
+
+    def cached_tokens(self, endpoint: Endpoint) -> int | None:
+        return self._cached.get(endpoint.name)
+
+
+NOTHING = Given()
+"""Reads of a context that knows no prefiller, no peer and no cache."""
+
+
 @dataclass(frozen=True, slots=True)
 class ThresholdContext:
     """What a policy may look at for one request.
@@ -55,42 +110,32 @@ class ThresholdContext:
     ``model``: the requested model. ``decoder``: the chosen decoder (its endpoint
     names the pool; ``in_flight`` counts the gateway's own requests on it; ``load``
     is its latest fresh reading, None when stale or never read). For a policy that
-    declares ``reads_spill`` it may be a prefiller whose pool spills, which the
-    decode routing ranked beside the decoders: a decision of 0 serves the request
-    whole there, any other declines it (the planner then asks about a decoder).
+    ranks spilling prefillers (:attr:`ThresholdPolicy.ranks_spill`) it may be a
+    prefiller whose pool spills, which the decode routing ranked beside the decoders:
+    :class:`~pd_orchestrator.model.route.Whole` or
+    :class:`~pd_orchestrator.model.route.Local` serves the request whole there, any
+    other route declines it (the planner then asks about a decoder).
     ``prompt_tokens``: the prompt's length in tokens, exact or estimated from
     ``prompt_chars`` (:class:`~pd_orchestrator.policies.estimator.PromptLengthEstimator`).
-    ``prefillers``: the prefillers whose KV can reach the decoder, with their
-    readings (empty: none is known). ``client_threshold``: the request's own
-    ``cache_hit_threshold``, if any. ``now``: the caller's clock, the one load
-    readings are stamped with. ``peers``: the other decoders the routing ranked that
-    the same prefillers reach (the chosen decoder's compatibility class), best first,
-    with their readings: where a request sent P/D at once may decode instead (empty
-    for ask-all and unless a policy declares ``reads_peers``). ``cached_tokens``: the
-    prompt tokens the chosen decoder holds in its prefix cache, by the gateway's
-    prefix index (a precise one, from the servers' KV events), at most
-    ``prompt_tokens``; None when unknown (no index, no token ids, or no policy
-    declares ``reads_cache``). ``cached_on``: the same count for another endpoint (a
-    prefiller), by the same index; None when the planner has no index or no policy
-    reads it.
+    ``client_threshold``: the request's own ``cache_hit_threshold``, if any. ``now``:
+    the caller's clock, the one load readings are stamped with.
+
+    The rest is read through ``reads`` (:class:`ContextReads`), worked out the first
+    time a policy asks for it: :attr:`prefillers`, :attr:`peers`,
+    :attr:`cached_tokens` and :meth:`cached_on`.
     """
 
     model: str
     decoder: Candidate
     prompt_tokens: int
     prompt_chars: int = 0
-    prefillers: tuple[Candidate, ...] = ()
     client_threshold: float | None = None
     now: float = 0.0
-    peers: tuple[Candidate, ...] = ()
-    cached_tokens: int | None = None
-    cached_on: Callable[[Endpoint], int | None] | None = None
+    reads: ContextReads = NOTHING
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 0 or self.prompt_chars < 0:
             raise ValueError("prompt_tokens and prompt_chars must be >= 0")
-        if self.cached_tokens is not None and not 0 <= self.cached_tokens <= self.prompt_tokens:
-            raise ValueError("cached_tokens must be within [0, prompt_tokens]")
         if not math.isfinite(self.now):
             raise ValueError("now must be finite")
 
@@ -107,32 +152,31 @@ class ThresholdContext:
     def decoder_in_flight(self) -> int:
         return self.decoder.in_flight
 
+    @property
+    def prefillers(self) -> tuple[Candidate, ...]:
+        """The prefillers whose KV can reach the decoder, with their readings (empty:
+        none is known)."""
+        return self.reads.prefillers()
 
-@dataclass(frozen=True, slots=True)
-class ThresholdDecision:
-    """A threshold in [0, 1], the policy (instance name) that set it and a short,
-    stable reason usable as a metric label (``fixed``, ``decoder-busy``...).
-    ``admission_only``: the decoder applies it at admission only (it never hands the
-    request back; set by the planner for requests a continuation cannot honour).
-    ``decoder``: where the request goes instead of the chosen decoder (None: the chosen
-    one). With a threshold of 1 (no decoder admits: P/D at once), one of
-    :attr:`ThresholdContext.peers`: a request that skips the decode attempt needs no
-    prefix of the decoder's own, so its decode leg may go where it starts soonest.
-    With a threshold of 0 (served whole), one of :attr:`ThresholdContext.prefillers`
-    whose pool spills (:attr:`~pd_orchestrator.model.endpoints.Endpoint.spill`): it
-    prefills and decodes the request itself, off the crowded decoders."""
+    @property
+    def peers(self) -> tuple[Candidate, ...]:
+        """The other decoders the routing ranked that the same prefillers reach (the
+        chosen decoder's compatibility class), best first, with their readings: where a
+        request sent P/D at once may decode instead (empty for ask-all)."""
+        return self.reads.peers()
 
-    value: float
-    policy: str
-    reason: str
-    admission_only: bool = False
-    decoder: str | None = None
+    @property
+    def cached_tokens(self) -> int | None:
+        """The prompt tokens the chosen decoder holds in its prefix cache, by the
+        gateway's prefix index (a precise one, from the servers' KV events), at most
+        ``prompt_tokens``; None when unknown (no index, no token ids)."""
+        return self.cached_on(self.decoder.endpoint)
 
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.value <= 1.0:
-            raise ValueError(f"threshold {self.value} is outside [0, 1] ({self.policy})")
-        if self.decoder is not None and 0.0 < self.value < 1.0:
-            raise ValueError(f"only a threshold of 0 or 1 names a decoder ({self.policy})")
+    def cached_on(self, endpoint: Endpoint) -> int | None:
+        """The same count for another endpoint (a prefiller), at most
+        ``prompt_tokens``; None when unknown."""
+        cached = self.reads.cached_tokens(endpoint)
+        return None if cached is None else min(cached, self.prompt_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,21 +214,53 @@ class ThresholdPolicy(Protocol):
 
     @property
     def name(self) -> str:
-        """The instance name, the ``policy`` label of its decisions."""
+        """The instance name, the ``policy`` label of its routes."""
         ...
 
     @property
     def bounds(self) -> tuple[float, float]:
-        """``(low, high)``: every value :meth:`decide` returns lies within them."""
+        """``(low, high)``: every threshold :meth:`decide` sends
+        (:func:`~pd_orchestrator.model.route.threshold_of`) lies within them."""
         ...
 
-    def decide(self, context: ThresholdContext) -> ThresholdDecision:
-        """The threshold for one request."""
+    @property
+    def parts(self) -> tuple[ThresholdPolicy, ...]:
+        """The policies it composes (children, override rules, default); () for a leaf."""
+        ...
+
+    @property
+    def ranks_spill(self) -> bool:
+        """Whether the decode routing ranks the prefillers whose pool spills beside the
+        decoders for it (it then decides for them too: :class:`ThresholdContext`). A
+        declaration, not a read: it changes what the routing ranks before any policy is
+        asked."""
+        ...
+
+    def decide(self, context: ThresholdContext) -> Route:
+        """The route for one request; it changes no state of the policy."""
+        ...
+
+    def chosen(self, context: ThresholdContext, route: Route) -> None:
+        """The request :meth:`decide` answered for ``context`` takes ``route``, the final
+        one (a composite's, the planner's): what a policy learns from its choices."""
         ...
 
     def observe(self, observation: LatencyObservation) -> None:
         """Learn from one finished request's latencies (most policies ignore them)."""
         ...
+
+
+class Leaf:
+    """A base for the policies that compose none, rank no spilling prefiller and learn
+    nothing from their choices (:class:`ThresholdPolicy`'s ``parts``,
+    ``ranks_spill`` and ``chosen``)."""
+
+    __slots__ = ()
+    parts: ClassVar[tuple[ThresholdPolicy, ...]] = ()
+    ranks_spill: ClassVar[bool] = False
+
+    def chosen(self, context: ThresholdContext, route: Route) -> None:
+        return None
 
 
 POLICY: PluginKind[ThresholdPolicy] = PluginKind("policy")

@@ -1,16 +1,27 @@
 """Composite policies: ``max``, ``min`` and ``weighted`` of child policies.
 
 Every child decides on every request (stateful children see the same sequence as
-if they stood alone) and observes every latency.
+if they stood alone), is told the final route of each (:meth:`chosen`: a child that
+learns from its choices learns what was kept, not what it proposed) and observes
+every latency. Children answer :data:`~pd_orchestrator.model.route.Route` values;
+a composite orders and averages them by the threshold each sends
+(:func:`~pd_orchestrator.model.route.threshold_of`): :class:`Local` and
+:class:`Whole` send 0, :class:`GoPD` and :class:`Decline` send 1.
 
 - ``max`` / ``min`` (:class:`ComposeParams`: ``policies``, one or more specs): the
-  largest / smallest child value; the decision is that child's own (its policy
-  name and reason), the first child winning ties. ``max`` of ``min-uncached-tokens``
-  and ``load-adaptive`` prefills locally only when both agree it is cheap; ``min``
-  when either does. Bounds: the max / min of the children's lows and highs.
+  child route with the largest / smallest threshold, whole (its policy name and
+  reason, and the peer or prefiller it names), the first child winning ties: no
+  route is made up. ``max`` of ``min-uncached-tokens`` and ``load-adaptive``
+  prefills locally only when both agree it is cheap; ``min`` when either does.
+  Bounds: the max / min of the children's lows and highs.
 - ``weighted`` (:class:`WeightedParams`: ``policies`` and as many ``weights`` >= 0,
-  with a positive sum): ``sum(w_i * v_i) / sum(w_i)``, reason ``weighted``, under
-  the composite's name. Bounds: the same weighted mean of the children's bounds.
+  with a positive sum): ``sum(w_i * v_i) / sum(w_i)`` of the children's thresholds,
+  reason ``weighted``, under the composite's name: :func:`~pd_orchestrator.model.route.at`
+  that mean (an :class:`Ask`, or :class:`Local` at 0, :class:`GoPD` at 1). A peer or a
+  spilling prefiller a child names is dropped: a :class:`Whole` counts as 0 and, at a
+  spilling prefiller the routing picked, a weighted 0 serves the request whole there
+  (:class:`Local`), any other declines it. Bounds: the same weighted mean of the
+  children's bounds.
 
 Children are built through the registry the composite was built with, so any
 registered policy type (composites included) may be a child.
@@ -25,11 +36,11 @@ from typing import Annotated, Any, Self
 from pydantic import Field, model_validator
 
 from pd_orchestrator.config.policy import PolicySpec
+from pd_orchestrator.model.route import Route, at, threshold_of
 from pd_orchestrator.policies.base import (
     POLICY,
     LatencyObservation,
     ThresholdContext,
-    ThresholdDecision,
     ThresholdPolicy,
     clamp_ratio,
 )
@@ -82,14 +93,26 @@ class ExtremePolicy:
         lows, highs = zip(*(child.bounds for child in self.children), strict=True)
         return (pick(lows), pick(highs))
 
-    def decide(self, context: ThresholdContext) -> ThresholdDecision:
-        decisions = [child.decide(context) for child in self.children]
-        best = decisions[0]
-        for decision in decisions[1:]:
-            better = decision.value > best.value if self.largest else decision.value < best.value
-            if better:
-                best = decision
+    @property
+    def parts(self) -> tuple[ThresholdPolicy, ...]:
+        return self.children
+
+    @property
+    def ranks_spill(self) -> bool:
+        return any(child.ranks_spill for child in self.children)
+
+    def decide(self, context: ThresholdContext) -> Route:
+        routes = [child.decide(context) for child in self.children]
+        best, value = routes[0], threshold_of(routes[0])
+        for route in routes[1:]:
+            other = threshold_of(route)
+            if other > value if self.largest else other < value:
+                best, value = route, other
         return best
+
+    def chosen(self, context: ThresholdContext, route: Route) -> None:
+        for child in self.children:
+            child.chosen(context, route)
 
     def observe(self, observation: LatencyObservation) -> None:
         for child in self.children:
@@ -113,9 +136,21 @@ class WeightedPolicy:
         bounds = [child.bounds for child in self.children]
         return (self._mean([low for low, _ in bounds]), self._mean([high for _, high in bounds]))
 
-    def decide(self, context: ThresholdContext) -> ThresholdDecision:
-        values = [child.decide(context).value for child in self.children]
-        return ThresholdDecision(self._mean(values), self.name, "weighted")
+    @property
+    def parts(self) -> tuple[ThresholdPolicy, ...]:
+        return self.children
+
+    @property
+    def ranks_spill(self) -> bool:
+        return any(child.ranks_spill for child in self.children)
+
+    def decide(self, context: ThresholdContext) -> Route:
+        values = [threshold_of(child.decide(context)) for child in self.children]
+        return at(self._mean(values), self.name, "weighted")
+
+    def chosen(self, context: ThresholdContext, route: Route) -> None:
+        for child in self.children:
+            child.chosen(context, route)
 
     def observe(self, observation: LatencyObservation) -> None:
         for child in self.children:

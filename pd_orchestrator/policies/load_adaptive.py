@@ -39,16 +39,17 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, ClassVar, Self
+from typing import Annotated, Self
 
 from pydantic import Field, model_validator
 
 from pd_orchestrator.model.load import Candidate
+from pd_orchestrator.model.route import Route, at
 from pd_orchestrator.policies.base import (
     POLICY,
     LatencyObservation,
+    Leaf,
     ThresholdContext,
-    ThresholdDecision,
     clamp_ratio,
     ramp,
 )
@@ -133,10 +134,8 @@ class _Track:
 
 
 @dataclass(slots=True)
-class LoadAdaptivePolicy:
+class LoadAdaptivePolicy(Leaf):
     """See the module docstring; state: one :class:`_Track` per decoder name."""
-
-    reads_prefillers: ClassVar[bool] = True
 
     params: LoadAdaptiveParams
     name: str = "load-adaptive"
@@ -154,9 +153,9 @@ class LoadAdaptivePolicy:
         raw = p.base + p.raise_by * d * (1.0 - q) - p.lower_by * q
         return clamp_ratio(raw, p.floor, p.ceiling)
 
-    def decide(self, context: ThresholdContext) -> ThresholdDecision:
+    def decide(self, context: ThresholdContext) -> Route:
         value = self._smooth(context.decoder.endpoint.name, self.target(context), context.now)
-        return ThresholdDecision(value, self.name, self._reason(value, context))
+        return at(value, self.name, self._reason(value, context))
 
     def observe(self, observation: LatencyObservation) -> None:
         return None

@@ -33,11 +33,12 @@ from typing import Annotated
 
 from pydantic import Field
 
+from pd_orchestrator.model.route import Route, at
 from pd_orchestrator.policies.base import (
     POLICY,
     LatencyObservation,
+    Leaf,
     ThresholdContext,
-    ThresholdDecision,
     clamp_ratio,
 )
 from pd_orchestrator.routing.interfaces import PluginContext
@@ -69,7 +70,7 @@ def uncached_budget_threshold(prompt_tokens: int, max_uncached_tokens: int) -> f
 
 
 @dataclass(frozen=True, slots=True)
-class MinUncachedTokensPolicy:
+class MinUncachedTokensPolicy(Leaf):
     """See the module docstring."""
 
     max_uncached_tokens: int
@@ -84,13 +85,13 @@ class MinUncachedTokensPolicy:
         ratio = self.max_uncached_ratio
         return 0.0 if ratio is None else clamp_ratio(1.0 - ratio)
 
-    def decide(self, context: ThresholdContext) -> ThresholdDecision:
+    def decide(self, context: ThresholdContext) -> Route:
         budget = uncached_budget_threshold(context.prompt_tokens, self.max_uncached_tokens)
         floor = self._ratio_floor()
         if floor > budget:
-            return ThresholdDecision(floor, self.name, "uncached-ratio")
+            return at(floor, self.name, "uncached-ratio")
         reason = "short-prompt" if budget == 0.0 else "uncached-tokens"
-        return ThresholdDecision(budget, self.name, reason)
+        return at(budget, self.name, reason)
 
     def observe(self, observation: LatencyObservation) -> None:
         return None

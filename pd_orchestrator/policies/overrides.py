@@ -21,11 +21,11 @@ from typing import Self
 from pydantic import Field, model_validator
 
 from pd_orchestrator.config.policy import OverrideSpec, PolicySpec, duplicate_selectors
+from pd_orchestrator.model.route import Route
 from pd_orchestrator.policies.base import (
     POLICY,
     LatencyObservation,
     ThresholdContext,
-    ThresholdDecision,
     ThresholdPolicy,
 )
 from pd_orchestrator.policies.build import build_policy
@@ -80,8 +80,19 @@ class OverridesPolicy:
         every = [self.default.bounds, *(rule.policy.bounds for rule in self.rules)]
         return (min(low for low, _ in every), max(high for _, high in every))
 
-    def decide(self, context: ThresholdContext) -> ThresholdDecision:
+    @property
+    def parts(self) -> tuple[ThresholdPolicy, ...]:
+        return (self.default, *(rule.policy for rule in self.rules))
+
+    @property
+    def ranks_spill(self) -> bool:
+        return any(part.ranks_spill for part in self.parts)
+
+    def decide(self, context: ThresholdContext) -> Route:
         return self.select(context.pool, context.model).decide(context)
+
+    def chosen(self, context: ThresholdContext, route: Route) -> None:
+        self.select(context.pool, context.model).chosen(context, route)
 
     def observe(self, observation: LatencyObservation) -> None:
         self.select(observation.pool, observation.model).observe(observation)

@@ -41,11 +41,12 @@ from typing import Annotated, ClassVar
 from pydantic import Field
 
 from pd_orchestrator.model.load import Candidate
+from pd_orchestrator.model.route import Route, at
 from pd_orchestrator.policies.base import (
     POLICY,
     LatencyObservation,
+    Leaf,
     ThresholdContext,
-    ThresholdDecision,
 )
 from pd_orchestrator.policies.min_uncached import uncached_budget_threshold
 from pd_orchestrator.routing.interfaces import PluginContext
@@ -85,24 +86,23 @@ class DynamoParams(NoParams):
 
 
 @dataclass(frozen=True, slots=True)
-class DynamoPolicy:
+class DynamoPolicy(Leaf):
     """Dynamo's conditional disaggregation (module docstring). Reasons: ``short-prompt``,
     ``prefill-queue-full``, ``uncached-length``."""
 
     max_local_prefill_length: int = 1000
     max_prefill_queue_size: int = 2
     name: str = "dynamo"
-    reads_prefillers: ClassVar[bool] = True
     bounds: ClassVar[tuple[float, float]] = (0.0, 1.0)
 
-    def decide(self, context: ThresholdContext) -> ThresholdDecision:
+    def decide(self, context: ThresholdContext) -> Route:
         limit = self.max_local_prefill_length
         if context.prompt_tokens <= limit:
-            return ThresholdDecision(0.0, self.name, "short-prompt")
+            return at(0.0, self.name, "short-prompt")
         if prefill_queue(context.prefillers) >= self.max_prefill_queue_size:
-            return ThresholdDecision(0.0, self.name, "prefill-queue-full")
+            return at(0.0, self.name, "prefill-queue-full")
         threshold = uncached_budget_threshold(context.prompt_tokens, limit + 1)
-        return ThresholdDecision(threshold, self.name, "uncached-length")
+        return at(threshold, self.name, "uncached-length")
 
     def observe(self, observation: LatencyObservation) -> None:
         return None
@@ -116,7 +116,7 @@ class LlmdParams(NoParams):
 
 
 @dataclass(frozen=True, slots=True)
-class LlmdPolicy:
+class LlmdPolicy(Leaf):
     """llm-d's prefix disaggregation decider (module docstring). Reasons: ``disabled``,
     ``short-prompt``, ``non-cached-tokens``."""
 
@@ -124,14 +124,14 @@ class LlmdPolicy:
     name: str = "llm-d"
     bounds: ClassVar[tuple[float, float]] = (0.0, 1.0)
 
-    def decide(self, context: ThresholdContext) -> ThresholdDecision:
+    def decide(self, context: ThresholdContext) -> Route:
         limit = self.non_cached_tokens
         if limit <= 0:
-            return ThresholdDecision(0.0, self.name, "disabled")
+            return at(0.0, self.name, "disabled")
         if context.prompt_tokens < limit:
-            return ThresholdDecision(0.0, self.name, "short-prompt")
+            return at(0.0, self.name, "short-prompt")
         threshold = uncached_budget_threshold(context.prompt_tokens, limit)
-        return ThresholdDecision(threshold, self.name, "non-cached-tokens")
+        return at(threshold, self.name, "non-cached-tokens")
 
     def observe(self, observation: LatencyObservation) -> None:
         return None

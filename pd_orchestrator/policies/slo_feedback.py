@@ -40,11 +40,12 @@ from typing import Annotated, Self
 
 from pydantic import Field, model_validator
 
+from pd_orchestrator.model.route import Route, at
 from pd_orchestrator.policies.base import (
     POLICY,
     LatencyObservation,
+    Leaf,
     ThresholdContext,
-    ThresholdDecision,
     clamp_ratio,
 )
 from pd_orchestrator.routing.interfaces import PluginContext
@@ -125,7 +126,7 @@ def _window(params: SloFeedbackParams) -> _Window:
 
 
 @dataclass(slots=True)
-class SloFeedbackPolicy:
+class SloFeedbackPolicy(Leaf):
     """See the module docstring."""
 
     params: SloFeedbackParams
@@ -145,9 +146,9 @@ class SloFeedbackPolicy:
     def bounds(self) -> tuple[float, float]:
         return (self.params.floor, self.params.ceiling)
 
-    def decide(self, context: ThresholdContext) -> ThresholdDecision:
+    def decide(self, context: ThresholdContext) -> Route:
         self.advance(context.now)
-        return ThresholdDecision(self.threshold, self.name, self.reason)
+        return at(self.threshold, self.name, self.reason)
 
     def observe(self, observation: LatencyObservation) -> None:
         if observation.ttft is not None:

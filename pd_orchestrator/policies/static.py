@@ -11,11 +11,12 @@ from typing import Annotated
 
 from pydantic import Field
 
+from pd_orchestrator.model.route import Route, at
 from pd_orchestrator.policies.base import (
     POLICY,
     LatencyObservation,
+    Leaf,
     ThresholdContext,
-    ThresholdDecision,
 )
 from pd_orchestrator.routing.interfaces import PluginContext
 from pd_orchestrator.routing.registry import NoParams, PluginType
@@ -30,7 +31,7 @@ class StaticParams(NoParams):
 
 
 @dataclass(frozen=True, slots=True)
-class StaticPolicy:
+class StaticPolicy(Leaf):
     """The same threshold for every request."""
 
     value: float
@@ -40,8 +41,8 @@ class StaticPolicy:
     def bounds(self) -> tuple[float, float]:
         return (self.value, self.value)
 
-    def decide(self, context: ThresholdContext) -> ThresholdDecision:
-        return ThresholdDecision(self.value, self.name, "fixed")
+    def decide(self, context: ThresholdContext) -> Route:
+        return at(self.value, self.name, "fixed")
 
     def observe(self, observation: LatencyObservation) -> None:
         return None

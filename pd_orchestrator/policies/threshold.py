@@ -2,7 +2,8 @@
 
 :func:`build_threshold` turns the ``threshold:`` block into a
 :class:`ThresholdResolver`, which the gateway asks for each request's threshold
-(:meth:`~ThresholdResolver.decide`), tells the latencies it measured
+(:meth:`~ThresholdResolver.decide`) and the route it then took
+(:meth:`~ThresholdResolver.chosen`), tells the latencies it measured
 (:meth:`~ThresholdResolver.observe`) and the prompt sizes upstream reported
 (:meth:`~ThresholdResolver.observe_usage`). Decision order: the client's own
 ``cache_hit_threshold`` when present and ``honour_client`` is set (policy
@@ -16,14 +17,11 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from pd_orchestrator.config.policy import PromptLengthConfig, ThresholdConfig
-from pd_orchestrator.policies.base import (
-    LatencyObservation,
-    ThresholdContext,
-    ThresholdDecision,
-    ThresholdPolicy,
-)
+from pd_orchestrator.model.route import Route, at
+from pd_orchestrator.policies.base import LatencyObservation, ThresholdContext, ThresholdPolicy
 from pd_orchestrator.policies.build import PolicyConfigError, build_policy
 from pd_orchestrator.policies.estimator import PromptLengthEstimator
+from pd_orchestrator.policies.goodput import GoodputPolicy
 from pd_orchestrator.policies.overrides import build_overrides
 from pd_orchestrator.routing.registry import Registry
 
@@ -39,44 +37,40 @@ class ThresholdResolver:
 
     ``exact_prompt_length``: the configuration asks the gateway to count prompt
     tokens exactly (``/tokenize``) rather than use :meth:`estimate_tokens`.
-    ``reads_prefillers``: some policy of the tree reads the compatible prefillers
-    (declared by a policy's ``reads_prefillers`` attribute); otherwise the planner
-    leaves them out of the context and ranks no prefiller for an admitted request.
-    ``reads_peers``: likewise for the chosen decoder's peers
-    (:attr:`~pd_orchestrator.policies.base.ThresholdContext.peers`); ``reads_cache``:
-    for the decoder's cached prefix of the prompt
-    (:attr:`~pd_orchestrator.policies.base.ThresholdContext.cached_tokens`);
-    ``reads_spill``: for a spilling prefiller as the context's decoder (the planner
-    then ranks the spilling prefillers beside the decoders; see
-    :attr:`~pd_orchestrator.policies.base.ThresholdContext.decoder`).
+    ``ranks_spill``: the policy has the decode routing rank the prefillers whose pool
+    spills beside the decoders
+    (:attr:`~pd_orchestrator.policies.base.ThresholdPolicy.ranks_spill`).
     """
 
     policy: ThresholdPolicy
     honour_client: bool = True
     prompt_length: PromptLengthEstimator = field(default_factory=PromptLengthEstimator)
     exact_prompt_length: bool = False
-    reads_prefillers: bool = field(init=False, default=False)
-    reads_peers: bool = field(init=False, default=False)
-    reads_cache: bool = field(init=False, default=False)
-    reads_spill: bool = field(init=False, default=False)
+    ranks_spill: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
-        tree = _tree(self.policy)
-        self.reads_prefillers = any(getattr(p, "reads_prefillers", False) for p in tree)
-        self.reads_peers = any(getattr(p, "reads_peers", False) for p in tree)
-        self.reads_cache = any(getattr(p, "reads_cache", False) for p in tree)
-        self.reads_spill = any(getattr(p, "reads_spill", False) for p in tree)
+        self.ranks_spill = self.policy.ranks_spill
 
     def estimate_tokens(self, model: str, chars: int) -> int:
         """The prompt's tokens, estimated from its characters (see the estimator)."""
         return self.prompt_length.estimate(model, chars)
 
-    def decide(self, context: ThresholdContext) -> ThresholdDecision:
-        """The threshold for one request (see the module docstring)."""
-        client = context.client_threshold
-        if self.honour_client and client is not None:
-            return ThresholdDecision(client, CLIENT, "client-supplied")
+    def _client(self, context: ThresholdContext) -> float | None:
+        """The client's own threshold when it decides (see the module docstring)."""
+        return context.client_threshold if self.honour_client else None
+
+    def decide(self, context: ThresholdContext) -> Route:
+        """The route for one request (see the module docstring)."""
+        client = self._client(context)
+        if client is not None:
+            return at(client, CLIENT, "client-supplied")
         return self.policy.decide(context)
+
+    def chosen(self, context: ThresholdContext, route: Route) -> None:
+        """The request decided for ``context`` takes ``route``: the policy learns it,
+        unless the client's own threshold decided (the policy was not asked)."""
+        if self._client(context) is None:
+            self.policy.chosen(context, route)
 
     def observe(self, observation: LatencyObservation) -> None:
         """One finished request's latencies, for the policies that learn from them."""
@@ -86,17 +80,22 @@ class ThresholdResolver:
         """Upstream counted ``prompt_tokens`` for a prompt of ``prompt_chars`` characters."""
         self.prompt_length.observe(model, prompt_chars, prompt_tokens)
 
+    def inherit(self, previous: ThresholdResolver) -> None:
+        """Keep what the policies of ``previous`` (the configuration before a reload)
+        learnt: each ``goodput`` policy takes the learnt state of the one of the same
+        name, if any (its parameters stay the new configuration's)."""
+        before = {p.name: p for p in _tree(previous.policy) if isinstance(p, GoodputPolicy)}
+        for policy in _tree(self.policy):
+            old = before.get(policy.name)
+            if isinstance(policy, GoodputPolicy) and old is not None:
+                policy.model.inherit(old.model)
+
 
 def _tree(policy: ThresholdPolicy) -> list[ThresholdPolicy]:
     """``policy`` and every policy it composes (children, override rules, default)."""
     found = [policy]
-    for child in getattr(policy, "children", ()):
-        found += _tree(child)
-    for rule in getattr(policy, "rules", ()):
-        found += _tree(rule.policy)
-    default = getattr(policy, "default", None)
-    if default is not None:
-        found += _tree(default)
+    for part in policy.parts:
+        found += _tree(part)
     return found
 
 

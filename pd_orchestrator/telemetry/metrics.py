@@ -64,16 +64,14 @@ bound.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, ProcessCollector, disable_created_metrics
 
+from pd_orchestrator.model.route import Route, threshold_of
 from pd_orchestrator.telemetry.fast import FastCounter as Counter
 from pd_orchestrator.telemetry.fast import FastGauge as Gauge
 from pd_orchestrator.telemetry.fast import FastHistogram as Histogram
-
-if TYPE_CHECKING:
-    from pd_orchestrator.policies.base import ThresholdDecision
 
 __all__ = ["OTHER_UPSTREAM", "GatewayMetrics"]
 
@@ -267,10 +265,10 @@ class GatewayMetrics:
             return name
         return OTHER_UPSTREAM
 
-    def record_threshold(self, decision: ThresholdDecision) -> None:
-        """Count one applied threshold: its value and who chose it why."""
-        self.threshold.observe(decision.value)
-        self.threshold_decisions.labels(decision.policy, decision.reason).inc()
+    def record_threshold(self, route: Route) -> None:
+        """Count one route: the threshold it sends and who chose it why."""
+        self.threshold.observe(threshold_of(route))
+        self.threshold_decisions.labels(route.policy, route.reason).inc()
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         """One request's time in ``phase``."""

@@ -26,7 +26,8 @@ from pd_orchestrator.bench.workloads import (
 from pd_orchestrator.cli.bench import ROUTING_PRESETS, _fleet
 from pd_orchestrator.model.endpoints import Role
 from pd_orchestrator.model.hardware import get_profile
-from pd_orchestrator.policies.base import ThresholdContext, ThresholdDecision
+from pd_orchestrator.model.route import Route
+from pd_orchestrator.policies.base import ThresholdContext
 from pd_orchestrator.policies.goodput import GoodputPolicy
 from pd_orchestrator.policies.plugins import builtin_registry
 from pd_orchestrator.routing import RoutingConfig, build_profiles
@@ -222,7 +223,7 @@ def test_the_policy_sees_the_decoder_s_cached_prefix_as_a_precise_index_would(
     seen: list[int | None] = []
     decide = GoodputPolicy.decide
 
-    def spy(self: GoodputPolicy, context: ThresholdContext) -> ThresholdDecision:
+    def spy(self: GoodputPolicy, context: ThresholdContext) -> Route:
         seen.append(context.cached_tokens)
         return decide(self, context)
 
@@ -247,7 +248,7 @@ def test_a_prompt_in_flight_counts_as_held_where_it_was_sent(
     seen: list[tuple[str, int | None]] = []
     decide = GoodputPolicy.decide
 
-    def spy(self: GoodputPolicy, context: ThresholdContext) -> ThresholdDecision:
+    def spy(self: GoodputPolicy, context: ThresholdContext) -> Route:
         seen.append((context.decoder.endpoint.name, context.cached_tokens))
         return decide(self, context)
 

@@ -25,9 +25,10 @@ from pd_orchestrator.flows.bodies import continuation_body
 from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.load import Candidate
+from pd_orchestrator.model.route import GoPD, Route, at, threshold_of
 from pd_orchestrator.openai.protocol import parse_for
 from pd_orchestrator.planner.plan import Plan, Planner, RequestFacts
-from pd_orchestrator.policies.base import ThresholdContext, ThresholdDecision
+from pd_orchestrator.policies.base import Leaf, ThresholdContext
 from pd_orchestrator.policies.plugins import builtin_registry
 from pd_orchestrator.policies.threshold import ThresholdResolver
 from pd_orchestrator.routing import build_profiles
@@ -51,9 +52,12 @@ P0 = Endpoint("p0", "http://p0", Role.PREFILL)
 FLEET = (D0, D1, P0)
 
 
-class _Half:
-    def decide(self, context: ThresholdContext) -> ThresholdDecision:
-        return ThresholdDecision(0.5, "static", "fixed")
+class _Half(Leaf):
+    name = "static"
+    bounds = (0.5, 0.5)
+
+    def decide(self, context: ThresholdContext) -> Route:
+        return at(0.5, "static", "fixed")
 
     def observe(self, observation: object) -> None:
         return None
@@ -283,14 +287,15 @@ async def test_a_rejection_goes_through_the_prefiller_with_the_transfer_params()
     assert _text(run)[0] == " t5 t6 t7 t8"
 
 
-class _One:
-    reads_prefillers = True
+class _One(Leaf):
+    name = "goodput"
+    bounds = (0.0, 1.0)
 
     def __init__(self, decoder: str | None = None) -> None:
         self.decoder = decoder
 
-    def decide(self, context: ThresholdContext) -> ThresholdDecision:
-        return ThresholdDecision(1.0, "goodput", "drain", decoder=self.decoder)
+    def decide(self, context: ThresholdContext) -> Route:
+        return GoPD("goodput", "drain", self.decoder)
 
     def observe(self, observation: object) -> None:
         return None
@@ -321,7 +326,7 @@ async def test_at_threshold_one_the_decoder_is_not_asked_the_request_goes_p_d(
     planner = Planner(build_profiles(routing, builtin_registry()), ThresholdResolver(_One(named)))  # type: ignore[arg-type]
     candidates = [Candidate(e) for e in FLEET]
     plan = planner.plan(RequestFacts(model="m", prompt_chars=10), candidates, 0.0, 0)
-    assert plan.threshold.value == 1.0
+    assert threshold_of(plan.route) == 1.0
     assert plan.ranking.pick is not None and plan.ranking.pick.candidate.endpoint == D0
     run = await _serve(script, STREAM, plan=plan)
     assert run.flow.decision == "pd" and run.flow.decoder == decoder and run.flow.prefiller == P0
@@ -430,8 +435,8 @@ def test_a_chat_structured_output_continues_on_completions_with_its_format() -> 
 def test_a_structured_output_is_not_handed_back_where_a_decoder_cannot_resume() -> None:
     """Admission-only, as any request a continuation cannot honour."""
     plan = _plan(resumable=True, resumes=False)
-    assert not plan.continuable and plan.threshold.admission_only
-    assert _plan(resumable=True).threshold.admission_only is False
+    assert not plan.continuable and plan.route.admission_only
+    assert _plan(resumable=True).route.admission_only is False
 
 
 async def test_a_hand_back_at_the_token_limit_ends_the_answer() -> None:
@@ -538,7 +543,7 @@ async def test_a_request_a_continuation_cannot_honour_is_never_handed_back(
     planner = Planner(build_profiles(routing, builtin_registry()), ThresholdResolver(_Half()))  # type: ignore[arg-type]
     facts = RequestFacts(model="m", prompt_chars=5, continuable=request.continuable)
     plan = planner.plan(facts, [Candidate(e) for e in FLEET], 0.0, 0)
-    assert not request.continuable and plan.threshold.value == 0.0
+    assert not request.continuable and threshold_of(plan.route) == 0.0
     script = Script({"d0": [_whole(answer)], "d1": [_whole(answer)]})
     run = await _serve(script, body, kind=kind, plan=plan)
     [sent] = [b for _, b in script.seen]

@@ -12,9 +12,17 @@ import httpx
 import pytest
 import yaml
 
+from pd_orchestrator.bench.fleet import preset_fleet
+from pd_orchestrator.bench.live import _gateway_config
 from pd_orchestrator.children import Child, python_command, start_child, stop_child
 from pd_orchestrator.config import GatewayConfig
-from pd_orchestrator.gateway.state import restart_notes
+from pd_orchestrator.config.loader import parse_config
+from pd_orchestrator.config.settings import TimeoutConfig, UpstreamConfig
+from pd_orchestrator.gateway.state import GatewayState, build_state, restart_notes
+from pd_orchestrator.policies.goodput import GoodputPolicy
+from pd_orchestrator.policies.goodput_model import GoodputModel
+from pd_orchestrator.telemetry.metrics import GatewayMetrics
+from pd_orchestrator.upstream.client import Upstream
 
 from ..conftest import SimFactory, gateway_config
 from .helpers import MODEL, call, metric, metrics_text
@@ -153,3 +161,34 @@ def test_a_reload_names_the_changes_only_a_restart_applies() -> None:
     )
     assert notes == "upstream connection pool, tracing changes take effect at restart"
     assert "timeouts" in restart_notes(base, changed(timeouts={"decode": 5.0}))
+
+
+async def test_a_reload_keeps_what_the_goodput_model_learnt() -> None:
+    """Like the fleet's health, the cost model's learnt state (rates, duty cycles, hit
+    rates, means) survives a reload of a policy of the same name; its parameters are
+    the new configuration's."""
+    fleet = preset_fleet("tiny")
+    urls = {i.name: f"http://127.0.0.1:{9000 + n}" for n, i in enumerate(fleet.instances)}
+
+    def state(params: dict[str, Any], previous: GatewayState | None = None) -> GatewayState:
+        threshold = {"policy": {"type": "goodput", "name": "cost", "params": params}}
+        config = parse_config(_gateway_config(fleet, urls, threshold, {}))
+        return build_state(config, upstream, GatewayMetrics(), lambda: 0.0, previous)
+
+    def model(state: GatewayState) -> GoodputModel:
+        resolver = state.planner.threshold
+        assert resolver is not None and isinstance(resolver.policy, GoodputPolicy)
+        return resolver.policy.model
+
+    upstream = Upstream(UpstreamConfig(), TimeoutConfig())
+    try:
+        before = state({"ttft": 1.0})
+        model(before).out_mean, model(before).hits["d0"] = 321.0, 0.5
+        after = state({"ttft": 2.0}, before)
+        assert (model(after).out_mean, model(after).hits) == (321.0, {"d0": 0.5})
+        assert model(after).params.ttft == 2.0
+        renamed = parse_config(_gateway_config(fleet, urls, {"policy": {"type": "goodput"}}, {}))
+        fresh = build_state(renamed, upstream, GatewayMetrics(), lambda: 0.0, after)
+        assert model(fresh).out_mean == 0.0  # another policy: nothing to keep
+    finally:
+        await upstream.aclose()

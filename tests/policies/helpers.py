@@ -8,6 +8,7 @@ from pd_orchestrator.config.policy import PolicySpec
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.load import Candidate, LoadSnapshot
 from pd_orchestrator.policies import ThresholdContext, ThresholdPolicy, build_policy
+from pd_orchestrator.policies.base import Given
 from pd_orchestrator.policies.plugins import builtin_registry
 
 
@@ -55,16 +56,16 @@ def context(
     peers: Sequence[Candidate] = (),
     cached: int | None = None,
 ) -> ThresholdContext:
+    chosen = dec or decoder()
+    held = {} if cached is None else {chosen.endpoint.name: cached}
     return ThresholdContext(
         model=model,
-        decoder=dec or decoder(),
+        decoder=chosen,
         prompt_tokens=tokens,
         prompt_chars=4 * tokens,
-        prefillers=tuple(prefillers),
         client_threshold=client,
         now=now,
-        peers=tuple(peers),
-        cached_tokens=cached,
+        reads=Given(tuple(prefillers), tuple(peers), held),
     )
 
 

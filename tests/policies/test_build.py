@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from pd_orchestrator.config import ConfigError, load_config, parse_config
 from pd_orchestrator.config.policy import ThresholdConfig
+from pd_orchestrator.model.route import threshold_of
 from pd_orchestrator.policies import (
     CLIENT,
     LatencyObservation,
@@ -42,7 +43,7 @@ def test_every_shipped_config_builds_its_threshold(path: Path) -> None:
     config = load_config(path)
     pools = {pool.name for pool in config.pools}
     resolver = build_threshold(config.threshold, builtin_registry(), pools=pools)
-    assert 0.0 <= resolver.decide(context()).value <= 1.0
+    assert 0.0 <= threshold_of(resolver.decide(context())) <= 1.0
 
 
 def test_the_legacy_static_shape_still_reads() -> None:
@@ -80,7 +81,7 @@ def test_the_documented_example_builds() -> None:
     assert resolver.estimate_tokens("any", 35) == 10
     pick = resolver.decide(context(dec=decoder(pool="h200-decode"), tokens=100))
     assert (pick.policy, pick.reason) == ("min-uncached-tokens", "short-prompt")
-    assert resolver.decide(context(dec=decoder(pool="x"), model="big")).value == 0.9
+    assert threshold_of(resolver.decide(context(dec=decoder(pool="x"), model="big"))) == 0.9
     assert resolver.decide(context(dec=decoder(pool="x"))).policy == "adaptive"
 
 
@@ -196,7 +197,7 @@ def test_the_environment_overrides_the_static_shorthand(monkeypatch: pytest.Monk
     monkeypatch.setenv("PDO_THRESHOLD__POLICY__VALUE", "0.25")
     config = parse_config(FLEET)
     resolver = build_threshold(config.threshold, builtin_registry())
-    assert resolver.decide(context()).value == 0.25
+    assert threshold_of(resolver.decide(context())) == 0.25
 
 
 @pytest.mark.parametrize(
@@ -212,7 +213,7 @@ def test_the_environment_overrides_the_static_shorthand(monkeypatch: pytest.Monk
 def test_honour_client(honour: bool, client: float | None, value: float, policy: str) -> None:
     resolver = _threshold({"policy": {"value": 0.3}, "honour_client": honour})
     decision = resolver.decide(context(client=client))
-    assert (decision.value, decision.policy) == (value, policy)
+    assert (threshold_of(decision), decision.policy) == (value, policy)
     if policy == CLIENT:
         assert decision.reason == "client-supplied"
 

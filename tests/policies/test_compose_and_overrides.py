@@ -10,16 +10,20 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pd_orchestrator.config.policy import PolicySpec
+from pd_orchestrator.model.route import Ask, GoPD, Local, Route, Whole, at, threshold_of
 from pd_orchestrator.policies import (
     POLICY,
     LatencyObservation,
     OverrideRule,
     OverridesPolicy,
     ThresholdContext,
-    ThresholdDecision,
     build_policy,
 )
+from pd_orchestrator.policies.base import Leaf
+from pd_orchestrator.policies.compose import ExtremePolicy, WeightedPolicy
+from pd_orchestrator.policies.goodput import GoodputPolicy
 from pd_orchestrator.policies.plugins import builtin_registry
+from pd_orchestrator.policies.threshold import ThresholdResolver
 from pd_orchestrator.routing import NoParams, PluginContext, PluginType
 from tests.policies.helpers import build, context, decoder
 
@@ -48,7 +52,7 @@ def test_max_and_min_keep_the_winning_childs_decision(
 ) -> None:
     composite = build({"type": kind, "params": {"policies": [_static(0.4, "floor"), MIN_UNCACHED]}})
     decision = composite.decide(context(tokens=tokens))
-    assert decision.value == pytest.approx(value)
+    assert threshold_of(decision) == pytest.approx(value)
     assert (decision.policy, decision.reason) == (policy, reason)
 
 
@@ -65,7 +69,7 @@ def test_weighted_mean() -> None:
     }
     policy = build(spec)
     decision = policy.decide(context())
-    assert decision.value == pytest.approx(0.35)
+    assert threshold_of(decision) == pytest.approx(0.35)
     assert (decision.policy, decision.reason) == ("blend", "weighted")
     assert policy.bounds == (pytest.approx(0.35), pytest.approx(0.35))
 
@@ -88,12 +92,12 @@ def test_composites_stay_within_their_bounds(
             continue
         policy = build(spec)
         low, high = policy.bounds
-        assert low - 1e-12 <= policy.decide(context(tokens=tokens)).value <= high + 1e-12
+        assert low - 1e-12 <= threshold_of(policy.decide(context(tokens=tokens))) <= high + 1e-12
     assert build({"type": "max", "params": {"policies": children}}).bounds[0] == max(values)
 
 
 @dataclass
-class _Recorder:
+class _Recorder(Leaf):
     """A policy that records what it saw (for routing checks)."""
 
     value: float
@@ -104,9 +108,9 @@ class _Recorder:
     def bounds(self) -> tuple[float, float]:
         return (self.value, self.value)
 
-    def decide(self, context: ThresholdContext) -> ThresholdDecision:
+    def decide(self, context: ThresholdContext) -> Route:
         self.seen.append(f"decide {context.pool}/{context.model}")
-        return ThresholdDecision(self.value, self.name, "recorded")
+        return at(self.value, self.name, "recorded")
 
     def observe(self, observation: LatencyObservation) -> None:
         self.seen.append(f"observe {observation.pool}/{observation.model}")
@@ -186,4 +190,65 @@ def test_overrides_as_a_policy_type_nest_in_a_composite() -> None:
     }
     policy = build(spec)
     assert policy.decide(context(dec=decoder(pool="h200"))).policy == "h200-only"
-    assert policy.decide(context(dec=decoder(pool="other"))).value == 0.3
+    assert threshold_of(policy.decide(context(dec=decoder(pool="other")))) == 0.3
+
+
+@dataclass
+class _Says(Leaf):
+    """A policy that answers ``route``."""
+
+    route: Route
+    name: str = "says"
+    bounds: tuple[float, float] = (0.0, 1.0)
+
+    def decide(self, context: ThresholdContext) -> Route:
+        return self.route
+
+    def observe(self, observation: LatencyObservation) -> None:
+        return None
+
+
+DRAIN = GoPD("goodput", "drain", "d1")
+SPILL = Whole("goodput", "spill", "p1")
+
+
+def test_max_and_min_keep_a_route_that_is_not_a_threshold_whole_weighted_keeps_its_number() -> None:
+    half = _Says(Ask(0.5, "static", "fixed"))
+    # max and min order the children by the threshold each sends and keep one whole
+    assert ExtremePolicy((half, _Says(DRAIN)), True, "max").decide(context()) == DRAIN
+    assert ExtremePolicy((half, _Says(DRAIN)), False, "min").decide(context()) == half.route
+    assert ExtremePolicy((half, _Says(SPILL)), False, "min").decide(context()) == SPILL
+    # weighted averages the thresholds (P/D at once 1, served whole 0) and names no one
+    blend = WeightedPolicy((_Says(DRAIN), _Says(SPILL)), (1.0, 1.0), "blend")
+    assert blend.decide(context()) == Ask(0.5, "blend", "weighted")
+    assert WeightedPolicy((_Says(SPILL),), (1.0,)).decide(context()) == Local(
+        "weighted", "weighted"
+    )
+
+
+def _goodput_in(kind: str, other: float, *, cached: int | None = None) -> tuple[Route, float]:
+    """``kind`` of goodput and static ``other``, decided and told its route for a
+    2,000-token prompt on a decoder with streams running (goodput alone keeps it
+    local); the route and what goodput's duty cycle counts at the decoder."""
+    goodput = build({"type": "goodput"})
+    assert isinstance(goodput, GoodputPolicy)
+    composite = ExtremePolicy((goodput, build(_static(other))), kind == "max", kind)
+    resolver = ThresholdResolver(composite)
+    asked = context(tokens=2_000, dec=decoder(in_flight=8), cached=cached)
+    assert goodput.decide(asked) == Local("goodput", "local")
+    route = resolver.decide(asked)
+    resolver.chosen(asked, route)
+    duty = goodput.model.duty.get("d0")
+    return route, 0.0 if duty is None else duty.tokens
+
+
+def test_goodput_inside_max_counts_in_its_duty_cycle_only_what_the_composite_kept() -> None:
+    # max takes static's 0.9: the cold prompt is not admitted, nothing was kept there
+    route, kept = _goodput_in("max", 0.9)
+    assert route == Ask(0.9, "static", "fixed") and kept == 0.0
+    # static 1: P/D at once, nothing kept
+    assert _goodput_in("max", 1.0) == (GoPD("static", "fixed"), 0.0)
+    # a prompt the decoder holds 1,900 of meets 0.9: its 100 uncached tokens are kept
+    assert _goodput_in("max", 0.9, cached=1_900) == (Ask(0.9, "static", "fixed"), 100.0)
+    # min takes goodput's own route: it keeps what it would keep alone
+    assert _goodput_in("min", 0.9) == (Local("goodput", "local"), 2_000.0)

@@ -4,17 +4,20 @@ decisions it flips, and what it learns."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
 
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.load import Candidate, LoadSnapshot
-from pd_orchestrator.policies import LatencyObservation, ThresholdContext, ThresholdDecision
-from pd_orchestrator.policies.goodput import (
+from pd_orchestrator.model.route import Decline, GoPD, Local, Route, Whole, threshold_of
+from pd_orchestrator.policies import LatencyObservation, ThresholdContext
+from pd_orchestrator.policies.base import ContextReads
+from pd_orchestrator.policies.goodput import GoodputPolicy
+from pd_orchestrator.policies.goodput_model import (
     DutyCycle,
     GoodputParams,
-    GoodputPolicy,
     PoolModel,
     profile_of,
     seed_rate,
@@ -29,8 +32,54 @@ PARAMS = GoodputParams(
 
 def _policy(**params: float) -> GoodputPolicy:
     policy = GoodputPolicy(PARAMS.model_copy(update=params))
-    policy.pools["decode"] = PoolModel(RATE, RATE, itl=0.01, free_tokens=0.0)
+    policy.model.pools["decode"] = PoolModel(RATE, RATE, itl=0.01, free_tokens=0.0)
     return policy
+
+
+def _decided(policy: GoodputPolicy, context: ThresholdContext) -> Route:
+    """The policy's route, and the policy told it was taken (as the planner does)."""
+    route = policy.decide(context)
+    policy.chosen(context, route)
+    return route
+
+
+def _wait(policy: GoodputPolicy, context: ThresholdContext, pool: PoolModel) -> float:
+    """The decoder's queue at its hit rate (its reading's, remembered)."""
+    model = policy.model
+    model.saw((context.decoder,))
+    hit = model.hit_rate(context.decoder) or 0.0
+    return model.queued(context.decoder, context.prompt_tokens, pool, hit)
+
+
+def _named(route: Route) -> str | None:
+    """The endpoint a route names: a drain's peer, a spill's prefiller."""
+    match route:
+        case GoPD(peer=peer):
+            return peer
+        case Whole(prefiller=name):
+            return name
+        case _:
+            return None
+
+
+class _Held:
+    """Reads of ``context`` with the cache counts of ``held`` (by endpoint)."""
+
+    def __init__(self, reads: ContextReads, held: Callable[[Endpoint], int | None]) -> None:
+        self.reads, self.held = reads, held
+
+    def prefillers(self) -> tuple[Candidate, ...]:
+        return self.reads.prefillers()
+
+    def peers(self) -> tuple[Candidate, ...]:
+        return self.reads.peers()
+
+    def cached_tokens(self, endpoint: Endpoint) -> int | None:
+        return self.held(endpoint)
+
+
+def _holding(context: ThresholdContext, held: Callable[[Endpoint], int | None]) -> ThresholdContext:
+    return replace(context, reads=_Held(context.reads, held))
 
 
 def _admits(threshold: float, tokens: int, uncached: int) -> bool:
@@ -43,17 +92,19 @@ def test_remote_ttft_is_the_best_prefiller_s_wait_prefill_and_transfer() -> None
     idle = prefiller("p1", reading=load(running=1))
     ctx = context(tokens=20_000, prefillers=(busy, idle))
     # p1: 1 request of the 20k mean ahead (2 s), 20k tokens (2 s), transfer 0.2 s
-    assert policy.remote_ttft(ctx, policy.pools["decode"]) == pytest.approx(2.0 + 2.0 + 0.2)
-    assert policy.remote_ttft(context(prefillers=()), policy.pools["decode"]) is None
+    assert policy.model.remote_ttft(ctx, policy.model.pools["decode"]) == pytest.approx(
+        2.0 + 2.0 + 0.2
+    )
+    assert policy.model.remote_ttft(context(prefillers=()), policy.model.pools["decode"]) is None
     # the gateway's backlog in tokens beats a count times the mean, and a prefiller's
     # prefix-cache hit rate takes its share off both
     queued = prefiller("p2", in_flight=1, backlog=50_000)
-    assert policy.remote_ttft(
-        context(tokens=20_000, prefillers=(queued,)), policy.pools["decode"]
+    assert policy.model.remote_ttft(
+        context(tokens=20_000, prefillers=(queued,)), policy.model.pools["decode"]
     ) == pytest.approx(5.0 + 2.0 + 0.2)
     warm = prefiller("p3", reading=LoadSnapshot(1, 0, 0.0, 0.0, prefix_hit_rate=0.75))
-    assert policy.remote_ttft(
-        context(tokens=20_000, prefillers=(warm,)), policy.pools["decode"]
+    assert policy.model.remote_ttft(
+        context(tokens=20_000, prefillers=(warm,)), policy.model.pools["decode"]
     ) == pytest.approx((20_000 + 20_000) * 0.25 / RATE + 0.2)
 
 
@@ -61,55 +112,55 @@ def test_the_prefix_index_s_count_on_a_prefiller_replaces_its_hit_rate_for_the_p
     policy = _policy()
     # its last reading says nearly everything hit (a window of re-asked documents)
     warm = prefiller("p0", reading=LoadSnapshot(0, 0, 0.0, 0.0, prefix_hit_rate=0.99))
-    model = policy.pools["decode"]
+    model = policy.model.pools["decode"]
     by_rate = context(tokens=20_000, prefillers=(warm,))
-    assert policy.remote_ttft(by_rate, model) == pytest.approx(20_000 * 0.01 / RATE + 0.2)
+    assert policy.model.remote_ttft(by_rate, model) == pytest.approx(20_000 * 0.01 / RATE + 0.2)
     # the index says it holds none of this prompt: the whole prompt is prefilled there
-    cold = replace(by_rate, cached_on=lambda endpoint: 0)
-    assert policy.remote_ttft(cold, model) == pytest.approx(2.0 + 0.2)
+    cold = _holding(by_rate, lambda endpoint: 0)
+    assert policy.model.remote_ttft(cold, model) == pytest.approx(2.0 + 0.2)
     # and 15,000 of its tokens: the other 5,000; the queue keeps the hit rate's share
     queued = replace(warm, backlog=10_000)
     held = context(tokens=20_000, prefillers=(queued,))
-    held = replace(held, cached_on=lambda endpoint: 15_000)
-    assert policy.remote_ttft(held, model) == pytest.approx((100 + 5_000) / RATE + 0.2)
+    held = _holding(held, lambda endpoint: 15_000)
+    assert policy.model.remote_ttft(held, model) == pytest.approx((100 + 5_000) / RATE + 0.2)
 
 
 def test_local_wait_counts_the_uncached_work_queued_at_the_decoder() -> None:
     policy = _policy()
-    policy.prompt_mean = 4000
+    policy.model.prompt_mean = 4000
     reading = load(running=2, waiting=3)
     reading = type(reading)(2, 3, 0.0, 0.0, prefix_hit_rate=0.5)
     ctx = context(tokens=4000, dec=decoder(reading=reading))
-    assert policy.local_wait(ctx, policy.pools["decode"]) == pytest.approx(3 * 2000 / RATE)
+    assert _wait(policy, ctx, policy.model.pools["decode"]) == pytest.approx(3 * 2000 / RATE)
     # the prompts the gateway sent there and that had no first token yet, when more
     ctx = context(tokens=4000, dec=decoder(reading=reading, backlog=30_000))
-    assert policy.local_wait(ctx, policy.pools["decode"]) == pytest.approx(15_000 / RATE)
+    assert _wait(policy, ctx, policy.model.pools["decode"]) == pytest.approx(15_000 / RATE)
     # a reading without a hit rate (a window with no prompt, a missed scrape): the last
     # one read stands
-    assert policy.local_wait(
-        context(dec=decoder(backlog=30_000)), policy.pools["decode"]
+    assert _wait(
+        policy, context(dec=decoder(backlog=30_000)), policy.model.pools["decode"]
     ) == pytest.approx(1.5)
-    assert _policy().local_wait(
-        context(dec=decoder(backlog=30_000)), policy.pools["decode"]
+    assert _wait(
+        _policy(), context(dec=decoder(backlog=30_000)), policy.model.pools["decode"]
     ) == pytest.approx(3.0)  # no reading ever: no hit rate to take off
 
 
 def test_the_stall_limit_is_what_is_left_of_the_prefill_share_the_tpot_goal_allows() -> None:
     policy = _policy()
-    policy.out_mean = 100  # a stream decodes for 100 * 0.03 = 3 s: the window
-    model = policy.pools["decode"]
-    assert policy.stall_limit(context(dec=decoder()), model) == math.inf  # nothing decodes
+    policy.model.out_mean = 100  # a stream decodes for 100 * 0.03 = 3 s: the window
+    model = policy.model.pools["decode"]
+    assert policy.model.stall_limit(context(dec=decoder()), model) == math.inf  # nothing decodes
     busy = context(dec=decoder(in_flight=8))
     # no share yet: a 10 ms step may stretch to 0.5 * 30 ms, so prefill may take a
     # third of the decoder's time: a third of 3 s at 10k tokens/s
-    assert policy.stall_limit(busy, model) == pytest.approx(10_000.0)
-    policy.duty["d0"] = DutyCycle(6_000.0, 0.0)  # a fifth of the window's tokens
+    assert policy.model.stall_limit(busy, model) == pytest.approx(10_000.0)
+    policy.model.duty["d0"] = DutyCycle(6_000.0, 0.0)  # a fifth of the window's tokens
     # the bare step is 10 ms * 0.8; the allowed share 1 - 8/15; less the fifth used
     left = (1 - 0.008 / 0.015 - 0.2) * 3 * RATE
-    assert policy.stall_limit(busy, model) == pytest.approx(left)
+    assert policy.model.stall_limit(busy, model) == pytest.approx(left)
     model.itl = 0.05  # over the target already: only what a step carries for free
     model.free_tokens = 150.0
-    assert policy.stall_limit(busy, model) == 150.0
+    assert policy.model.stall_limit(busy, model) == 150.0
 
 
 def test_the_duty_cycle_decays_over_the_window() -> None:
@@ -123,57 +174,57 @@ def test_the_duty_cycle_decays_over_the_window() -> None:
 
 def test_a_busy_decoder_keeps_prompts_until_its_share_is_spent_then_they_go_p_d() -> None:
     policy = _policy()
-    policy.out_mean = 100  # window 3 s; 10 000 tokens of room with no share
+    policy.model.out_mean = 100  # window 3 s; 10 000 tokens of room with no share
     busy = decoder(in_flight=8)
     kept = []
     for _ in range(10):  # 2900 uncached tokens each, all at t = 0
-        kept.append(policy.decide(context(tokens=2_900, dec=busy)).reason)
+        kept.append(_decided(policy, context(tokens=2_900, dec=busy)).reason)
     # with a share s the room is 10 000 * (1 - s), s = 2900 k / 30 000 after k kept
     # prompts: 8 fit, the 9th does not (room 2267)
     assert kept == ["local"] * 8 + ["stall"] * 2
-    share = policy.local_share(context(dec=busy), policy.pools["decode"])
+    share = policy.model.local_share(busy, 0.0, policy.model.pools["decode"])
     assert share == pytest.approx(8 * 2_900 / 30_000)
     # a window later the share has decayed by e and prompts stay local again
-    later = policy.decide(context(tokens=2_900, dec=busy, now=3.0))
+    later = _decided(policy, context(tokens=2_900, dec=busy, now=3.0))
     assert later.reason == "local"
     # an idle decoder keeps everything, whatever another decoder's share
-    assert policy.decide(context(tokens=2_900, dec=decoder("d1"))).reason == "local"
+    assert _decided(policy, context(tokens=2_900, dec=decoder("d1"))).reason == "local"
 
 
 def test_an_idle_prefill_pool_takes_what_would_stall_a_saturated_one_leaves_it_local() -> None:
     policy = _policy()
-    policy.out_mean = 10  # window 0.3 s: 1000 tokens of room
+    policy.model.out_mean = 10  # window 0.3 s: 1000 tokens of room
     busy_decoder = decoder(in_flight=30)
     idle = context(tokens=6_000, dec=busy_decoder, prefillers=(prefiller(reading=load()),))
-    decision = policy.decide(idle)  # remote 0.66 s, within 0.8 s: a sure alternative
+    decision = _decided(policy, idle)  # remote 0.66 s, within 0.8 s: a sure alternative
     assert decision.reason == "stall"
-    assert decision.value == pytest.approx(1 - 1000.5 / 6000)
+    assert threshold_of(decision) == pytest.approx(1 - 1000.5 / 6000)
     queue = (prefiller(reading=load(running=1, waiting=40)),)
-    saturated = policy.decide(context(tokens=6_000, dec=busy_decoder, prefillers=queue))
-    assert saturated.value == 0.0 and saturated.reason == "local"  # remote: 25 s
+    saturated = _decided(policy, context(tokens=6_000, dec=busy_decoder, prefillers=queue))
+    assert threshold_of(saturated) == 0.0 and saturated.reason == "local"  # remote: 25 s
     # remote 0.88 s meets the TTFT target but not its slack share: not sure enough
     unsure = context(tokens=8_000, dec=busy_decoder, prefillers=(prefiller(reading=load()),))
-    assert policy.decide(unsure).reason == "local"
+    assert _decided(policy, unsure).reason == "local"
     # a prefiller that also decodes would take the stall to its own streams
     flexible = (prefiller(reading=load(), role=Role.BOTH),)
-    moved = policy.decide(context(tokens=6_000, dec=busy_decoder, prefillers=flexible))
-    assert moved.value == 0.0 and moved.reason == "local"
+    moved = _decided(policy, context(tokens=6_000, dec=busy_decoder, prefillers=flexible))
+    assert threshold_of(moved) == 0.0 and moved.reason == "local"
 
 
 def test_a_long_prompt_that_misses_either_way_stays_where_it_is_cheaper() -> None:
     policy = _policy()
-    decision = policy.decide(context(tokens=30_000, prefillers=(prefiller(reading=load()),)))
-    assert decision.value == 0.0  # local 3 s, remote 3.3 s: no transfer for nothing
+    decision = _decided(policy, context(tokens=30_000, prefillers=(prefiller(reading=load()),)))
+    assert threshold_of(decision) == 0.0  # local 3 s, remote 3.3 s: no transfer for nothing
 
 
 def test_an_idle_decoder_keeps_what_meets_the_target_a_queued_one_drains() -> None:
     policy = _policy()
     prefillers = (prefiller(reading=load()),)
-    idle = policy.decide(context(tokens=5_000, prefillers=prefillers))
-    assert idle.value == 0.0 and idle.reason == "local"  # 0.5 s locally
+    idle = _decided(policy, context(tokens=5_000, prefillers=prefillers))
+    assert threshold_of(idle) == 0.0 and idle.reason == "local"  # 0.5 s locally
     queued = decoder(backlog=20_000)  # 2 s of prefill ahead: past its 0.8 s share
-    decision = policy.decide(context(tokens=5_000, dec=queued, prefillers=prefillers))
-    assert decision.reason == "drain" and decision.value == 1.0  # P/D, no attempt
+    decision = _decided(policy, context(tokens=5_000, dec=queued, prefillers=prefillers))
+    assert decision.reason == "drain" and threshold_of(decision) == 1.0  # P/D, no attempt
 
 
 def test_a_queued_decoder_drains_only_to_a_path_that_meets_the_target() -> None:
@@ -182,7 +233,7 @@ def test_a_queued_decoder_drains_only_to_a_path_that_meets_the_target() -> None:
     read = LoadSnapshot(0, 0, 0.0, 0.0, prefix_hit_rate=0.0)
     near = decoder(backlog=9_000, reading=read)
     decision = _policy().decide(context(tokens=500, dec=near, prefillers=slow))
-    assert decision.reason == "queued" and decision.value == 0.0
+    assert decision.reason == "queued" and threshold_of(decision) == 0.0
     # wait 2 s + 0.5 s: lost locally, but the remote path (3.55 s) is lost too, and a
     # drain would only move the miss onto a prefiller whose other work then waits
     far = decoder(backlog=20_000, reading=read)
@@ -190,7 +241,7 @@ def test_a_queued_decoder_drains_only_to_a_path_that_meets_the_target() -> None:
     # a prefiller with 4,000 tokens queued answers in 0.95 s: the drain meets the target
     near_prefiller = (prefiller(backlog=4_000, reading=load()),)
     moved = _policy().decide(context(tokens=5_000, dec=far, prefillers=near_prefiller))
-    assert moved.reason == "drain" and moved.value == 1.0
+    assert moved.reason == "drain" and threshold_of(moved) == 1.0
     # the same queue with no hit rate ever read: 2 s is only an upper bound, and the
     # remote path (3.55 s) is no faster, so it stays
     unread = decoder(backlog=20_000)
@@ -208,12 +259,12 @@ def test_the_prefix_index_s_count_of_the_prompt_replaces_the_unread_upper_bound(
     idle = (prefiller(reading=load()),)  # remote 0.5 s + 0.05 s transfer
     unread = decoder(backlog=20_000)  # no reading: 2 s of prefill, an upper bound
     policy = _policy()
-    assert policy.decide(context(tokens=5_000, dec=unread, prefillers=idle)).reason == "drain"
+    assert _decided(policy, context(tokens=5_000, dec=unread, prefillers=idle)).reason == "drain"
     # the index says the decoder holds 90% of the prompt: the queue is taken to be as
     # cached (0.2 s), and the 500 uncached tokens (0.05 s) stay local, all of them
-    held = policy.decide(context(tokens=5_000, dec=unread, prefillers=idle, cached=4_500))
-    assert held.reason == "local" and held.value == 0.0
-    assert policy.duty[unread.endpoint.name].tokens == pytest.approx(500)
+    held = _decided(policy, context(tokens=5_000, dec=unread, prefillers=idle, cached=4_500))
+    assert held.reason == "local" and threshold_of(held) == 0.0
+    assert policy.model.duty[unread.endpoint.name].tokens == pytest.approx(500)
     # the index says nothing is held: no longer an upper bound but a count, so a
     # remote path faster than the 2.9 s local one drains even past the 0.8 s share
     assert _policy().decide(context(tokens=9_000, dec=unread, prefillers=idle)).reason == "queued"
@@ -237,8 +288,8 @@ def test_a_drained_request_decodes_on_the_peer_where_it_starts_soonest() -> None
     idle, idler = decoder("d3", in_flight=3), decoder("d4", in_flight=1)
     policy = _policy()
     peers = (behind, waiting, idle, idler)
-    decision = policy.decide(context(tokens=5_000, dec=queued, peers=peers))
-    assert decision.reason == "drain" and decision.decoder == "d4"  # no queue, fewest streams
+    decision = _decided(policy, context(tokens=5_000, dec=queued, peers=peers))
+    assert decision.reason == "drain" and _named(decision) == "d4"  # no queue, fewest streams
     assert policy.soonest(context(tokens=5_000, dec=queued, peers=peers[:3]), 2.0) == "d3"
     assert (
         policy.soonest(context(tokens=5_000, dec=queued, peers=peers[:2]), 2.0) == "d1"
@@ -248,49 +299,42 @@ def test_a_drained_request_decodes_on_the_peer_where_it_starts_soonest() -> None
     assert policy.soonest(context(tokens=5_000, dec=queued, peers=(behind, warm)), 2.0) == "d5"
     # no peer starts it sooner: the chosen decoder decodes it
     deeper = decoder("d6", backlog=30_000)
-    decision = policy.decide(context(tokens=5_000, dec=queued, peers=(deeper,)))
-    assert decision.reason == "drain" and decision.decoder is None
+    decision = _decided(policy, context(tokens=5_000, dec=queued, peers=(deeper,)))
+    assert decision.reason == "drain" and _named(decision) is None
     # a decision that keeps the prompt, or sends it through a decode attempt, names none
-    assert policy.decide(context(tokens=5_000, peers=peers)).decoder is None
-
-
-def test_only_a_threshold_of_zero_or_one_names_a_decoder() -> None:
-    assert ThresholdDecision(1.0, "goodput", "drain", decoder="d1").decoder == "d1"
-    assert ThresholdDecision(0.0, "goodput", "spill", decoder="p1").decoder == "p1"
-    with pytest.raises(ValueError, match="only a threshold of 0 or 1"):
-        ThresholdDecision(0.9, "goodput", "cost-model", decoder="d1")
+    assert _named(_decided(policy, context(tokens=5_000, peers=peers))) is None
 
 
 def test_a_queued_decoder_stays_local_when_every_prefiller_also_decodes() -> None:
     policy = _policy()
-    policy.out_mean = 100
+    policy.model.out_mean = 100
     flexible = (prefiller(reading=load(), role=Role.BOTH),)
     queued = decoder(backlog=20_000)
-    decision = policy.decide(context(tokens=5_000, dec=queued, prefillers=flexible))
-    assert decision.reason == "queued" and decision.value == 0.0
-    assert policy.duty[queued.endpoint.name].tokens == pytest.approx(5_000)  # counted as kept
+    decision = _decided(policy, context(tokens=5_000, dec=queued, prefillers=flexible))
+    assert decision.reason == "queued" and threshold_of(decision) == 0.0
+    assert policy.model.duty[queued.endpoint.name].tokens == pytest.approx(5_000)  # counted as kept
     # one dedicated prefiller among them is enough to drain to
     mixed = (*flexible, prefiller("p1", reading=load()))
-    assert policy.decide(context(tokens=5_000, dec=queued, prefillers=mixed)).reason == "drain"
+    assert _decided(policy, context(tokens=5_000, dec=queued, prefillers=mixed)).reason == "drain"
 
 
 def test_with_prefillers_that_also_decode_only_a_remote_path_that_meets_the_target_wins() -> None:
     policy = _policy()
-    policy.pools["decode"] = PoolModel(RATE / 2, RATE, itl=0.01, free_tokens=0.0)  # 5000/s
+    policy.model.pools["decode"] = PoolModel(RATE / 2, RATE, itl=0.01, free_tokens=0.0)  # 5000/s
     idle, flexible = prefiller(reading=load()), prefiller(reading=load(), role=Role.BOTH)
     # 4500 tokens: local 0.9 s, past the 0.8 s slack share; remote 0.495 s
-    moved = policy.decide(context(tokens=4_500, prefillers=(idle,)))
+    moved = _decided(policy, context(tokens=4_500, prefillers=(idle,)))
     assert moved.reason == "cost-model"
-    assert moved.value == pytest.approx(1 - 4000.5 / 4500)  # keeps 0.8 s of prefill
+    assert threshold_of(moved) == pytest.approx(1 - 4000.5 / 4500)  # keeps 0.8 s of prefill
     # to another decoder's queue: local meets the whole 1 s target, so it stays
-    kept = policy.decide(context(tokens=4_500, prefillers=(flexible,)))
-    assert kept.value == 0.0 and kept.reason == "local"
+    kept = _decided(policy, context(tokens=4_500, prefillers=(flexible,)))
+    assert threshold_of(kept) == 0.0 and kept.reason == "local"
     # 9000 tokens: local 1.8 s misses, remote 0.99 s meets it: keeps 1 s of prefill
-    moved = policy.decide(context(tokens=9_000, prefillers=(flexible,)))
+    moved = _decided(policy, context(tokens=9_000, prefillers=(flexible,)))
     assert moved.reason == "cost-model"
-    assert moved.value == pytest.approx(1 - 5000.5 / 9000)
+    assert threshold_of(moved) == pytest.approx(1 - 5000.5 / 9000)
     # both miss (remote 1.65 s for 15 000 tokens): local, where it is cheaper
-    assert policy.decide(context(tokens=15_000, prefillers=(flexible,))).value == 0.0
+    assert threshold_of(_decided(policy, context(tokens=15_000, prefillers=(flexible,)))) == 0.0
 
 
 def test_a_prefiller_that_also_decodes_has_no_share_of_this_prompt_cached() -> None:
@@ -299,8 +343,8 @@ def test_a_prefiller_that_also_decodes_has_no_share_of_this_prompt_cached() -> N
     flexible = prefiller(reading=warm, backlog=30_000, role=Role.BOTH)
     # its hit rate is its own conversations': it takes three quarters off its backlog
     # (30k queued: 0.75 s) and nothing off this prompt (2 s), plus the transfer
-    assert policy.remote_ttft(
-        context(tokens=20_000, prefillers=(flexible,)), policy.pools["decode"]
+    assert policy.model.remote_ttft(
+        context(tokens=20_000, prefillers=(flexible,)), policy.model.pools["decode"]
     ) == pytest.approx((30_000 * 0.25 + 20_000) / RATE + 0.2)
 
 
@@ -309,10 +353,12 @@ def test_a_queued_decoder_keeps_what_fits_its_room_the_rest_goes_to_a_warm_prefi
     warm = (prefiller(reading=LoadSnapshot(0, 0, 0.0, 0.0, prefix_hit_rate=0.9)),)
     # wait 0.4 s; room 0.8 - 0.4 = 0.4 s; remote 8000 * 0.1 / RATE + 0.08 = 0.16 s
     ctx = context(tokens=8_000, dec=decoder(backlog=4_000), prefillers=warm)
-    decision = policy.decide(ctx)
+    decision = _decided(policy, ctx)
     assert decision.reason == "cost-model"
-    assert decision.value == pytest.approx(1 - 4000.5 / 8000)
-    assert _admits(decision.value, 8_000, 4_000) and not _admits(decision.value, 8_000, 4_001)
+    assert threshold_of(decision) == pytest.approx(1 - 4000.5 / 8000)
+    assert _admits(threshold_of(decision), 8_000, 4_000) and not _admits(
+        threshold_of(decision), 8_000, 4_001
+    )
 
 
 def test_no_compatible_prefiller_means_local() -> None:
@@ -321,7 +367,7 @@ def test_no_compatible_prefiller_means_local() -> None:
 
 def test_learning_converges_to_a_changed_rate_and_ignores_unknown_caches() -> None:
     policy = _policy(alpha=0.2)
-    model = policy.pools["decode"]
+    model = policy.model.pools["decode"]
 
     def served(uncached: int, seconds: float, remote: bool = False, cached: int | None = 0) -> None:
         policy.observe(
@@ -347,7 +393,7 @@ def test_learning_converges_to_a_changed_rate_and_ignores_unknown_caches() -> No
 
 def test_a_remote_sample_faster_than_the_pool_could_prefill_is_a_cached_prompt() -> None:
     policy = _policy()
-    model = policy.pools["decode"]  # local 10k tokens/s, no seed: up to 20k/s is plausible
+    model = policy.model.pools["decode"]  # local 10k tokens/s, no seed: up to 20k/s is plausible
 
     def remote(tokens: int, prefill: float) -> None:
         ttft = prefill + tokens / PARAMS.transfer_tokens_per_s
@@ -372,15 +418,15 @@ def test_seeds_come_from_the_hardware_profile_else_the_parameter() -> None:
     other = Endpoint("d", "http://d:1", Role.DECODE, "h200", model="some/other-model")
     assert seed_rate(other, 1234.0) == 1234.0
     policy = build({"type": "goodput", "params": {"ttft": 2.0}})
-    assert isinstance(policy, GoodputPolicy) and policy.params.ttft == 2.0
-    policy.decide(context(dec=Candidate(h200, True, 0, None)))
-    pool = policy.pools[h200.pool]
+    assert isinstance(policy, GoodputPolicy) and policy.model.params.ttft == 2.0
+    _decided(policy, context(dec=Candidate(h200, True, 0, None)))
+    pool = policy.model.pools[h200.pool]
     assert pool.rate_local == pool.rate_remote == pool.seed == pytest.approx(1 / 29.5e-6)
     assert pool.attn == pytest.approx(0.96e-9)  # the profile's attention term
     linear = build({"type": "goodput", "params": {"prefill_attention": 0.0}})
     assert isinstance(linear, GoodputPolicy)
     linear.decide(context(dec=Candidate(h200, True, 0, None)))
-    assert linear.pools[h200.pool].attn == 0.0  # the parameter wins
+    assert linear.model.pools[h200.pool].attn == 0.0  # the parameter wins
 
 
 def test_a_prefill_pays_attention_over_every_token_before_each_new_one() -> None:
@@ -405,18 +451,18 @@ def test_attention_takes_a_long_local_prefill_past_the_target_and_it_goes_p_d() 
     flexible = (prefiller(reading=load(), role=Role.BOTH),)
     ctx = context(tokens=9_500, prefillers=flexible)
     linear = _policy()
-    linear.pools["decode"] = PoolModel(RATE, 2 * RATE, itl=0.01, free_tokens=0.0)
+    linear.model.pools["decode"] = PoolModel(RATE, 2 * RATE, itl=0.01, free_tokens=0.0)
     assert linear.decide(ctx).reason == "local"
     policy = _policy()
-    policy.pools["decode"] = PoolModel(RATE, 2 * RATE, itl=0.01, free_tokens=0.0, attn=5e-9)
+    policy.model.pools["decode"] = PoolModel(RATE, 2 * RATE, itl=0.01, free_tokens=0.0, attn=5e-9)
     # remote: 0.475 s + 0.226 s of attention + 0.095 s of transfer meets the target
-    decision = policy.decide(ctx)
+    decision = _decided(policy, ctx)
     assert decision.reason == "cost-model"
-    assert not _admits(decision.value, 9_500, 9_500)
+    assert not _admits(threshold_of(decision), 9_500, 9_500)
     # the decoder keeps what it prefills within the target
-    kept = policy.pools["decode"].tokens_within(1.0, 9_500)
-    assert _admits(decision.value, 9_500, round(kept))
-    assert not _admits(decision.value, 9_500, round(kept) + 1)
+    kept = policy.model.pools["decode"].tokens_within(1.0, 9_500)
+    assert _admits(threshold_of(decision), 9_500, round(kept))
+    assert not _admits(threshold_of(decision), 9_500, round(kept) + 1)
 
 
 def test_a_long_prefill_at_the_engine_s_speed_leaves_the_learnt_rates_where_they_are() -> None:
@@ -426,8 +472,8 @@ def test_a_long_prefill_at_the_engine_s_speed_leaves_the_learnt_rates_where_they
         "d", "http://d:1", Role.DECODE, "h200", model="meta-llama/Llama-3.1-8B-Instruct"
     )
     policy = GoodputPolicy(PARAMS)
-    policy.decide(context(dec=Candidate(h200, True, 0, None)))
-    model = policy.pools[h200.pool]
+    _decided(policy, context(dec=Candidate(h200, True, 0, None)))
+    model = policy.model.pools[h200.pool]
     profile = model.profile
     assert profile is not None
     prefill = profile.prefill_seconds(25_000, 0)
@@ -455,17 +501,17 @@ def test_before_any_itl_the_bare_step_is_the_hardware_profile_s() -> None:
         "d", "http://d:1", Role.DECODE, "h200", model="meta-llama/Llama-3.1-8B-Instruct"
     )
     policy = GoodputPolicy(PARAMS)
-    policy.out_mean = 100
+    policy.model.out_mean = 100
     busy = context(tokens=4_000, dec=Candidate(h200, True, 50, None))
-    assert policy.decide(busy).reason == "local"  # its 4000 tokens count in the share
-    model = policy.pools[h200.pool]
+    assert _decided(policy, busy).reason == "local"  # its 4000 tokens count in the share
+    model = policy.model.pools[h200.pool]
     assert model.itl is None and model.profile is profile_of(h200) is not None
     # 50 streams of about 4000 + 50 tokens each, no prefill: the profile's roofline
     step = model.profile.step_seconds(50 * 4_050, 50, 0.0)
     allowed = 1 - step / (0.03 * 0.5)
     left = allowed * 3.0 * model.rate_local - 4_000
     assert left > model.free_tokens
-    assert policy.stall_limit(busy, model) == pytest.approx(left)
+    assert policy.model.stall_limit(busy, model) == pytest.approx(left)
     other = Endpoint("o", "http://o:1", Role.DECODE, "h200", model="some/other-model", pool="o")
     assert profile_of(other) is None  # no profile: no step until the ITL is observed
 
@@ -475,8 +521,8 @@ def test_a_crowded_decoder_steps_as_its_profile_says_whatever_the_pool_s_itl() -
         "d", "http://d:1", Role.DECODE, "h200", model="meta-llama/Llama-3.1-8B-Instruct"
     )
     policy = GoodputPolicy(PARAMS)
-    policy.out_mean, policy.prompt_mean = 100, 4_000
-    model = policy._pool(h200)
+    policy.model.out_mean, policy.model.prompt_mean = 100, 4_000
+    model = policy.model.pool(h200)
     assert model.profile is not None
     model.itl = 0.010  # the pool's mean, learnt while its decoders were quiet
     # four streams: the profile's step (about 7 ms) is below the observed 10 ms, which
@@ -484,17 +530,19 @@ def test_a_crowded_decoder_steps_as_its_profile_says_whatever_the_pool_s_itl() -
     assert model.profile.step_seconds(4 * 4_050, 4, 0.0) < 0.010
     quiet = context(tokens=4_000, dec=Candidate(h200, True, 4, None))
     left = (1 - 0.010 / (0.03 * 0.5)) * 3.0 * model.rate_local
-    assert policy.stall_limit(quiet, model) == pytest.approx(left)
+    assert policy.model.stall_limit(quiet, model) == pytest.approx(left)
     # 150 streams of 4k tokens: the profile's step is past the goal's 15 ms on its own,
     # so only what a step carries for free is left, and 1,000 uncached tokens go P/D
     assert model.profile.step_seconds(150 * 4_050, 150, 0.0) > 0.015
     crowded = context(tokens=4_000, cached=3_000, dec=Candidate(h200, True, 150, None))
-    assert policy.stall_limit(crowded, model) == model.free_tokens
-    decision = policy.decide(crowded)
-    assert decision.reason == "stall" and not _admits(decision.value, 4_000, 1_000)
+    assert policy.model.stall_limit(crowded, model) == model.free_tokens
+    decision = _decided(policy, crowded)
+    assert decision.reason == "stall" and not _admits(threshold_of(decision), 4_000, 1_000)
     # the same prompt on the quiet decoder stays
     assert _admits(
-        policy.decide(context(tokens=4_000, cached=3_000, dec=quiet.decoder)).value, 4_000, 1_000
+        threshold_of(_decided(policy, context(tokens=4_000, cached=3_000, dec=quiet.decoder))),
+        4_000,
+        1_000,
     )
 
 
@@ -513,55 +561,55 @@ def test_a_crowded_decoder_spills_the_prompt_whole_to_a_prefiller_that_serves_wh
     None
 ):
     policy = GoodputPolicy(PARAMS)  # the stream goal: 15 ms a step
-    policy.out_mean, policy.prompt_mean = 100, 4_000
+    policy.model.out_mean, policy.model.prompt_mean = 100, 4_000
     crowded, quiet = _h200("d", streams=150), _h200("d", streams=4)
     spilling = _h200("p0", Role.PREFILL, spill=True, streams=10)
 
-    def decide(dec: Candidate, *prefillers: Candidate) -> ThresholdDecision:
-        return policy.decide(context(tokens=4_000, cached=3_000, dec=dec, prefillers=prefillers))
+    def decide(dec: Candidate, *prefillers: Candidate) -> Route:
+        return _decided(policy, context(tokens=4_000, cached=3_000, dec=dec, prefillers=prefillers))
 
     # 150 streams of 4k tokens step past the goal: the stream goes where 10 decode
-    assert decide(crowded, spilling) == ThresholdDecision(0.0, "goodput", "spill", decoder="p0")
+    assert decide(crowded, spilling) == Whole("goodput", "spill", "p0")
     # never to one out of rotation
-    assert decide(crowded, replace(spilling, healthy=False)).decoder is None
+    assert _named(decide(crowded, replace(spilling, healthy=False))) is None
     # a prefiller whose pool does not spill: the prompt goes P/D and the stream stays
     assert decide(crowded, _h200("p0", Role.PREFILL)).reason == "stall"
     # a quiet decoder keeps it
     assert decide(quiet, spilling).reason == "local"
     # a prefiller as crowded as the decoder is no better place for the stream
-    assert decide(crowded, _h200("p0", Role.PREFILL, spill=True, streams=150)).decoder is None
+    assert _named(decide(crowded, _h200("p0", Role.PREFILL, spill=True, streams=150))) is None
     # of two that answer as soon, the one with fewer streams
     fuller = _h200("p1", Role.PREFILL, spill=True, streams=60)
-    assert decide(crowded, fuller, spilling).decoder == "p0"
+    assert _named(decide(crowded, fuller, spilling)) == "p0"
     # one that holds the prompt (by the gateway's prefix index) answers sooner
     held = context(tokens=4_000, cached=3_000, dec=crowded, prefillers=(fuller, spilling))
-    held = replace(held, cached_on=lambda e: 4_000 if e.name == "p1" else 0)
-    assert policy.decide(held).decoder == "p1"
+    held = _holding(held, lambda e: 4_000 if e.name == "p1" else 0)
+    assert _named(_decided(policy, held)) == "p1"
     # one whose queue alone takes the whole TTFT target is no place for the prompt
-    rate = policy._pool(spilling.endpoint).rate_local
+    rate = policy.model.pool(spilling.endpoint).rate_local
     behind = _h200("p0", Role.PREFILL, spill=True, streams=10, backlog=round(rate))
-    assert decide(crowded, behind).decoder is None
+    assert _named(decide(crowded, behind)) is None
 
 
 def test_a_queued_decoder_spills_to_a_prefiller_that_starts_the_prompt_sooner() -> None:
     policy = _policy()  # no profile: the decoder's step is its pool's ITL, 10 ms
-    policy.pools["prefill"] = PoolModel(RATE, RATE)
+    policy.model.pools["prefill"] = PoolModel(RATE, RATE)
     queued = decoder(backlog=20_000)  # 2 s of prefill ahead: past 0.8 of the target
 
     def spilling(backlog: int = 0) -> Candidate:
         endpoint = Endpoint("p0", "http://p0:1", Role.PREFILL, "h200", pool="prefill", spill=True)
         return Candidate(endpoint, True, 0, None, backlog)
 
-    def decide(dec: Candidate, prefiller: Candidate) -> ThresholdDecision:
-        return policy.decide(context(tokens=2_000, cached=0, dec=dec, prefillers=(prefiller,)))
+    def decide(dec: Candidate, prefiller: Candidate) -> Route:
+        return _decided(policy, context(tokens=2_000, cached=0, dec=dec, prefillers=(prefiller,)))
 
-    assert decide(queued, spilling()) == ThresholdDecision(0.0, "goodput", "spill", decoder="p0")
+    assert decide(queued, spilling()) == Whole("goodput", "spill", "p0")
     # a prefiller that would answer after the TTFT target (1.05 s): nor would a drain
     # to it meet the target (1.07 s, against 2.2 s locally), so the prompt waits
     late = decide(queued, spilling(8_500))
-    assert late.reason == "queued" and late.value == 0.0
+    assert late.reason == "queued" and threshold_of(late) == 0.0
     # with 6,000 tokens queued there it answers the whole request in 0.8 s
-    assert decide(queued, spilling(6_000)).decoder == "p0"
+    assert _named(decide(queued, spilling(6_000))) == "p0"
     # served whole, its queue counts whole whatever its hit rate (it decodes what it
     # serves whole meanwhile): with a 90% hit rate read, 9,900 tokens queued are 0.99 s,
     # and the request is not served there; a P/D prefill there (0.14 s at that hit
@@ -582,37 +630,40 @@ def test_a_spilling_prefiller_the_routing_picks_serves_the_prompt_whole_if_it_wo
 
     def picked(
         pick: Candidate, held: int, others: tuple[Candidate, ...] = (prefiller("p1"),)
-    ) -> tuple[GoodputPolicy, ThresholdDecision]:
+    ) -> tuple[GoodputPolicy, Route]:
         policy = _policy()
-        policy.pools["prefill"] = PoolModel(RATE, RATE)
+        policy.model.pools["prefill"] = PoolModel(RATE, RATE)
         asked = context(tokens=4_000, cached=held, dec=pick, prefillers=others)
-        return policy, policy.decide(asked)
+        return policy, _decided(policy, asked)
 
     # the routing picked p0, which holds 3,500 of the 4,000 tokens: 50 ms of prefill there
     policy, decision = picked(spilling(), 3_500)
-    assert decision == ThresholdDecision(0.0, "goodput", "spill", decoder="p0")
+    assert decision == Whole("goodput", "spill", "p0")
     # the 500 tokens it prefills count in its duty cycle
-    assert policy.duty["p0"].tokens == pytest.approx(500)
+    assert policy.model.duty["p0"].tokens == pytest.approx(500)
     # holding none of it, 0.4 s of prefill there still meets the target
-    assert picked(spilling(), 0)[1].decoder == "p0"
+    assert _named(picked(spilling(), 0)[1]) == "p0"
     # its queue spends the target (1 s of prefill ahead): it declines the request (the
     # planner then ranks the decoders alone), and its duty cycle counts nothing
     policy, decision = picked(spilling(backlog=10_000), 0)
-    assert decision == ThresholdDecision(1.0, "goodput", "declined") and not policy.duty
+    assert decision == Decline("goodput", "declined") and not policy.model.duty
     # the only prefiller: no remote path to weigh, so it takes what its queue has room for
-    assert picked(spilling(), 0, others=())[1].decoder == "p0"
+    assert _named(picked(spilling(), 0, others=())[1]) == "p0"
     assert picked(spilling(backlog=10_000), 0, others=())[1].reason == "declined"
     # a 20,000-token prompt it holds 19,000 of, with remote prefill twice as fast: the
     # remote path takes 1.2 s, so the cost model keeps at most 12,000 uncached tokens
     # there (a threshold, not ``local``); the 1,000 it lacks are within that
     policy = _policy()
-    policy.pools["prefill"] = PoolModel(RATE, 2 * RATE)
+    policy.model.pools["prefill"] = PoolModel(RATE, 2 * RATE)
     long = context(tokens=20_000, cached=19_000, dec=spilling(), prefillers=(prefiller("p1"),))
-    decision = policy.decide(long)
-    assert decision == ThresholdDecision(0.0, "goodput", "spill", decoder="p0")
-    assert policy.duty["p0"].tokens == pytest.approx(1_000)
+    decision = _decided(policy, long)
+    assert decision == Whole("goodput", "spill", "p0")
+    assert policy.model.duty["p0"].tokens == pytest.approx(1_000)
     # holding none of it, 20,000 tokens exceed what it keeps: declined
-    assert policy.decide(replace(long, cached_tokens=0)).reason == "declined"
+    assert (
+        _decided(policy, _holding(long, lambda e: 0 if e.name == "p0" else None)).reason
+        == "declined"
+    )
 
 
 def test_a_routed_pick_counts_its_queue_at_the_prompt_s_share_when_its_reading_says_less() -> None:
@@ -622,19 +673,19 @@ def test_a_routed_pick_counts_its_queue_at_the_prompt_s_share_when_its_reading_s
     endpoint = Endpoint("p0", "http://p0:1", Role.PREFILL, "h200", pool="prefill", spill=True)
     pick = Candidate(endpoint, True, 10, reading, 60_000)
     policy = _policy()
-    policy.pools["prefill"] = PoolModel(RATE, RATE)
+    policy.model.pools["prefill"] = PoolModel(RATE, RATE)
     asked = context(tokens=6_000, cached=5_400, dec=pick, prefillers=(prefiller("p1"),))
     # at the prompt's 90%: 0.6 s of prefill ahead, room in the 0.8 s share: served whole
-    assert policy.decide(asked) == ThresholdDecision(0.0, "goodput", "spill", decoder="p0")
+    assert _decided(policy, asked) == Whole("goodput", "spill", "p0")
     # a reading above the prompt's share stands: at 95%, 0.3 s
     warmer = replace(pick, load=LoadSnapshot(0, 0, 0.0, 0.0, prefix_hit_rate=0.95))
-    assert policy.local_wait(replace(asked, decoder=warmer), policy.pools["prefill"]) == (
+    assert _wait(policy, replace(asked, decoder=warmer), policy.model.pools["prefill"]) == (
         pytest.approx(0.3)
     )
     # a decoder with the same queue and reading counts it at its reading's 50%: 3 s
     # ahead, it drains the prompt to the idle prefiller
     queued = Candidate(decoder().endpoint, True, 10, reading, 60_000)
-    assert policy.decide(replace(asked, decoder=queued)).reason == "drain"
+    assert _decided(policy, replace(asked, decoder=queued)).reason == "drain"
 
 
 def test_a_queued_routed_pick_serves_the_prompt_whole_only_if_it_still_answers_in_time() -> None:
@@ -647,13 +698,13 @@ def test_a_queued_routed_pick_serves_the_prompt_whole_only_if_it_still_answers_i
         return context(tokens=1_000, cached=0, dec=pick, prefillers=(busy,))
 
     policy = _policy()
-    policy.pools["prefill"] = PoolModel(RATE, RATE)
+    policy.model.pools["prefill"] = PoolModel(RATE, RATE)
     # 0.85 s queued spends the 0.8 s share, but the answer starts at 0.95 s: served whole
-    assert policy.decide(asked(8_500)) == ThresholdDecision(0.0, "goodput", "spill", decoder="p0")
-    assert policy.duty["p0"].tokens == pytest.approx(1_000)
+    assert _decided(policy, asked(8_500)) == Whole("goodput", "spill", "p0")
+    assert policy.model.duty["p0"].tokens == pytest.approx(1_000)
     # 0.95 s queued: 1.05 s, past the target; declined, and its duty cycle is unchanged
-    assert policy.decide(asked(9_500)) == ThresholdDecision(1.0, "goodput", "declined")
-    assert policy.duty["p0"].tokens == pytest.approx(1_000)
+    assert _decided(policy, asked(9_500)) == Decline("goodput", "declined")
+    assert policy.model.duty["p0"].tokens == pytest.approx(1_000)
     # a decoder in the same state keeps the prompt all the same (reason ``queued``)
-    queued = policy.decide(replace(asked(9_500), decoder=decoder(backlog=9_500)))
-    assert queued == ThresholdDecision(0.0, "goodput", "queued")
+    queued = _decided(policy, replace(asked(9_500), decoder=decoder(backlog=9_500)))
+    assert queued == Local("goodput", "queued")

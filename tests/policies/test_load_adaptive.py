@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from pd_orchestrator.model.load import Candidate, LoadSnapshot
+from pd_orchestrator.model.route import threshold_of
 from pd_orchestrator.policies import LoadAdaptiveParams, LoadAdaptivePolicy, ThresholdPolicy
 from tests.policies.helpers import IDLE_PREFILL, build, context, decoder, load, prefiller
 
@@ -71,15 +72,15 @@ def test_target_table(
     dec: Candidate, prefillers: Sequence[Candidate], value: float, reason: str
 ) -> None:
     decision = _policy().decide(context(dec=dec, prefillers=prefillers))
-    assert decision.value == pytest.approx(value)
+    assert threshold_of(decision) == pytest.approx(value)
     assert (decision.policy, decision.reason) == ("load-adaptive", reason)
 
 
 def test_bounds_are_configurable() -> None:
     policy = _policy(floor=0.5, base=0.6, ceiling=0.8)
     assert policy.bounds == (0.5, 0.8)
-    assert policy.decide(context(dec=BUSY)).value == 0.8
-    assert policy.decide(context(dec=decoder("d1"), prefillers=QUEUEING)).value == 0.5
+    assert threshold_of(policy.decide(context(dec=BUSY))) == 0.8
+    assert threshold_of(policy.decide(context(dec=decoder("d1"), prefillers=QUEUEING))) == 0.5
 
 
 @pytest.mark.parametrize(
@@ -100,12 +101,12 @@ def test_inconsistent_params_are_refused(params: dict[str, Any], fragment: str) 
 def test_a_load_change_is_smoothed_in_time() -> None:
     policy = _policy(smoothing_seconds=5.0, dead_band=0.0)
     idle = decoder(reading=load())
-    assert policy.decide(context(dec=idle, now=0.0)).value == pytest.approx(0.7)
-    first = policy.decide(context(dec=BUSY, now=1.0)).value
+    assert threshold_of(policy.decide(context(dec=idle, now=0.0))) == pytest.approx(0.7)
+    first = threshold_of(policy.decide(context(dec=BUSY, now=1.0)))
     assert first == pytest.approx(0.7 + 0.25 * (1 - math.exp(-1 / 5)))
-    same_instant = policy.decide(context(dec=BUSY, now=1.0)).value
+    same_instant = threshold_of(policy.decide(context(dec=BUSY, now=1.0)))
     assert same_instant == first  # no time passed: no move
-    later = policy.decide(context(dec=BUSY, now=60.0)).value
+    later = threshold_of(policy.decide(context(dec=BUSY, now=60.0)))
     assert later == pytest.approx(0.95, abs=1e-4)
 
 
@@ -114,13 +115,15 @@ def test_a_queueing_prefill_pool_settles_the_threshold_at_exactly_the_floor() ->
     must settle there, not approach it forever."""
     policy = _policy()  # the defaults: floor 0, lower_by 0.7
     values = [
-        policy.decide(context(prefillers=QUEUEING, now=0.5 * step)).value for step in range(200)
+        threshold_of(policy.decide(context(prefillers=QUEUEING, now=0.5 * step)))
+        for step in range(200)
     ]
     assert values[0] == 0.0  # the first request takes the target as is
     policy = _policy()
     policy.decide(context(now=0.0))  # idle: 0.7
     values = [
-        policy.decide(context(prefillers=QUEUEING, now=0.5 * step)).value for step in range(1, 200)
+        threshold_of(policy.decide(context(prefillers=QUEUEING, now=0.5 * step)))
+        for step in range(1, 200)
     ]
     assert values[-1] == 0.0
     assert all(a >= b for a, b in itertools.pairwise(values))  # monotone descent
@@ -129,16 +132,16 @@ def test_a_queueing_prefill_pool_settles_the_threshold_at_exactly_the_floor() ->
 def test_without_smoothing_the_value_follows_the_target() -> None:
     policy = _policy(smoothing_seconds=0.0, dead_band=0.0)
     policy.decide(context(now=0.0))
-    assert policy.decide(context(dec=BUSY, now=0.5)).value == pytest.approx(0.95)
+    assert threshold_of(policy.decide(context(dec=BUSY, now=0.5))) == pytest.approx(0.95)
 
 
 def test_moves_smaller_than_the_dead_band_are_not_sent() -> None:
     policy = _policy(smoothing_seconds=0.0, dead_band=0.05)
-    assert policy.decide(context(now=0.0)).value == pytest.approx(0.7)
+    assert threshold_of(policy.decide(context(now=0.0))) == pytest.approx(0.7)
     slightly = decoder(reading=load(running=8))  # target 0.73125
-    assert policy.decide(context(dec=slightly, now=1.0)).value == pytest.approx(0.7)
+    assert threshold_of(policy.decide(context(dec=slightly, now=1.0))) == pytest.approx(0.7)
     more = decoder(reading=load(running=16))  # target 0.7625
-    assert policy.decide(context(dec=more, now=2.0)).value == pytest.approx(0.7625)
+    assert threshold_of(policy.decide(context(dec=more, now=2.0))) == pytest.approx(0.7625)
 
 
 def test_each_decoder_is_smoothed_on_its_own() -> None:
@@ -148,8 +151,8 @@ def test_each_decoder_is_smoothed_on_its_own() -> None:
     for step in range(200):
         a = policy.decide(context(dec=busy, now=step * 0.5))
         b = policy.decide(context(dec=idle, now=step * 0.5))
-    assert a.value == pytest.approx(0.95, abs=0.02)
-    assert b.value == pytest.approx(0.7)
+    assert threshold_of(a) == pytest.approx(0.95, abs=0.02)
+    assert threshold_of(b) == pytest.approx(0.7)
 
 
 def test_a_replay_decides_alike() -> None:
@@ -212,7 +215,7 @@ def test_values_stay_within_bounds(
     now = 0.0
     for dec, prefillers, dt in steps:
         now += dt
-        value = policy.decide(context(dec=dec, prefillers=prefillers, now=now)).value
+        value = threshold_of(policy.decide(context(dec=dec, prefillers=prefillers, now=now)))
         assert low <= value <= high
 
 
@@ -236,7 +239,7 @@ def test_a_constant_load_converges_and_stays_put(
     now, values = 0.0, []
     for gap in gaps:
         now += gap
-        values.append(policy.decide(context(dec=dec, prefillers=prefillers, now=now)).value)
+        values.append(threshold_of(policy.decide(context(dec=dec, prefillers=prefillers, now=now))))
     target = policy.target(context(dec=dec, prefillers=prefillers))
     tail = values[200:]  # at least 100 s, 20 time constants, after the start
     assert max(tail) - min(tail) < 1e-6
@@ -246,5 +249,7 @@ def test_a_constant_load_converges_and_stays_put(
 def test_noise_within_the_dead_band_leaves_the_value_steady() -> None:
     policy = _policy(smoothing_seconds=5.0, dead_band=0.02)
     noisy = [decoder(reading=load(running=r)) for r in (30, 34, 31, 33)]
-    values = [policy.decide(context(dec=noisy[i % 4], now=i * 0.5)).value for i in range(400)]
+    values = [
+        threshold_of(policy.decide(context(dec=noisy[i % 4], now=i * 0.5))) for i in range(400)
+    ]
     assert len(set(values[100:])) == 1

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from pd_orchestrator.policies import ThresholdDecision
+from pd_orchestrator.model.route import at
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
 
 
 def test_record_threshold_counts_by_policy_and_reason() -> None:
     metrics = GatewayMetrics()
     for decision in (
-        ThresholdDecision(0.95, "load-adaptive", "decoder-busy"),
-        ThresholdDecision(0.9, "load-adaptive", "decoder-busy"),
-        ThresholdDecision(0.2, "client", "client-supplied"),
+        at(0.95, "load-adaptive", "decoder-busy"),
+        at(0.9, "load-adaptive", "decoder-busy"),
+        at(0.2, "client", "client-supplied"),
     ):
         metrics.record_threshold(decision)
     sample = metrics.registry.get_sample_value

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from pd_orchestrator.model.route import threshold_of
 from pd_orchestrator.policies.peers import DynamoPolicy, LlmdPolicy, prefill_queue
 from tests.policies.helpers import build, context, load, prefiller
 
@@ -19,13 +20,13 @@ def test_dynamo_keeps_a_short_uncached_part_local_and_sends_a_long_one_remote() 
     cached is remote while the queue is short, local once it is deep."""
     policy = DynamoPolicy(max_local_prefill_length=4096, max_prefill_queue_size=8)
     short = policy.decide(context(tokens=1000))
-    assert short.value == 0.0 and short.reason == "short-prompt"
+    assert threshold_of(short) == 0.0 and short.reason == "short-prompt"
     long = policy.decide(context(tokens=8192))
-    assert not _admits(long.value, 8192, 8192 - 100)  # 8092 uncached: remote
-    assert _admits(long.value, 8192, 4096) and not _admits(long.value, 8192, 4097)
+    assert not _admits(threshold_of(long), 8192, 8192 - 100)  # 8092 uncached: remote
+    assert _admits(threshold_of(long), 8192, 4096) and not _admits(threshold_of(long), 8192, 4097)
     deep = (prefiller("p0", reading=load(running=6, waiting=5)),)
     full = policy.decide(context(tokens=8192, prefillers=deep))
-    assert full.value == 0.0 and full.reason == "prefill-queue-full"
+    assert threshold_of(full) == 0.0 and full.reason == "prefill-queue-full"
 
 
 def test_dynamo_defaults_are_dynamo_s() -> None:
@@ -33,7 +34,9 @@ def test_dynamo_defaults_are_dynamo_s() -> None:
     assert isinstance(policy, DynamoPolicy)
     assert (policy.max_local_prefill_length, policy.max_prefill_queue_size) == (1000, 2)
     decision = policy.decide(context(tokens=3000))
-    assert _admits(decision.value, 3000, 1000) and not _admits(decision.value, 3000, 1001)
+    assert _admits(threshold_of(decision), 3000, 1000) and not _admits(
+        threshold_of(decision), 3000, 1001
+    )
 
 
 def test_the_prefill_queue_counts_what_waits_beyond_one_request_per_prefiller() -> None:
@@ -50,9 +53,11 @@ def test_llm_d_disaggregates_from_non_cached_tokens_and_never_by_default() -> No
     off = build({"type": "llm-d"})
     assert off.decide(context(tokens=50_000)).reason == "disabled"
     policy = LlmdPolicy(non_cached_tokens=16)
-    assert policy.decide(context(tokens=10)).value == 0.0
+    assert threshold_of(policy.decide(context(tokens=10))) == 0.0
     decision = policy.decide(context(tokens=1000))
-    assert _admits(decision.value, 1000, 15) and not _admits(decision.value, 1000, 16)
+    assert _admits(threshold_of(decision), 1000, 15) and not _admits(
+        threshold_of(decision), 1000, 16
+    )
 
 
 @pytest.mark.parametrize(

@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from pd_orchestrator.model.route import Route, threshold_of
 from pd_orchestrator.policies import (
     LatencyObservation,
     SloFeedbackParams,
     SloFeedbackPolicy,
-    ThresholdDecision,
 )
 from pd_orchestrator.policies.slo_feedback import percentile
 from tests.policies.helpers import context
@@ -37,9 +37,7 @@ def _feed(
         policy.observe(LatencyObservation("m", "decode", at, ttft=ttft, itl=itl))
 
 
-def _step(
-    policy: SloFeedbackPolicy, at: float, ttft: float | None, itl: float | None
-) -> ThresholdDecision:
+def _step(policy: SloFeedbackPolicy, at: float, ttft: float | None, itl: float | None) -> Route:
     """Feed samples at ``at``, then decide one interval later (one control step)."""
     _feed(policy, at, ttft, itl)
     return policy.decide(context(now=at + policy.params.interval))
@@ -53,7 +51,11 @@ def _started(**params: Any) -> SloFeedbackPolicy:
 
 def test_it_starts_at_base_warming_up() -> None:
     decision = _policy().decide(context(now=0.0))
-    assert (decision.value, decision.policy, decision.reason) == (0.7, "slo-feedback", "warming-up")
+    assert (threshold_of(decision), decision.policy, decision.reason) == (
+        0.7,
+        "slo-feedback",
+        "warming-up",
+    )
 
 
 @pytest.mark.parametrize(
@@ -81,7 +83,7 @@ def test_it_starts_at_base_warming_up() -> None:
 )
 def test_one_step_table(ttft: float, itl: float | None, value: float, reason: str) -> None:
     decision = _step(_started(), 0.0, ttft, itl)
-    assert decision.value == pytest.approx(value)
+    assert threshold_of(decision) == pytest.approx(value)
     assert decision.reason == reason
 
 
@@ -91,31 +93,35 @@ def test_with_headroom_it_relaxes_towards_base() -> None:
         _step(policy, 5.0 * k, 0.5, 0.5)
     assert policy.threshold == pytest.approx(0.85)
     relaxed = [_step(policy, 15.0 + 5.0 * k, 0.1, 0.01) for k in range(8)]
-    assert [d.value for d in relaxed[:6]] == pytest.approx([0.825, 0.8, 0.775, 0.75, 0.725, 0.7])
+    assert [threshold_of(d) for d in relaxed[:6]] == pytest.approx(
+        [0.825, 0.8, 0.775, 0.75, 0.725, 0.7]
+    )
     assert relaxed[0].reason == "relaxing"
-    assert relaxed[-1].value == pytest.approx(0.7) and relaxed[-1].reason == "within-targets"
+    assert (
+        threshold_of(relaxed[-1]) == pytest.approx(0.7) and relaxed[-1].reason == "within-targets"
+    )
 
 
 def test_a_move_restarts_the_window() -> None:
     policy = _started()
     raised = _step(policy, 0.0, 0.5, 0.5)
-    assert raised.value == pytest.approx(0.75)
+    assert threshold_of(raised) == pytest.approx(0.75)
     # No sample since the move: the next steps hold, whatever came before.
     held = policy.decide(context(now=10.0))
-    assert (held.value, held.reason) == (raised.value, "itl-over-target")
+    assert (threshold_of(held), held.reason) == (threshold_of(raised), "itl-over-target")
 
 
 def test_too_few_samples_hold() -> None:
     policy = _started(min_samples=50)
     decision = _step(policy, 0.0, 10.0, 10.0)
-    assert (decision.value, decision.reason) == (0.7, "warming-up")
+    assert (threshold_of(decision), decision.reason) == (0.7, "warming-up")
 
 
 def test_samples_older_than_the_window_are_forgotten() -> None:
     policy = _started(window=10.0)
     _feed(policy, 0.0, 10.0, 10.0)
     decision = policy.decide(context(now=30.0))
-    assert decision.value == 0.7
+    assert threshold_of(decision) == 0.7
 
 
 def test_steps_are_at_least_an_interval_apart() -> None:
@@ -123,8 +129,8 @@ def test_steps_are_at_least_an_interval_apart() -> None:
     first = _step(policy, 0.0, 0.5, 0.5)
     _feed(policy, 5.0, 0.5, 0.5)
     again = policy.decide(context(now=9.0))  # 4 s after the last step
-    assert again.value == first.value
-    assert policy.decide(context(now=10.0)).value > first.value
+    assert threshold_of(again) == threshold_of(first)
+    assert threshold_of(policy.decide(context(now=10.0))) > threshold_of(first)
 
 
 def test_sustained_violations_stop_at_the_bounds() -> None:
@@ -132,8 +138,8 @@ def test_sustained_violations_stop_at_the_bounds() -> None:
     for k in range(40):
         _step(up, 5.0 * k, 0.1, 1.0)
         _step(down, 5.0 * k, 10.0, 0.01)
-    assert up.decide(context(now=1000.0)).value == 0.95
-    assert down.decide(context(now=1000.0)).value == 0.0
+    assert threshold_of(up.decide(context(now=1000.0))) == 0.95
+    assert threshold_of(down.decide(context(now=1000.0))) == 0.0
     assert up.bounds == (0.0, 0.95)
 
 
@@ -171,7 +177,7 @@ latency = st.floats(0.001, 20.0)
 def test_values_stay_within_bounds(steps: list[tuple[float, float]], gain: float) -> None:
     policy = _started(gain=gain, floor=0.2, base=0.5, ceiling=0.9)
     for k, (ttft, itl) in enumerate(steps):
-        value = _step(policy, 5.0 * k, ttft, itl).value
+        value = threshold_of(_step(policy, 5.0 * k, ttft, itl))
         assert 0.2 <= value <= 0.9
 
 
@@ -181,7 +187,7 @@ def test_itl_over_target_raises_until_the_ceiling(itls: list[float], ttft: float
     policy = _started()
     before = policy.threshold
     for k, itl in enumerate(itls):
-        value = _step(policy, 5.0 * k, ttft, itl).value
+        value = threshold_of(_step(policy, 5.0 * k, ttft, itl))
         assert value > before or value == policy.params.ceiling
         before = value
 
@@ -197,7 +203,7 @@ def test_ttft_over_target_with_itl_met_lowers_until_the_floor(
     policy = _started()
     before = policy.threshold
     for k, ttft in enumerate(ttfts):
-        value = _step(policy, 5.0 * k, ttft, itl).value
+        value = threshold_of(_step(policy, 5.0 * k, ttft, itl))
         assert value < before or value == policy.params.floor
         before = value
 
@@ -213,6 +219,6 @@ def test_with_headroom_it_never_moves_away_from_base(start: int, ttft: float, it
     policy.threshold = 0.7 + 0.05 * start
     for k in range(30):
         before = abs(policy.threshold - 0.7)
-        after = abs(_step(policy, 5.0 * k, ttft, itl).value - 0.7)
+        after = abs(threshold_of(_step(policy, 5.0 * k, ttft, itl)) - 0.7)
         assert after <= before + 1e-12
     assert policy.threshold == pytest.approx(0.7)

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pd_orchestrator.model.route import threshold_of
 from tests.policies.helpers import build, context
 
 
@@ -25,7 +26,11 @@ def test_static_is_fixed(spec: dict[str, Any], value: float) -> None:
     policy = build(spec)
     for tokens in (0, 10, 100_000):
         decision = policy.decide(context(tokens=tokens))
-        assert (decision.value, decision.policy, decision.reason) == (value, "static", "fixed")
+        assert (threshold_of(decision), decision.policy, decision.reason) == (
+            value,
+            "static",
+            "fixed",
+        )
     assert policy.bounds == (value, value)
 
 
@@ -70,14 +75,14 @@ def test_min_uncached_tokens_table(
     tokens: int, n: int, ratio: float | None, value: float, reason: str
 ) -> None:
     decision = _min_uncached(n, ratio).decide(context(tokens=tokens))
-    assert decision.value == pytest.approx(value)
+    assert threshold_of(decision) == pytest.approx(value)
     assert (decision.policy, decision.reason) == ("min-uncached-tokens", reason)
 
 
 def test_min_uncached_tokens_defaults_to_dynamos_budget() -> None:
     policy = build({"type": "min-uncached-tokens"})
-    assert policy.decide(context(tokens=2047)).value == 0.0
-    assert policy.decide(context(tokens=2049)).value > 0.0
+    assert threshold_of(policy.decide(context(tokens=2047))) == 0.0
+    assert threshold_of(policy.decide(context(tokens=2049))) > 0.0
     assert policy.bounds == (0.0, 1.0)
     assert _min_uncached(ratio=0.7).bounds == (pytest.approx(0.3), 1.0)
 
@@ -91,7 +96,7 @@ def test_admits_exactly_when_fewer_than_n_tokens_are_uncached(
     prompt: int, budget: int, data: st.DataObject
 ) -> None:
     hits = data.draw(st.integers(0, prompt))
-    threshold = _min_uncached(budget).decide(context(tokens=prompt)).value
+    threshold = threshold_of(_min_uncached(budget).decide(context(tokens=prompt)))
     admitted = hits / prompt >= threshold  # the decoder's rule (RFC 24256)
     assert admitted == (prompt - hits < budget)
     assert 0.0 <= threshold <= 1.0
@@ -108,7 +113,7 @@ def test_the_ratio_bound_adds_a_second_condition(
 ) -> None:
     hits = data.draw(st.integers(0, prompt))
     policy = _min_uncached(budget, ratio)
-    threshold = policy.decide(context(tokens=prompt)).value
+    threshold = threshold_of(policy.decide(context(tokens=prompt)))
     low, high = policy.bounds
     assert low <= threshold <= high
     admitted = hits / prompt >= threshold

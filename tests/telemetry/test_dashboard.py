@@ -18,7 +18,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pd_orchestrator.fleet.scraper import LOAD_SERIES
-from pd_orchestrator.policies.base import ThresholdDecision
+from pd_orchestrator.model.route import at
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
 
 from ..conftest import SimFactory
@@ -80,7 +80,7 @@ def gateway_series() -> set[str]:
     metrics = GatewayMetrics()
     metrics.count_request("/v1/completions", "pd", 200)
     metrics.observe_phase("prefill", 0.01)
-    metrics.record_threshold(ThresholdDecision(0.7, "static", "fixed"))
+    metrics.record_threshold(at(0.7, "static", "fixed"))
     metrics.count_leg("d0", "decode", "ok", 0.02)
     metrics.count_upstream_error("d0", "UpstreamTimeout")
     metrics.count_resource_error("file_descriptors")

@@ -1,16 +1,23 @@
 """The pure packages stay pure when loaded: importing the planner, the policies,
-routing, the ground floor or the simulator's engine loads no HTTP stack, event loop
-library or message queue (the static contract is ``make lint``'s import-linter run;
-this checks what an import really pulls in, ``__init__`` modules included)."""
+routing, ``openai``, the ground floor or the simulator's engine loads no HTTP stack,
+event loop library, message queue or tracing. The static contract is ``make lint``'s
+import-linter run (it also forbids importing ``asyncio``, ``socket`` and ``threading``,
+which the interpreter itself may load); this checks what an import really pulls in,
+``__init__`` modules included."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
 import pytest
 
-HEAVY = ("httpx", "httptools", "h11", "uvicorn", "uvloop", "starlette", "anyio", "zmq")
+HEAVY = (
+    "httpx", "httptools", "h11", "uvicorn", "uvloop", "starlette", "anyio", "zmq",
+    "opentelemetry",
+)  # fmt: skip
 
 CHECK = """
 import importlib, sys
@@ -26,6 +33,7 @@ assert not loaded, loaded
         "pd_orchestrator.model",
         "pd_orchestrator.model.load",
         "pd_orchestrator.config",
+        "pd_orchestrator.openai",
         "pd_orchestrator.routing",
         "pd_orchestrator.policies",
         "pd_orchestrator.policies.plugins",
@@ -49,3 +57,18 @@ def test_the_gateway_does_load_it() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
     )
     assert result.returncode != 0 and "AssertionError" in result.stderr
+
+
+def test_the_static_contract_names_the_pure_packages_and_what_they_may_not_import() -> None:
+    """``make lint``'s import-linter contract covers ``openai`` and forbids the event
+    loop, sockets, threads and tracing to the pure packages; the vLLM plugin may not
+    import ``connectors`` either."""
+    config = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    contracts = {c["name"]: c for c in config["tool"]["importlinter"]["contracts"]}
+    pure = next(c for name, c in contracts.items() if name.startswith("Pure packages"))
+    assert {"pd_orchestrator.openai", "pd_orchestrator.planner", "connectors"} <= set(
+        pure["source_modules"]
+    )
+    assert {"asyncio", "socket", "threading", "opentelemetry"} <= set(pure["forbidden_modules"])
+    plugin = next(c for name, c in contracts.items() if "vLLM" in name)
+    assert "connectors" in plugin["forbidden_modules"]

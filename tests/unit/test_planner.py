@@ -12,9 +12,10 @@ from pd_orchestrator.config.routing import RoutingConfig
 from pd_orchestrator.config.settings import AskAllFallbackConfig
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.load import Candidate, LoadSnapshot
+from pd_orchestrator.model.route import Ask, Decline, GoPD, Local, Route, Whole, at, threshold_of
 from pd_orchestrator.planner.choices import pick_fallback
 from pd_orchestrator.planner.plan import NoCandidateError, Planner, PrefillRanking, RequestFacts
-from pd_orchestrator.policies.base import ThresholdContext, ThresholdDecision
+from pd_orchestrator.policies.base import ThresholdContext
 from pd_orchestrator.policies.plugins import builtin_registry
 from pd_orchestrator.policies.threshold import ThresholdResolver
 from pd_orchestrator.routing.profiles import build_profiles
@@ -40,16 +41,37 @@ def _request(prompt: str = "hello") -> RequestFacts:
 
 
 class _Fixed:
-    """A policy that always answers 0.5 and remembers what it was shown."""
+    """A policy that always answers 0.5 and remembers what it was shown; it reads the
+    context's prefillers when ``reads_prefillers``, its peers when ``reads_peers``, the
+    decoder's cached tokens when ``reads_cache`` (a read is worked out when asked)."""
+
+    name = "static"
+    bounds = (0.0, 1.0)
+    parts = ()
+    ranks_spill = False
+    reads_cache = False
 
     def __init__(self, reads_prefillers: bool = True, reads_peers: bool = False) -> None:
         self.seen: list[ThresholdContext] = []
         self.reads_prefillers = reads_prefillers
         self.reads_peers = reads_peers
+        self.told: list[Route] = []
 
-    def decide(self, context: ThresholdContext) -> ThresholdDecision:
+    def decide(self, context: ThresholdContext) -> Route:
         self.seen.append(context)
-        return ThresholdDecision(0.5, "static", "fixed")
+        if self.reads_prefillers:
+            assert context.prefillers is not None
+        if self.reads_peers:
+            assert context.peers is not None
+        if self.reads_cache:
+            context.cached_tokens  # noqa: B018 - the read is the point
+        return self.answer(context)
+
+    def answer(self, context: ThresholdContext) -> Route:
+        return at(0.5, "static", "fixed")
+
+    def chosen(self, context: ThresholdContext, route: Route) -> None:
+        self.told.append(route)
 
     def observe(self, observation: object) -> None:
         return None
@@ -67,7 +89,7 @@ def test_plan_ranks_only_decoders_and_asks_the_threshold() -> None:
     policy = _Fixed()
     plan = _planner(policy=policy).plan(_request(), candidates, 0.0, 0)
     assert {e.name for e in plan.decoders} == {"hd0", "hd1", "ad0"}
-    assert plan.threshold.value == 0.5
+    assert threshold_of(plan.route) == 0.5
     [context] = policy.seen  # asked once, about the first decoder and its prefillers
     assert context.decoder.endpoint == plan.decoder
     assert {c.endpoint.name for c in context.prefillers} == {
@@ -79,8 +101,9 @@ def test_a_policy_that_reads_no_prefillers_costs_no_prefill_ranking() -> None:
     policy = _Fixed(reads_prefillers=False)
     plan = _planner(policy=policy).plan(_request(), [Candidate(e) for e in FLEET], 0.0, 0)
     [context] = policy.seen
-    assert context.prefillers == () and not plan.prefillers._cache
+    assert not plan.prefillers._cache  # the policy never asked
     assert {e.name for e in plan.prefillers_for(plan.decoder)}  # ranked when asked for
+    assert {c.endpoint.name for c in context.prefillers} == {"hp0"}  # and in the context
 
 
 def test_busy_decoders_rank_last() -> None:
@@ -244,8 +267,8 @@ def _constrained() -> RequestFacts:
 def test_a_constrained_request_gets_the_policy_threshold_admission_only() -> None:
     candidates = [_loaded(e, admission_only=True) for e in FLEET]
     plan = _planner().plan(_constrained(), candidates, 0.0, 0)
-    assert plan.threshold == ThresholdDecision(0.5, "static", "fixed", admission_only=True)
-    continuable = _planner().plan(_request(), candidates, 0.0, 0).threshold
+    assert plan.route == Ask(0.5, "static", "fixed", admission_only=True)
+    continuable = _planner().plan(_request(), candidates, 0.0, 0).route
     assert continuable.admission_only is False
 
 
@@ -253,10 +276,10 @@ def test_a_constrained_request_gets_zero_where_a_decoder_cannot_take_admission_o
     older = {"hd0", "hd1", "ad0"}  # no decoder says it takes it (or its metrics are unread)
     candidates = [_loaded(e, admission_only=e.name not in older) for e in FLEET]
     plan = _planner().plan(_constrained(), candidates, 0.0, 0)
-    assert (plan.threshold.value, plan.threshold.reason) == (0.0, "not-continuable")
-    assert not plan.threshold.admission_only
+    assert (threshold_of(plan.route), plan.route.reason) == (0.0, "not-continuable")
+    assert not plan.route.admission_only
     unread = [Candidate(e) for e in FLEET]
-    assert _planner().plan(_constrained(), unread, 0.0, 0).threshold.reason == "not-continuable"
+    assert _planner().plan(_constrained(), unread, 0.0, 0).route.reason == "not-continuable"
 
 
 def test_ask_all_takes_admission_only_only_when_every_decoder_does() -> None:
@@ -264,9 +287,9 @@ def test_ask_all_takes_admission_only_only_when_every_decoder_does() -> None:
     profiles = build_profiles(RoutingConfig(), builtin_registry())
     ask_all = Planner(profiles, resolver, width="all")
     every = [_loaded(e, admission_only=True) for e in FLEET]
-    assert ask_all.plan(_constrained(), every, 0.0, 0).threshold.admission_only
+    assert ask_all.plan(_constrained(), every, 0.0, 0).route.admission_only
     one_older = [_loaded(e, admission_only=e.name != "ad0") for e in FLEET]
-    assert ask_all.plan(_constrained(), one_older, 0.0, 0).threshold.reason == "not-continuable"
+    assert ask_all.plan(_constrained(), one_older, 0.0, 0).route.reason == "not-continuable"
 
 
 def test_an_endpoint_of_role_both_never_prefills_for_itself() -> None:
@@ -288,9 +311,9 @@ def test_admission_only_is_kept_while_the_reading_is_stale() -> None:
     the policy's threshold."""
     stale = [Candidate(e, load=None, admission_only=True) for e in FLEET]
     plan = _planner().plan(_constrained(), stale, 0.0, 0)
-    assert plan.threshold == ThresholdDecision(0.5, "static", "fixed", admission_only=True)
+    assert plan.route == Ask(0.5, "static", "fixed", admission_only=True)
     unknown = [Candidate(e) for e in FLEET]  # never read: not known to honour it
-    assert _planner().plan(_constrained(), unknown, 0.0, 0).threshold.value == 0.0
+    assert threshold_of(_planner().plan(_constrained(), unknown, 0.0, 0).route) == 0.0
 
 
 def _structured() -> RequestFacts:
@@ -305,13 +328,13 @@ def test_a_structured_output_is_continuable_where_its_decoder_and_prefillers_res
     soon as one of them does not (a continuation's prefill leg carries the grammar)."""
     every = [Candidate(e, admission_only=True, resumes=True) for e in FLEET]
     plan = _planner().plan(_structured(), every, 0.0, 0)
-    assert plan.continuable and plan.threshold == ThresholdDecision(0.5, "static", "fixed")
+    assert plan.continuable and plan.route == at(0.5, "static", "fixed")
     decoder = plan.decoder.name
     reach = {e.name for e in plan.prefillers_for(plan.decoder)}
     for older in (decoder, *reach):
         some = [replace(c, resumes=c.endpoint.name != older) for c in every]
         plan = _planner().plan(_structured(), some, 0.0, 0)
-        assert not plan.continuable and plan.threshold.admission_only, older
+        assert not plan.continuable and plan.route.admission_only, older
     unreachable = {e.name for e in FLEET if e.role is Role.PREFILL} - reach
     for other in unreachable:  # a prefiller that cannot reach the decoder does not count
         some = [replace(c, resumes=c.endpoint.name != other) for c in every]
@@ -325,9 +348,8 @@ class _Drain(_Fixed):
         super().__init__(reads_peers=True)
         self.decoder = decoder
 
-    def decide(self, context: ThresholdContext) -> ThresholdDecision:
-        self.seen.append(context)
-        return ThresholdDecision(1.0, "goodput", "drain", decoder=self.decoder)
+    def answer(self, context: ThresholdContext) -> Route:
+        return GoPD("goodput", "drain", self.decoder)
 
 
 def test_a_request_sent_p_d_at_once_decodes_where_the_policy_names() -> None:
@@ -356,9 +378,8 @@ class _Spill(_Fixed):
         super().__init__()
         self.target = target
 
-    def decide(self, context: ThresholdContext) -> ThresholdDecision:
-        self.seen.append(context)
-        return ThresholdDecision(0.0, "goodput", "spill", decoder=self.target)
+    def answer(self, context: ThresholdContext) -> Route:
+        return Whole("goodput", "spill", self.target)
 
 
 def test_a_prompt_served_whole_on_a_spilling_prefiller_leads_the_plan_with_it() -> None:
@@ -366,7 +387,7 @@ def test_a_prompt_served_whole_on_a_spilling_prefiller_leads_the_plan_with_it() 
     candidates = [Candidate(e) for e in (*FLEET, spilling)]
     plan = _planner(policy=_Spill("hp1")).plan(_request(), candidates, 0.0, 0)
     assert plan.decoder is spilling and plan.asked[0] is spilling
-    assert plan.threshold.value == 0.0
+    assert threshold_of(plan.route) == 0.0
     # the ranked decoders follow it, for an attempt that fails there
     assert [e.name for e in plan.decoders[1:]] == ["hd0", "hd1", "ad0"]
     # a prefiller whose pool does not spill is never a decoder, whatever a policy names
@@ -393,19 +414,18 @@ class _Whole(_Fixed):
     """A policy that reads spill: a spilling prefiller it is asked about serves the
     request whole (0) when ``takes``, else declines it (1); a decoder gets 0.5."""
 
-    reads_spill = True
+    ranks_spill = True
 
     def __init__(self, takes: bool) -> None:
         super().__init__(reads_peers=True)
         self.takes = takes
 
-    def decide(self, context: ThresholdContext) -> ThresholdDecision:
-        self.seen.append(context)
+    def answer(self, context: ThresholdContext) -> Route:
         if not context.decoder.endpoint.spill:
-            return ThresholdDecision(0.5, "static", "fixed")
+            return at(0.5, "static", "fixed")
         if self.takes:
-            return ThresholdDecision(0.0, "goodput", "spill")
-        return ThresholdDecision(1.0, "goodput", "declined")
+            return Local("goodput", "spill")
+        return Decline("goodput", "declined")
 
 
 def test_spilling_prefillers_rank_beside_the_decoders_for_a_policy_that_reads_them() -> None:
@@ -421,14 +441,14 @@ def test_spilling_prefillers_rank_beside_the_decoders_for_a_policy_that_reads_th
     assert seen.decoder.endpoint is spilling
     assert {c.endpoint.name for c in seen.peers} <= decoders  # never another prefiller
     assert plan.decoder is spilling and plan.asked[0] is spilling
-    assert plan.threshold.value == 0.0
+    assert threshold_of(plan.route) == 0.0
     assert {e.name for e in plan.decoders[1:]} == decoders
     # it declines: the decoders alone are ranked, and the policy decides for their pick
     declines = _Whole(takes=False)
     plan = _planner(policy=declines).plan(_request(), candidates, 0.0, 0)
     first, then = declines.seen
     assert first.decoder.endpoint is spilling and then.decoder.endpoint is plan.decoder
-    assert plan.threshold.value == 0.5 and {e.name for e in plan.decoders} == decoders
+    assert threshold_of(plan.route) == 0.5 and {e.name for e in plan.decoders} == decoders
     # a policy that does not read them, and ask-all, never see a prefiller ranked
     plain = _Fixed()
     plan = _planner(policy=plain).plan(_request(), candidates, 0.0, 0)
@@ -441,7 +461,16 @@ def test_spilling_prefillers_rank_beside_the_decoders_for_a_policy_that_reads_th
     assert {e.name for e in plan.decoders} == decoders
 
 
-def test_ask_all_and_a_policy_that_reads_no_peers_see_none() -> None:
+def test_the_policy_is_told_the_final_route_once_after_a_declined_pick() -> None:
+    spilling = _endpoint("hp1", Role.PREFILL, "nvidia", spill=True)
+    candidates = [Candidate(e, in_flight=0 if e is spilling else 2) for e in (*FLEET, spilling)]
+    declines = _Whole(takes=False)
+    plan = _planner(policy=declines).plan(_request(), candidates, 0.0, 0)
+    assert len(declines.seen) == 2  # asked about the spilling pick, then a decoder
+    assert declines.told == [plan.route] == [Ask(0.5, "static", "fixed")]
+
+
+def test_ask_all_sees_no_peers() -> None:
     policy = _Fixed(reads_peers=True)
     resolver = ThresholdResolver(policy)  # type: ignore[arg-type]
     ask_all = Planner(build_profiles(RoutingConfig(), builtin_registry()), resolver, width="all")
@@ -449,9 +478,6 @@ def test_ask_all_and_a_policy_that_reads_no_peers_see_none() -> None:
     _planner(policy=policy).plan(_request(), [Candidate(e) for e in FLEET], 0.0, 0)
     ask_all_seen, decode_first_seen = policy.seen
     assert ask_all_seen.peers == () and decode_first_seen.peers  # decode-first: one peer
-    blind = _Fixed()  # reads prefillers, not peers
-    _planner(policy=blind).plan(_request(), [Candidate(e) for e in FLEET], 0.0, 0)
-    assert blind.seen[0].peers == ()
 
 
 class _Cache:
@@ -489,13 +515,14 @@ def test_a_policy_that_reads_the_cache_sees_the_decoder_s_cached_prefix() -> Non
     assert seen(_ReadsCache(), _Cache(None)) is None  # the index cannot tell
     assert seen(_ReadsCache(), _Cache(500)) == 100  # never more than the prompt
     blind, cache = _Fixed(), _Cache(64)
-    assert seen(blind, cache) is None and not cache.asked  # no policy reads it: not asked
-    assert blind.seen[-1].cached_on is None
+    planner = Planner(profiles, ThresholdResolver(blind), cache=cache)  # type: ignore[arg-type]
+    planner.plan(counted, candidates, 0.0, 0)
+    assert not cache.asked  # the policy reads no cache: never asked
 
 
-def test_the_plan_carries_the_prompt_s_blocks_only_for_a_policy_that_reads_the_cache() -> None:
-    """The legs hold the plan's block keys pending on the endpoint that prefills; a
-    plan whose policy reads no cache carries none (nobody would read them)."""
+def test_the_plan_carries_the_prompt_s_blocks_when_the_planner_has_a_cache() -> None:
+    """The legs hold the plan's block keys pending on the endpoint that prefills, for
+    the cache's counts a policy may read; without a cache there are none."""
     counted = RequestFacts(model="m", prompt_chars=400, prompt_tokens=100, affinity_key="k")
     candidates = [Candidate(e) for e in FLEET]
     profiles = build_profiles(RoutingConfig(), builtin_registry())
@@ -505,7 +532,7 @@ def test_the_plan_carries_the_prompt_s_blocks_only_for_a_policy_that_reads_the_c
         return planner.plan(counted, candidates, 0.0, 0).blocks
 
     assert blocks(_ReadsCache(), _Cache(64)) == (7, 8)
-    assert blocks(_Fixed(), _Cache(64)) == ()
+    assert blocks(_Fixed(), _Cache(64)) == (7, 8)
     assert blocks(_ReadsCache(), None) == ()
 
 
@@ -518,8 +545,7 @@ def test_a_policy_that_reads_the_cache_may_ask_it_of_a_prefiller_too() -> None:
         cache=cache,
     )
     planner.plan(counted, [Candidate(e) for e in FLEET], 0.0, 0)
-    cached_on = policy.seen[-1].cached_on
-    assert cached_on is not None
+    context = policy.seen[-1]
     cache.asked.clear()
-    assert cached_on(FLEET[3]) == 100  # never more than the prompt
+    assert context.cached_on(FLEET[3]) == 100  # never more than the prompt
     assert cache.asked == [("k", "hp0")]  # asked only when the policy asks

@@ -8,9 +8,10 @@ from pd_orchestrator.config.routing import RoutingConfig
 from pd_orchestrator.config.settings import AdaptiveWidthConfig, AskAllFallbackConfig
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.load import Candidate, LoadSnapshot
+from pd_orchestrator.model.route import Route, at
 from pd_orchestrator.planner.plan import Planner, RequestFacts, Served
 from pd_orchestrator.planner.width import AdaptiveWidth, needed_blocks
-from pd_orchestrator.policies.base import ThresholdContext, ThresholdDecision
+from pd_orchestrator.policies.base import Leaf, ThresholdContext
 from pd_orchestrator.policies.plugins import builtin_registry
 from pd_orchestrator.policies.threshold import ThresholdResolver
 from pd_orchestrator.prefix.hashing import VllmBlockHasher
@@ -145,11 +146,12 @@ def test_the_precise_index_counts_as_evidence() -> None:
     assert _names(width.asked(_request(ids), DECODERS, CANDIDATES, 0.5).decoders) == ["d3"]
 
 
-class _Half:
-    reads_prefillers = False
+class _Half(Leaf):
+    name = "static"
+    bounds = (0.5, 0.5)
 
-    def decide(self, context: ThresholdContext) -> ThresholdDecision:
-        return ThresholdDecision(0.5, "static", "fixed")
+    def decide(self, context: ThresholdContext) -> Route:
+        return at(0.5, "static", "fixed")
 
     def observe(self, observation: object) -> None:
         return None

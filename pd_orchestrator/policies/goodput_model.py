@@ -1,0 +1,440 @@
+"""The ``goodput`` cost model: what it knows, what it estimates, how it learns.
+
+Notation, for the chosen decoder ``d`` and a prompt of ``L`` tokens: ``c`` the tokens
+``d`` holds (the prefix index's count, else ``L * hit_d``) and ``u = L - c``; ``r_d``,
+``r_p`` its pool's local and remote prefill rates (tokens/s); ``a`` the attention
+term (s per token pair); ``X`` the KV transfer rate; ``h`` one leg's one-way latency
+(``hop``); ``T``, ``s`` the TTFT target and its ``slack``; ``m``, ``o`` the mean prompt
+and output (learnt; before: this prompt, the ``out_mean`` seed); ``q`` the cached share
+of a queue (a reading's hit rate, else this prompt's own cached share, else 0).
+
+Estimates, in seconds (:class:`GoodputModel`)::
+
+    prefill(r, n, k) = n / r + a * n * (k + n / 2)       n new tokens after k cached
+    wait_d   = max(backlog_d, waiting_d * m) * (1 - q_d) / r_d
+    local    = prefill(r_d, u, c)                          beyond wait_d
+    remote   = min over p of  max(backlog_p, n_p * m) * (1 - hit_p) / r_p
+                              + prefill(r_p, u_p, L - u_p)
+               + L / X + 3h                                beyond wait_d
+    whole_p  = max(backlog_p, n_p * m) / r_p + prefill(r_p, u_p, L - u_p)
+    W = o * tpot,  share_d = kept_d / (W * r_d),  step_d = max(itl_d * (1 - share_d), profile)
+    stall_d  = max(free, (1 - step_d / (tpot * tpot_goal) - share_d) * W * r_d)   tokens
+
+``n_p``: requests at ``p``; ``u_p``: ``L`` at a prefiller that also decodes, else ``L``
+less what ``p`` holds (index, else ``hit_p``); ``kept_d``: the uncached tokens kept at
+``d``, decaying with time constant ``W`` (its duty cycle); ``whole_p`` counts the queue
+whole (a spilling prefiller decodes what it serves whole, which its hit rate misses).
+
+Hops. A request kept local pays ``2h`` (to the decoder, the first token back); P/D at
+once ``4h`` (the prefill leg there and back, the decode leg there, the first token
+back); served whole ``2h``. Every estimate is a TTFT less the first token's way back,
+``h``, the hop all paths share: local ``+h`` (added in each target test, ``room = T*s -
+wait - h``), remote ``+3h``, whole ``+h`` (``whole_p + h <= T``). So a local path keeps
+``u`` within ``remote - h`` (local and remote compared alike) and ``T*s - wait - h``. One
+test breaks the rule: a drain compares ``remote`` with ``wait + local``, one ``h`` short
+(2 ms by default; kept as it is). Learning subtracts the real hops: a local sample
+``ttft - 2h``, a P/D one ``ttft - L / X - 4h`` (after a rejected attempt it also carries
+``2h`` and the decoder's wait: a slow sample, which the rate rule below mostly ignores).
+
+The decision (:mod:`~pd_orchestrator.policies.goodput`) reads these: spill to
+``argmin whole_p`` when ``d`` is crowded or queued; drain (P/D now, on the peer with the
+least wait) when ``wait_d + h >= T*s`` and the remote path pays; else keep ``u`` up to
+``u* = min(ttft limit, stall_d)`` and send ``t = 1 - (u* + 1/2) / L``.
+
+Learning (:meth:`GoodputModel.observe`, :meth:`GoodputModel.keep`): per pool, the ITL
+(an EWMA, ``alpha``) and the rates from served requests, each sample
+``tokens / (ttft - hops - transfer - attention)``; a rate is a decaying maximum
+``r <- max(x, r + alpha * (x - r))`` (a fast sample lifts it at once, queueing pulls it
+down slowly); a P/D sample above twice the best known rate is a prompt the prefiller
+held, not learnt. ``m`` and ``o`` are EWMAs. ``kept_d`` grows by the uncached tokens
+of each request the final route keeps at ``d`` (told after composition); the hit rates
+of the endpoints a request's context saw are remembered until a reading gives another.
+Seeds: the hardware profile's rate, step and attention term when one matches the
+endpoint, else ``prefill_tokens_per_s`` and a linear model. Measurements behind these
+choices: benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from pydantic import Field
+
+from pd_orchestrator.model.endpoints import Endpoint
+from pd_orchestrator.model.hardware import PROFILES, LatencyProfile
+from pd_orchestrator.model.load import Candidate
+from pd_orchestrator.policies.base import LatencyObservation, ThresholdContext
+from pd_orchestrator.routing.registry import NoParams
+
+__all__ = [
+    "DutyCycle",
+    "GoodputModel",
+    "GoodputParams",
+    "PoolModel",
+    "profile_of",
+    "seed_rate",
+    "streams",
+]
+
+_Positive = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
+
+
+class GoodputParams(NoParams):
+    """SLO targets ``ttft`` and ``tpot`` (seconds); ``slack``: the share of the TTFT
+    target a local prefill may use when remote would be faster, the decoder wait
+    from which it drains, and the share the remote path must fit in for the stall
+    bound to apply; ``tpot_goal``: the share of ``tpot`` the mean stream is held to;
+    the seeds ``prefill_tokens_per_s`` (when no hardware profile is known) and
+    ``transfer_tokens_per_s`` (KV moved per second: 40 GB/s at 128 KiB a token);
+    ``hop`` (one leg's one-way latency), ``out_mean`` (the seed of the mean output,
+    tokens), ``alpha`` (learning rate); ``prefill_attention``: seconds a prefilled
+    token spends on each token before it (None: the hardware profile's when one
+    matches, else 0, a linear model). See the module docstring."""
+
+    ttft: _Positive = 1.0
+    tpot: _Positive = 0.03
+    slack: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5
+    prefill_tokens_per_s: _Positive = 20_000.0
+    transfer_tokens_per_s: _Positive = 300_000.0
+    hop: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.002
+    out_mean: _Positive = 256.0
+    alpha: Annotated[float, Field(gt=0.0, le=1.0)] = 0.05
+    tpot_goal: Annotated[float, Field(gt=0.0, le=1.0)] = 0.6
+    prefill_attention: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] | None = None
+
+
+def profile_of(endpoint: Endpoint) -> LatencyProfile | None:
+    """The hardware profile (the simulator's calibration) matching ``endpoint``'s
+    hardware and model, if any."""
+    for profile in PROFILES.values():
+        if (profile.hardware, profile.model) == (endpoint.hardware, endpoint.model):
+            return profile
+    return None
+
+
+def seed_rate(endpoint: Endpoint, default: float) -> float:
+    """Prefill tokens per second of ``endpoint`` by its hardware profile when one
+    matches its hardware and model, else ``default``."""
+    profile = profile_of(endpoint)
+    return 1.0 / profile.lin if profile is not None and profile.lin > 0 else default
+
+
+def _mean(mean: float, sample: float, alpha: float) -> float:
+    """An exponentially weighted mean; the first sample (``mean`` 0) is taken whole."""
+    return sample if not mean else mean + alpha * (sample - mean)
+
+
+def _learn_rate(rate: float, sample: float, alpha: float) -> float:
+    """The decaying maximum of the module docstring."""
+    return max(sample, rate + alpha * (sample - rate))
+
+
+@dataclass(slots=True)
+class PoolModel:
+    """What the model knows of one decoder pool: the local and remote prefill rates
+    (tokens/s), the ITL observed there (seconds, None before any), the free chunk
+    of its steps (tokens a step carries at no cost), its hardware profile, the
+    rate both estimates were seeded with (0: none) and the attention term of its
+    prefills (seconds a prefilled token spends on each token before it; 0: linear)."""
+
+    rate_local: float
+    rate_remote: float
+    itl: float | None = None
+    free_tokens: float = 150.0
+    profile: LatencyProfile | None = None
+    seed: float = 0.0
+    attn: float = 0.0
+
+    def attention_seconds(self, new: float, held: float) -> float:
+        """The attention term of a prefill of ``new`` tokens after ``held`` cached ones:
+        each new token attends to every token before it, at ``attn`` seconds a pair."""
+        return self.attn * new * (held + new / 2)
+
+    def prefill_seconds(self, rate: float, new: float, held: float) -> float:
+        """Seconds to prefill ``new`` tokens after ``held`` cached ones at ``rate``
+        tokens/s, attention included (0 with ``attn`` 0: a linear model)."""
+        return new / rate + self.attention_seconds(new, held)
+
+    def local_seconds(self, new: float, prompt: int) -> float:
+        """Seconds a local prefill takes for ``new`` uncached tokens of a
+        ``prompt``-token prompt (the rest cached); :meth:`tokens_within` inverts it."""
+        return self.prefill_seconds(self.rate_local, new, prompt - new)
+
+    def tokens_within(self, seconds: float, prompt: int) -> float:
+        """The most uncached tokens ``u`` of a ``prompt``-token prompt (the rest cached)
+        a local prefill does within ``seconds``: the root of
+        ``prefill_seconds(rate_local, u, prompt - u) = seconds``, which grows with
+        ``u``; ``prompt`` when the whole prompt fits, linear below 0 seconds."""
+        rate, attn = self.rate_local, self.attn
+        if attn <= 0.0 or seconds <= 0.0:
+            return seconds * rate
+        if seconds >= self.local_seconds(prompt, prompt):
+            return float(prompt)
+        b = 1.0 / rate + attn * prompt
+        return (b - math.sqrt(b * b - 2.0 * attn * seconds)) / attn
+
+
+@dataclass(slots=True)
+class DutyCycle:
+    """Uncached prompt tokens kept at one decoder, decaying with a time constant:
+    about the tokens kept over the last window."""
+
+    tokens: float = 0.0
+    at: float = 0.0
+
+    def decayed(self, now: float, window: float) -> float:
+        """The count at ``now`` (a clock that went back decays nothing)."""
+        return self.tokens * math.exp(-max(0.0, now - self.at) / window)
+
+    def add(self, now: float, tokens: float, window: float) -> None:
+        self.tokens = self.decayed(now, window) + tokens
+        self.at = max(self.at, now)
+
+
+@dataclass(slots=True)
+class GoodputModel:
+    """The cost model of the module docstring: the learnt state (``pools``, ``duty``,
+    ``hits``, ``prompt_mean``, ``out_mean``), the estimates (pure reads) and the
+    learning rule (:meth:`observe`, :meth:`keep`, :meth:`saw`). No decisions."""
+
+    params: GoodputParams = field(default_factory=GoodputParams)
+    pools: dict[str, PoolModel] = field(default_factory=dict)
+    duty: dict[str, DutyCycle] = field(default_factory=dict)
+    hits: dict[str, float] = field(default_factory=dict)
+    prompt_mean: float = 0.0
+    out_mean: float = 0.0
+
+    def pool(self, endpoint: Endpoint) -> PoolModel:
+        """``endpoint``'s pool, seeded on first use (its seed depends on nothing learnt)."""
+        model = self.pools.get(endpoint.pool)
+        if model is None:
+            rate = seed_rate(endpoint, self.params.prefill_tokens_per_s)
+            profile = profile_of(endpoint)
+            attn = self.params.prefill_attention
+            if attn is None:
+                attn = profile.attn if profile is not None else 0.0
+            model = PoolModel(rate, rate, profile=profile, seed=rate, attn=attn)
+            self.pools[endpoint.pool] = model
+        return model
+
+    def inherit(self, previous: GoodputModel) -> None:
+        """Take ``previous``'s learnt state (a reload: the parameters stay these)."""
+        self.pools, self.duty, self.hits = previous.pools, previous.duty, previous.hits
+        self.prompt_mean, self.out_mean = previous.prompt_mean, previous.out_mean
+
+    # -- the estimates (seconds) -------------------------------------------------------------
+    def hit_rate(self, candidate: Candidate) -> float | None:
+        """``candidate``'s prefix-cache hit rate: its reading's, else the last one a
+        reading gave (:meth:`saw`); None when no reading ever gave one."""
+        load = candidate.load
+        rate = load.prefix_hit_rate if load is not None else None
+        return self.hits.get(candidate.endpoint.name) if rate is None else rate
+
+    def remote_ttft(self, context: ThresholdContext, model: PoolModel) -> float | None:
+        """``remote``: the TTFT through the best compatible prefiller (None: none)."""
+        if not context.prefillers:
+            return None
+        tokens, p = context.prompt_tokens, self.params
+        mean = self.prompt_mean or tokens
+        prefill = min(self._remote_seconds(context, c, mean, model) for c in context.prefillers)
+        return prefill + tokens / p.transfer_tokens_per_s + 3 * p.hop
+
+    def _remote_seconds(
+        self, context: ThresholdContext, prefiller: Candidate, mean: float, model: PoolModel
+    ) -> float:
+        """Seconds ``prefiller`` computes before this prompt's first token, at the
+        pool's remote rate (the ``min`` term of ``remote``)."""
+        hit = self.hit_rate(prefiller) or 0.0
+        tokens, rate = context.prompt_tokens, model.rate_remote
+        queued = max(prefiller.backlog, _outstanding(prefiller) * mean) * (1.0 - hit)
+        own = (
+            tokens if prefiller.endpoint.role.decodes else self.uncached_on(context, prefiller, hit)
+        )
+        return queued / rate + model.prefill_seconds(rate, own, tokens - own)
+
+    def uncached_on(self, context: ThresholdContext, prefiller: Candidate, hit: float) -> float:
+        """The prompt's tokens ``prefiller`` lacks: less what the prefix index says it
+        holds when the planner has one, else less its hit rate ``hit``."""
+        tokens = context.prompt_tokens
+        cached = context.cached_on(prefiller.endpoint)
+        return tokens * (1.0 - hit) if cached is None else tokens - min(cached, tokens)
+
+    def queue_share(self, context: ThresholdContext) -> float:
+        """``q_d``: the cached share of the prompts queued at the context's decoder."""
+        hit = self.hit_rate(context.decoder)
+        routed = context.decoder.endpoint.spill
+        return _queue_share(hit, context.cached_tokens, context.prompt_tokens, routed=routed)
+
+    def uncached(self, context: ThresholdContext) -> float:
+        """``u``: the prompt's tokens the decoder lacks (the index's count, else by
+        :meth:`queue_share`)."""
+        cached, tokens = context.cached_tokens, context.prompt_tokens
+        return tokens - cached if cached is not None else tokens * (1.0 - self.queue_share(context))
+
+    def queued(self, decoder: Candidate, tokens: int, model: PoolModel, hit: float) -> float:
+        """``wait``: seconds of prefill queued at ``decoder`` at hit rate ``hit``
+        (``tokens``: the prompt's, the mean prompt before one is learnt)."""
+        load = decoder.load
+        backlog: float = decoder.backlog
+        if load is not None and load.waiting:
+            backlog = max(backlog, load.waiting * (self.prompt_mean or tokens))
+        return backlog * (1.0 - hit) / model.rate_local
+
+    def whole_seconds(
+        self, context: ThresholdContext, prefiller: Candidate, pool: PoolModel
+    ) -> float:
+        """``whole_p``: seconds before ``prefiller`` (of ``pool``) would answer the
+        request served whole there."""
+        tokens = context.prompt_tokens
+        uncached = self.uncached_on(context, prefiller, self.hit_rate(prefiller) or 0.0)
+        return self.queued(prefiller, tokens, pool, 0.0) + pool.local_seconds(uncached, tokens)
+
+    def output_tokens(self) -> float:
+        """``o``: a stream's mean output in tokens (learnt, or the ``out_mean`` seed)."""
+        return self.out_mean or self.params.out_mean
+
+    def window(self) -> float:
+        """``W``: seconds a stream decodes for within the TPOT target (the duty cycle's
+        window)."""
+        return self.output_tokens() * self.params.tpot
+
+    def local_share(self, decoder: Candidate, now: float, model: PoolModel) -> float:
+        """``share_d``: the share of the decoder's time its kept prefills take."""
+        duty = self.duty.get(decoder.endpoint.name)
+        if duty is None:
+            return 0.0
+        window = self.window()
+        return duty.decayed(now, window) / (window * model.rate_local)
+
+    def stall_limit(self, context: ThresholdContext, model: PoolModel) -> float:
+        """``stall_d``: the most uncached tokens a local prefill may have before the
+        streams decoding on the decoder miss ``tpot * tpot_goal`` (inf: none decodes
+        there). The observed ITL carries the current share, so the bare step is
+        ``itl * (1 - share)``; the limit is what is left of the allowed share over a
+        window, in tokens, never less than the tokens a step carries for free."""
+        count = streams(context.decoder)
+        if count == 0:
+            return math.inf
+        share = self.local_share(context.decoder, context.now, model)
+        step = self._bare_step(context, model, count, share)
+        allowed = 1.0 - step / (self.params.tpot * self.params.tpot_goal)
+        room = (allowed - share) * self.window() * model.rate_local
+        return max(model.free_tokens, room)
+
+    def _bare_step(
+        self, context: ThresholdContext, model: PoolModel, count: int, share: float
+    ) -> float:
+        """A decode step without prefill at the decoder with ``count`` streams: the
+        observed ITL less the prefill share, or the profile's step, the larger."""
+        observed = 0.0 if model.itl is None else model.itl * (1.0 - min(share, _MAX_SHARE))
+        if model.profile is None:
+            return observed
+        return max(observed, self.stream_step(model, context.prompt_tokens, count))
+
+    def stream_step(self, model: PoolModel, prompt: int, count: int) -> float:
+        """A decode step with ``count`` streams and no prefill: the hardware profile's
+        (each stream of the mean prompt, ``prompt`` before one is learnt, and half the
+        mean output), else the pool's observed ITL (0 before any)."""
+        if model.profile is None:
+            return model.itl or 0.0
+        per_stream = (self.prompt_mean or prompt) + self.output_tokens() / 2
+        return model.profile.step_seconds(round(count * per_stream), count, 0.0)
+
+    # -- learning ----------------------------------------------------------------------------
+    def saw(self, candidates: Iterable[Candidate]) -> None:
+        """Remember the hit rate each of ``candidates``' readings gives."""
+        for candidate in candidates:
+            load = candidate.load
+            if load is not None and load.prefix_hit_rate is not None:
+                self.hits[candidate.endpoint.name] = load.prefix_hit_rate
+
+    def keep(self, decoder: Endpoint, now: float, uncached: float) -> None:
+        """Count ``uncached`` tokens a request's final route keeps at ``decoder``."""
+        duty = self.duty.get(decoder.name)
+        if duty is None:
+            duty = self.duty[decoder.name] = DutyCycle()
+        duty.add(now, uncached, self.window())
+
+    def observe(self, observation: LatencyObservation) -> None:
+        """Learn the pool's ITL, the means and the rates from a finished request."""
+        model = self.pools.get(observation.pool)
+        if model is None:
+            return
+        alpha = self.params.alpha
+        if observation.itl is not None:
+            model.itl = _mean(model.itl or 0.0, observation.itl, alpha)
+        if observation.prompt_tokens:
+            self.prompt_mean = _mean(self.prompt_mean, observation.prompt_tokens, alpha)
+        if observation.output_tokens:
+            self.out_mean = _mean(self.out_mean, observation.output_tokens, alpha)
+        self._learn_rates(observation, model)
+
+    def _learn_rates(self, observation: LatencyObservation, model: PoolModel) -> None:
+        ttft, tokens = observation.ttft, observation.prompt_tokens
+        if ttft is None or not tokens or observation.remote is None:
+            return
+        p = self.params
+        if observation.remote:
+            spent = ttft - tokens / p.transfer_tokens_per_s - 4 * p.hop
+            spent -= model.attention_seconds(tokens, 0.0)
+            if tokens >= _MIN_SAMPLE and spent > 0 and tokens / spent <= _plausible(model):
+                model.rate_remote = _learn_rate(model.rate_remote, tokens / spent, p.alpha)
+            return
+        if observation.cached_tokens is None:
+            return
+        uncached = tokens - observation.cached_tokens
+        spent = ttft - 2 * p.hop - model.attention_seconds(uncached, observation.cached_tokens)
+        if uncached >= _MIN_SAMPLE and spent > 0:
+            model.rate_local = _learn_rate(model.rate_local, uncached / spent, p.alpha)
+
+
+def _plausible(model: PoolModel) -> float:
+    """The fastest remote prefill rate a sample may show and be learnt: a multiple of
+    the best the pool has known (its seed, its local rate). A remote sample counts the
+    whole prompt, as the gateway does not learn what the prefiller had cached; a much
+    faster one is a prompt the prefiller held (a re-asked document), not a faster
+    engine, and the decaying maximum would keep it for many samples."""
+    return _CACHED_FACTOR * max(model.seed, model.rate_local)
+
+
+_CACHED_FACTOR = 2.0
+"""See :func:`_plausible`."""
+
+_MAX_SHARE = 0.9
+"""The prefill share above which the observed ITL says little of the bare step."""
+
+_MIN_SAMPLE = 512
+"""Prompt tokens below which a TTFT says more about fixed costs than about a rate."""
+
+
+def _queue_share(hit: float | None, cached: int | None, tokens: int, *, routed: bool) -> float:
+    """The cached share of the prompts queued at the decoder: its reading's hit rate;
+    before any reading, this prompt's own cached share (the prefix index's), else 0
+    (every queued prompt uncached, an upper bound). At a spilling prefiller the
+    routing picked (``routed``), the larger of the two: the routing picked it for the
+    prefix it holds, so its queue is mostly this prompt's neighbours, while its
+    reading also counts the cold prompts decoders spilled or drained to it."""
+    own = cached / tokens if cached is not None and tokens > 0 else None
+    if hit is None:
+        return 0.0 if own is None else own
+    if routed and own is not None:
+        return max(hit, own)
+    return hit
+
+
+def streams(candidate: Candidate) -> int:
+    """Requests running at an endpoint: the gateway's own count or a reading, the
+    larger."""
+    load = candidate.load
+    return max(candidate.in_flight, load.running if load is not None else 0)
+
+
+def _outstanding(candidate: Candidate) -> int:
+    """Requests at a prefiller: the gateway's own count or a reading, the larger."""
+    load = candidate.load
+    if load is None:
+        return candidate.in_flight
+    return max(candidate.in_flight, load.running + load.waiting)
