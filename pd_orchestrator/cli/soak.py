@@ -9,6 +9,7 @@ checked token for token (:mod:`pd_orchestrator.bench.soak`). Prints a table ever
 from __future__ import annotations
 
 import argparse
+import sys
 
 from pd_orchestrator.bench.soak import SoakOptions, run_soak
 
@@ -32,7 +33,16 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def run(args: argparse.Namespace) -> int:
-    options = SoakOptions(
+    try:
+        options = _options(args)
+    except ValueError as exc:
+        print(f"pd-orchestrator soak: {exc}", file=sys.stderr)
+        return 2
+    return 0 if run_soak(options).passed else 1
+
+
+def _options(args: argparse.Namespace) -> SoakOptions:
+    return SoakOptions(
         duration=args.duration,
         rate=args.rate,
         concurrency=args.concurrency,
@@ -42,4 +52,3 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         seed=args.seed,
     )
-    return 0 if run_soak(options).passed else 1
