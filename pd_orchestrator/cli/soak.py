@@ -25,8 +25,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     add("--concurrency", type=int, default=defaults.concurrency, help="requests in flight at most")
     add("--report-every", type=float, default=defaults.report_every, help="seconds between tables")
     add("--fault-period", type=float, default=defaults.fault_period, help="seconds per fault cycle")
-    add("--flat-after", type=float, default=defaults.flat_after,
-        help="RSS and descriptors must stay flat from this second on")  # fmt: skip
+    add(
+        "--flat-after",
+        type=float,
+        default=defaults.flat_after,
+        help="RSS and descriptors must stay flat from this second on",
+    )
+    add("--flat-window", type=float, default=defaults.flat_window,
+        help="seconds of readings compared (medians) at flat-after and at the end")  # fmt: skip
     add("--max-tokens", type=int, default=defaults.max_tokens, help="tokens per answer")
     add("--seed", type=int, default=defaults.seed, help="seed of the request mix")
     parser.set_defaults(handler=run)
@@ -49,6 +55,7 @@ def _options(args: argparse.Namespace) -> SoakOptions:
         report_every=args.report_every,
         fault_period=args.fault_period,
         flat_after=args.flat_after,
+        flat_window=args.flat_window,
         max_tokens=args.max_tokens,
         seed=args.seed,
     )
