@@ -18,10 +18,11 @@ to it); it prints a table every ``report_every`` seconds and at the end.
 
 Pass (:func:`judge_run`): nothing lost, duplicated or hung, every error one clean
 error (an OpenAI error JSON or one SSE error event, never HTTP 500), the gateway
-alive, and RSS and descriptors flat: growth under ``growth_limit`` from the first
-reading at ``flat_after`` seconds to the last. A run too short for that window is
-held instead to its descriptors coming back within ``fd_slack`` of the reading before
-the load once the load has stopped.
+alive, the gateway's descriptors back within ``fd_slack`` of the reading before the
+load once the load has stopped, and RSS and descriptors flat: the median of the
+readings in the last ``flat_window`` seconds less than ``growth_limit`` above that of
+the first ``flat_window`` seconds from ``flat_after`` on (a run too short for both
+windows is held to the rest).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import anyio
@@ -57,6 +59,7 @@ from pd_orchestrator.bench.verdicts import (
     LOST,
     Answer,
     Job,
+    client,
     judge_job,
     send,
 )
@@ -68,11 +71,14 @@ __all__ = [
     "SoakOptions",
     "SoakResult",
     "Tally",
+    "fault_times",
     "growth",
     "judge_run",
     "make_job",
     "render",
     "run_soak",
+    "verdict_table",
+    "windows",
 ]
 
 MODEL = "sim-model"
@@ -114,10 +120,17 @@ class SoakOptions:
     sample_every: float = 10.0
     fault_period: float = 60.0
     flat_after: float = 600.0
+    flat_window: float = 300.0
     growth_limit: float = 0.05
     fd_slack: int = 8
     max_tokens: int = 24
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.duration <= 0 or self.rate <= 0 or self.concurrency < 1:
+            raise ValueError("the duration and the rate must be > 0, the concurrency >= 1")
+        if self.max_tokens < 4 or self.sample_every <= 0 or self.fault_period <= 0:
+            raise ValueError("max tokens must be >= 4, the periods > 0")
 
 
 # -- the mix --------------------------------------------------------------------------------------
@@ -207,9 +220,12 @@ class Tally:
             return
         if answer.first_token is not None:
             self.ttft.append(answer.first_token)
+        internal = False
         if verdict == CLEAN_ERROR:
-            self.errors[_error_kind(answer.error)] += 1
-        if verdict in (LOST, DUPLICATED) or (verdict == CLEAN_ERROR and answer.status == 500):
+            kind = _error_kind(answer.error)
+            self.errors[kind] += 1
+            internal = kind.startswith("500 ")
+        if verdict in (LOST, DUPLICATED) or internal:
             self.failures.append(_describe(job, answer, expected))
 
 
@@ -251,11 +267,19 @@ def growth(first: float, last: float) -> float:
     return (last - first) / first if first > 0 else 0.0
 
 
-def flat_from(readings: Sequence[Reading], after: float) -> Reading | None:
-    """The first reading at or after ``after`` seconds (None: the run ended before),
-    if a later one exists to compare it with."""
-    later = [r for r in readings if r.at >= after]
-    return later[0] if len(later) > 1 else None
+def windows(
+    readings: Sequence[Reading], after: float, width: float
+) -> tuple[list[Reading], list[Reading]] | None:
+    """The readings of the first ``width`` seconds from ``after`` on, and those of the
+    run's last ``width`` seconds; None when the run ended before both windows fit
+    apart. (Descriptors and RSS move with the requests in flight: a window's median,
+    not one reading, is compared.)"""
+    if not readings or readings[-1].at < after + 2 * width:
+        return None
+    end = readings[-1].at - width
+    first = [r for r in readings if after <= r.at < after + width]
+    last = [r for r in readings if r.at >= end]
+    return (first, last) if first and last else None
 
 
 @dataclass
@@ -288,27 +312,28 @@ def judge_run(result: SoakResult, options: SoakOptions) -> list[tuple[str, bool,
         ("gateway alive", result.alive, "alive" if result.alive else "exited"),
         ("requests answered", verdicts[IDENTICAL] > 0, f"{verdicts[IDENTICAL]} identical"),
     ]
-    start = flat_from(result.readings, options.flat_after)
-    if start is not None:
-        last = result.readings[-1]
-        for name, first, end, unit in (
-            ("RSS flat", start.rss, last.rss, "MiB"),
-            ("descriptors flat", start.fds, last.fds, ""),
+    pair = windows(result.readings, options.flat_after, options.flat_window)
+    if pair is not None:
+        first, last = pair
+        for name, unit, value in (
+            ("RSS flat", "MiB", lambda r: r.rss / 2**20),
+            ("descriptors flat", "", lambda r: float(r.fds)),
         ):
-            change = growth(first, end)
-            scale = 2**20 if unit else 1
+            begin, end = median(map(value, first)), median(map(value, last))
+            change = growth(begin, end)
             figures = (
-                f"{first / scale:.0f}{unit} at {start.at:.0f} s -> {end / scale:.0f}{unit} "
+                f"median {begin:.1f}{unit} from {first[0].at:.0f} s -> {end:.1f}{unit} "
+                f"in the last {options.flat_window:.0f} s "
                 f"({change:+.1%}, limit {options.growth_limit:.0%})"
             )
             checks.append((name, change < options.growth_limit, figures))
-    else:
-        back = result.fds_after <= result.fds_before + options.fd_slack
-        figures = (
-            f"{result.fds_before} before the load, {result.fds_after} after "
-            f"(slack {options.fd_slack}; the run is too short for the flatness window)"
-        )
-        checks.append(("descriptors back after the load", back, figures))
+    too_short = "" if pair else "; the run is too short for the flatness windows"
+    back = result.fds_after <= result.fds_before + options.fd_slack
+    figures = (
+        f"{result.fds_before} before the load, {result.fds_after} after "
+        f"(slack {options.fd_slack}{too_short})"
+    )
+    checks.append(("descriptors back after the load", back, figures))
     return checks
 
 
@@ -376,6 +401,7 @@ class _Fleet:
             "prefill-1": PREFILLER,
         }
         self.children: dict[str, Child] = {}
+        self.flagged: dict[str, bool] = {}
         for name in self.ports:
             self.start(name)
         self.reference = self._start("reference", python_command(
@@ -397,6 +423,15 @@ class _Fleet:
         port = str(self.ports[name])
         argv = python_command("sim", "--host", "127.0.0.1", "--port", port, *self.args[name])
         self.children[name] = self._start(name, [*argv, "--engine-id", name, *extra])
+        self.flagged[name] = bool(extra)
+
+    def faulty(self) -> list[str]:
+        """The simulators a fault left down or misbehaving."""
+        return [
+            name
+            for name, child in self.children.items()
+            if self.flagged[name] or child.process.poll() is not None
+        ]
 
     def kill(self, name: str) -> None:
         """SIGKILL simulator ``name`` (no goodbye to anyone)."""
@@ -453,15 +488,21 @@ def fault_times(duration: float, period: float) -> Iterator[tuple[float, str]]:
 
 # -- the run --------------------------------------------------------------------------------------
 def _rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    """The resident set of process ``pid`` in bytes (0: it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            lines = [line for line in status if line.startswith("VmRSS:")]
+    except OSError:
+        return 0
+    return int(lines[0].split()[1]) * 1024 if lines else 0
 
 
 def _fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
+    """The open descriptors of process ``pid`` (0: it is gone)."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return 0
 
 
 async def _continuations(http: httpx.AsyncClient, url: str) -> tuple[float, float]:
@@ -527,7 +568,11 @@ class _Run:
 
         async with anyio.create_task_group() as tg:
             index = 0
-            while (due := index / self.options.rate) < self.options.duration:
+            # arrivals on the rate's schedule, later when every slot is taken; none
+            # after the duration however far behind the schedule
+            while (due := index / self.options.rate) < self.options.duration and (
+                self.elapsed() < self.options.duration
+            ):
                 await anyio.sleep(max(0.0, due - self.elapsed()))
                 await slots.acquire()
                 tg.start_soon(slot, make_job(index, self.run, self.options.max_tokens, rng))
@@ -576,15 +621,6 @@ class _Run:
                 next_report += self.options.report_every
 
 
-def _client(concurrency: int) -> httpx.AsyncClient:
-    """Idle connections expire after 2 s, before the gateway closes them (5 s): a request
-    sent on a connection the server is closing would be lost by the client."""
-    limits = httpx.Limits(
-        max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=2.0
-    )
-    return httpx.AsyncClient(timeout=BOUND + 5, limits=limits)
-
-
 async def _fds_settled(run: _Run, target: int, bound: float = 30.0) -> int:
     """The gateway's descriptors once back to ``target`` (or after ``bound`` seconds)."""
     deadline = anyio.current_time() + bound
@@ -595,22 +631,24 @@ async def _fds_settled(run: _Run, target: int, bound: float = 30.0) -> int:
 
 async def _soak(fleet: _Fleet, options: SoakOptions, out: Callable[[Table], None]) -> SoakResult:
     run = _Run(fleet, options, out)
-    async with _client(options.concurrency) as http, _client(8) as side:
+    async with client(options.concurrency, BOUND + 5) as http, client(8, BOUND + 5) as side:
         await anyio.sleep(2.0)  # the first health checks
         fds_before = _fds(run.pid)
         run.started = anyio.current_time()
         async with anyio.create_task_group() as background:
             background.start_soon(run.probe, side)
             background.start_soon(run.watch, side)
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(run.faults)
-                tg.start_soon(run.load, http, side)
+            async with anyio.create_task_group() as faults:
+                faults.start_soon(run.faults)
+                await run.load(http, side)
+                faults.cancel_scope.cancel()  # once a restart under way is done
             background.cancel_scope.cancel()
         await run.sample(side)
     # every fault undone, the clients gone: what the gateway holds now is its own
-    for name in ("decode-0", "prefill-0"):
-        fleet.kill(name)
-        await anyio.to_thread.run_sync(fleet.start, name)
+    async with anyio.create_task_group() as restarts:
+        for name in fleet.faulty():
+            fleet.kill(name)
+            restarts.start_soon(anyio.to_thread.run_sync, fleet.start, name)
     await anyio.sleep(2.0)
     fds_after = await _fds_settled(run, fds_before + options.fd_slack)
     result = SoakResult(run.tally, run.readings, fds_before, fds_after)

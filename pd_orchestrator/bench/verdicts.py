@@ -40,6 +40,7 @@ __all__ = [
     "Answer",
     "Job",
     "Progress",
+    "client",
     "judge",
     "judge_job",
     "openai_error",
@@ -123,6 +124,16 @@ class Progress:
         with anyio.fail_after(bound):
             while self.tokens < tokens or self.streams_started < streams:  # noqa: ASYNC110
                 await anyio.sleep(0.05)
+
+
+def client(concurrency: int, timeout: float) -> httpx.AsyncClient:
+    """A client for judged requests. Idle connections expire after 2 s, before the
+    gateway's server closes them (uvicorn: 5 s): a request sent on a connection the
+    server is closing at that moment would be lost by the client, not by the gateway."""
+    limits = httpx.Limits(
+        max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=2.0
+    )
+    return httpx.AsyncClient(timeout=timeout, limits=limits)
 
 
 def _take(answer: Answer, chunk: dict[str, Any]) -> list[int]:

@@ -27,6 +27,7 @@ from typing import Any
 import anyio
 import httpx
 
+from pd_orchestrator.bench import verdicts
 from pd_orchestrator.bench.verdicts import (
     CLEAN_ERROR,
     DUPLICATED,
@@ -249,13 +250,8 @@ class References:
 
 
 def client(concurrency: int = 64, timeout: float = BOUND + 5) -> httpx.AsyncClient:
-    """The test's client. Idle connections expire after 2 s, before the gateway's
-    server closes them (uvicorn: 5 s): a request sent on a connection the server is
-    closing at that moment would be lost by the client, not by the gateway."""
-    limits = httpx.Limits(
-        max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=2.0
-    )
-    return httpx.AsyncClient(timeout=timeout, limits=limits)
+    """The test's client (:func:`~pd_orchestrator.bench.verdicts.client`)."""
+    return verdicts.client(concurrency, timeout)
 
 
 async def run_jobs(
