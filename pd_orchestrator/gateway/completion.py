@@ -30,10 +30,9 @@ from pd_orchestrator.flows.legs import Legs
 from pd_orchestrator.flows.render import renderer_for
 from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.flows.sink import ClientSink, GatewayError
-from pd_orchestrator.gateway.admission import Admitted, RequestIds, admit, header_map
+from pd_orchestrator.gateway.admission import Admitted, RequestIds, admit, header_map, read_json
 from pd_orchestrator.gateway.auth import forwarded_headers
 from pd_orchestrator.gateway.lifecycle import SHUTTING_DOWN, Drain
-from pd_orchestrator.gateway.limits import read_body
 from pd_orchestrator.gateway.observe import Answered, log_access, span_attributes
 from pd_orchestrator.gateway.response import error_of, refuse, respond
 from pd_orchestrator.gateway.state import GatewayState
@@ -135,9 +134,9 @@ class CompletionPath:
     async def _plan(
         self, state: GatewayState, headers: dict[str, str], receive: Receive, kind: Kind, path: str
     ) -> tuple[Admitted, Plan]:
-        raw = await read_body(receive, state.config.limits.max_body_bytes)
+        body = await read_json(receive, state.config.limits, kind)
         now = self.clock()
-        admitted = admit(state, kind, path, raw, headers, now, self._ids)
+        admitted = admit(state, kind, path, body, headers, now, self._ids)
         REQUEST_ID.set(admitted.request.request_id)
         candidates = state.scraper.candidates(state.fleet.snapshot(), now)
         admitted = await self._tokenized(state, admitted, candidates)
