@@ -24,6 +24,7 @@ from functools import partial
 
 from starlette.types import Receive, Scope, Send
 
+from pd_orchestrator.flows.bodies import SharedEncoding
 from pd_orchestrator.flows.choices import choice_request, run_choices
 from pd_orchestrator.flows.flow import Flow, Outcome
 from pd_orchestrator.flows.legs import Legs
@@ -204,16 +205,27 @@ class CompletionPath:
         trace: RequestTrace | None,
     ) -> list[Flow]:
         """The request's flow; one per choice when it asks for ``n`` > 1. Every leg of
-        every choice carries ``forward`` and, when tracing, hangs below ``trace``."""
+        every choice carries ``forward`` and, when tracing, hangs below ``trace``; the
+        body's large values are encoded once for all of them."""
         requests = [request]
         if request.view.n > 1:
             requests = [choice_request(request, i) for i in range(request.view.n)]
+        encoding = SharedEncoding(request.body)  # the prompt's bytes once for every leg
         upstream, fleet, metrics, clock = self.upstream, state.fleet, self.metrics, self.clock
         return [
             Flow(
                 one,
                 plan,
-                Legs(upstream, fleet, metrics, one.request_id, clock, forward=forward, trace=trace),
+                Legs(
+                    upstream,
+                    fleet,
+                    metrics,
+                    one.request_id,
+                    clock,
+                    forward=forward,
+                    trace=trace,
+                    encoding=encoding,
+                ),
                 state.attempt,
                 state.flow,
             )
