@@ -190,7 +190,6 @@ class Flow:
         self.decoder = first.decoder
         self.attempt = Single()
         self.route = first.route
-        self.stream_legs = self.request.stream
 
     def headers(self) -> dict[str, str]:
         """The response headers that report the decision (endpoint names only)."""
