@@ -18,6 +18,8 @@ own with threshold 0).
 * :class:`Probe` (ask-all): one-token probes to every asked decoder, then the real
   request to the admitting decoder that reported the most cached tokens.
 
+At threshold 1 the ask-all attempts ask no decoder either (as :class:`Single`): the
+request goes straight to the fallback decoder through P/D (counted as ``skipped``).
 With ``width: adaptive`` the plan may ask no decoder (no decoder is likely to hold
 the prompt): the ask-all attempts then skip the fan-out and go straight to the
 fallback (counted as ``skipped``). Every ask-all request counts how many decoders it
@@ -52,6 +54,7 @@ from pd_orchestrator.flows.bodies import Route
 from pd_orchestrator.flows.chunks import ChunkView, MalformedChunk, view_answer
 from pd_orchestrator.flows.legs import Leg, Legs
 from pd_orchestrator.flows.request import ClientRequest
+from pd_orchestrator.flows.sink import check_token_ids
 from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.model.route import Ask, Decline, GoPD, Local, Whole
 from pd_orchestrator.openai.responses import Kind
@@ -150,15 +153,20 @@ class _AskAll:
 
     streams = True
 
-    def __init__(self, config: AskAllConfig, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self, config: AskAllConfig, metrics: GatewayMetrics, max_ids: int | None = None
+    ) -> None:
         self.config = config
         self.metrics = metrics
+        self.max_ids = max_ids
 
     async def prompt_ids(self, request: ClientRequest, plan: Plan, legs: Legs) -> list[int] | None:
         """Token ids when ``plan`` asks at least ``tokenize_from`` decoders (see the
-        module docstring); counted by how the prompt goes."""
+        module docstring); counted by how the prompt goes. Held to ``max_ids`` as a
+        client's token ids are (400)."""
+        asked = _asked(plan)
         least = self.config.tokenize_from
-        if least is None or len(plan.asked) < least:
+        if least is None or len(asked) < least:
             return None
         counted = self.metrics.ask_all_prompts
         if not request.tokenizable:
@@ -166,10 +174,12 @@ class _AskAll:
             return None
         if request.prompt_ids is not None:
             counted.labels("reused").inc()
-            return list(request.prompt_ids)
-        asked = plan.asked  # the asked decoders take turns tokenizing (no hot spot)
-        ids = await self._tokenize(request, asked[plan.ordinal % len(asked)], legs)
-        counted.labels("failed" if ids is None else "tokenized").inc()
+            ids: list[int] | None = list(request.prompt_ids)
+        else:  # the asked decoders take turns tokenizing (no hot spot)
+            ids = await self._tokenize(request, asked[plan.ordinal % len(asked)], legs)
+            counted.labels("failed" if ids is None else "tokenized").inc()
+        if ids is not None and self.max_ids is not None:
+            check_token_ids(len(ids), self.max_ids)
         return ids
 
     async def _tokenize(
@@ -188,7 +198,7 @@ class _AskAll:
 
     def _asking(self, plan: Plan) -> tuple[Endpoint, ...]:
         """The decoders ``plan`` asks, counted (how many, and why)."""
-        asked = plan.asked
+        asked = _asked(plan)
         self.metrics.ask_all_asked.observe(len(asked))
         self.metrics.ask_all_width.labels(plan.width.reason if plan.width else "fixed").inc()
         return asked
@@ -198,10 +208,13 @@ class _AskAll:
         return Attempted(leg.endpoint, leg)
 
     def _fell_back(self, plan: Plan, rejected: tuple[str, ...]) -> Attempted:
+        """The fallback decoder takes the request; at threshold 1 (no decoder asked)
+        through P/D, as decode-first sends it."""
         config = self.config.fallback
         decoder = plan.fallback(config)
-        local = config.then == "local"
-        outcome = "skipped" if not plan.asked else "fallback_local" if local else "fallback_pd"
+        asked = _asked(plan)
+        local = config.then == "local" and plan.threshold.value < 1.0
+        outcome = "skipped" if not asked else "fallback_local" if local else "fallback_pd"
         self.metrics.ask_all.labels(outcome).inc()
         return Attempted(decoder, None, local=local, rejected=rejected)
 
@@ -268,6 +281,12 @@ class Race(_AskAll):
         if reply.outcome == "cancelled":
             self.metrics.fanout_wasted_tokens.inc(_held_tokens(leg))
         await legs.close(leg)
+
+
+def _asked(plan: Plan) -> tuple[Endpoint, ...]:
+    """The decoders an ask-all attempt asks: the plan's, none at threshold 1 (as
+    :class:`Single`: no prompt reaches a hit ratio of 1, so asking only costs time)."""
+    return () if plan.threshold.value >= 1.0 else plan.asked
 
 
 def _held_tokens(leg: Leg) -> int:
@@ -366,10 +385,11 @@ def _one_token(body: Json) -> Json:
     return probe
 
 
-def attempt_for(mode: str, ask_all: AskAllConfig, metrics: GatewayMetrics) -> Attempt:
-    """The attempt strategy of a gateway ``mode`` (``decode-first`` or ``ask-all``)."""
+def attempt_for(mode: str, ask_all: AskAllConfig, metrics: GatewayMetrics, max_ids: int) -> Attempt:
+    """The attempt strategy of a gateway ``mode`` (``decode-first`` or ``ask-all``);
+    ``max_ids``: the most token ids a prompt may be (``limits.max_prompt_token_ids``)."""
     if mode != "ask-all":
         return Single()
     if ask_all.variant == "probe":
-        return Probe(ask_all, metrics)
-    return Race(ask_all, metrics)
+        return Probe(ask_all, metrics, max_ids)
+    return Race(ask_all, metrics, max_ids)

@@ -2,7 +2,9 @@
 
 Bodies are shallow copies of the client's body with top-level fields set or
 replaced; nested values are shared and never changed, so no body is deep-copied on
-the request path.
+the request path. :class:`SharedEncoding` encodes them for the wire: the client's
+large top-level values (its prompt or messages, say) once per request, shared by
+every leg of every choice, each leg's own fields around them.
 """
 
 from __future__ import annotations
@@ -10,14 +12,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from pd_orchestrator.flows.logprobs import continuation_logprobs
 from pd_orchestrator.flows.request import CHAT_ONLY_FIELDS, ClientRequest
 from pd_orchestrator.openai.responses import Kind
 
-__all__ = ["COMPLETIONS", "Route", "continuation_body", "leg_body", "with_threshold"]
+__all__ = [
+    "COMPLETIONS",
+    "SHARED_BYTES",
+    "Encoded",
+    "Route",
+    "SharedEncoding",
+    "continuation_body",
+    "leg_body",
+    "with_threshold",
+]
 
 Json = dict[str, Any]
 COMPLETIONS = "/v1/completions"
+SHARED_BYTES = 16384
+"""The encoded size from which a top-level value of the client's body is encoded once
+per request and shared by its legs (smaller ones are encoded with each leg)."""
+Encoded = tuple[bytes, ...]
+"""A body encoded as JSON in pieces, to be sent one after the other."""
+_SHAREABLE = frozenset({str, list, dict})
 
 
 def _streaming(body: Json, stream: bool, client_options: Any) -> None:
@@ -131,3 +150,51 @@ class Route:
         if self.ids is None:
             return leg_body(request, threshold, stream=stream, admission_only=admission_only)
         return continuation_body(request, self.ids, 0, threshold, stream=stream)
+
+
+class SharedEncoding:
+    """Encodes the leg bodies of one client request (its body: ``source``), every large
+    top-level value of ``source`` once.
+
+    A leg body's field whose value *is* ``source``'s (the same object: bodies are
+    shallow copies, nested values never changed) and encodes to ``least`` bytes or
+    more is sent as that one encoding; the leg's other fields are encoded around it.
+    So the ``n`` choices of a request, and the attempt, prefill and decode legs of
+    each, share one copy of the prompt's bytes instead of one each.
+    """
+
+    def __init__(self, source: Json, least: int = SHARED_BYTES) -> None:
+        self._source = source
+        self._least = least
+        self._pieces: dict[str, tuple[bytes, bytes] | None] = {}
+
+    def encode(self, body: Json) -> Encoded:
+        """``body`` as JSON: its own fields, then each shared ``"key":value`` (one
+        object, its fields in another order than ``body``'s)."""
+        shared: list[tuple[bytes, bytes]] = []
+        own: Json = {}
+        for key, value in body.items():
+            piece = self._piece(key, value) if type(value) in _SHAREABLE else None
+            if piece is None:
+                own[key] = value
+            else:
+                shared.append(piece)
+        head = orjson.dumps(own)
+        if not shared:
+            return (head,)
+        pieces = [head[:-1] + b"," if own else b"{"]
+        for name, value in shared:
+            pieces += (name, value, b",")
+        pieces[-1] = b"}"
+        return tuple(pieces)
+
+    def _piece(self, key: str, value: Any) -> tuple[bytes, bytes] | None:
+        """``"key":`` and ``value`` encoded once, when ``value`` is the source's and
+        large."""
+        if self._source.get(key) is not value:
+            return None
+        if key not in self._pieces:
+            encoded = orjson.dumps(value)
+            large = len(encoded) >= self._least
+            self._pieces[key] = (orjson.dumps(key) + b":", encoded) if large else None
+        return self._pieces[key]

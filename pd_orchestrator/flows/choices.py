@@ -4,7 +4,8 @@ A request that asks for ``n`` choices runs ``n`` flows of the same plan, each wi
 ``n: 1`` (and, when the request has a ``seed``, seed + the choice's index, so that
 sampled choices differ as vLLM's do). Choice 0 runs first, up to its first decisive
 chunk: by then its decoder holds the prompt (admitted, or handed the KV over), so the
-other choices, started only then, find it cached instead of each prefilling it. Every
+other choices, started only then on that decoder alone (:meth:`Flow.follow`, in
+either mode: ask-all asks no one else), find it cached instead of each prefilling it. Every
 choice relays, hands back and recovers on its own (a hand-back continues the choice
 that was handed back). The client sees one id, each choice under its ``index``, one
 usage figure (the prompt once, every choice's completion tokens), one ``[DONE]``.
@@ -118,6 +119,7 @@ async def _run_all(
                 return
             await first.began.wait()  # choice 0 holds its slot by now
             async with slots:
+                flow.follow(flows[0])  # on the decoder that holds the prompt now
                 flow.transcript.identity = flows[0].transcript.identity  # one id for all
                 outcomes[index] = await flow.run(renderers[index])
         except Exception as exc:

@@ -84,7 +84,7 @@ from typing import Any
 
 from connectors import Connector
 from pd_orchestrator.config.settings import HandbackConfig, UpstreamConfig
-from pd_orchestrator.flows.attempts import Attempt
+from pd_orchestrator.flows.attempts import Attempt, Single
 from pd_orchestrator.flows.bodies import COMPLETIONS, Route, continuation_body, with_threshold
 from pd_orchestrator.flows.chunks import ChunkView
 from pd_orchestrator.flows.handover import Handover, retryable
@@ -180,6 +180,17 @@ class Flow:
         """How the original prompt's legs go (known at the first attempt)."""
         self.budget = leg_budget(settings.upstream, settings.handback, len(plan.asked))
         legs.prompt_tokens, legs.blocks = plan.prompt_tokens, plan.blocks
+
+    def follow(self, first: Flow) -> None:
+        """Make this flow one of the other choices of ``first``'s request (choice 0,
+        which began its answer, so its decoder holds the prompt): asked on that decoder
+        alone as decode-first asks (:class:`~pd_orchestrator.flows.attempts.Single`:
+        admitted warm, not prefilled again, whatever the mode), the prompt on the
+        route ``first`` sent it (the same token ids, no second ``/tokenize``)."""
+        self.plan = self.plan.following(first.decoder)
+        self.decoder = first.decoder
+        self.attempt = Single()
+        self.route = first.route
 
     def headers(self) -> dict[str, str]:
         """The response headers that report the decision (endpoint names only)."""

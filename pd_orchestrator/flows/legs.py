@@ -39,6 +39,9 @@ request goes through it, so every one is treated alike:
   headers (the client's ``Authorization`` unless the endpoint's pool has its own
   key, which replaces it) and, when tracing, a span of its own whose
   ``traceparent`` it carries;
+* encoded through the request's ``encoding``
+  (:class:`~pd_orchestrator.flows.bodies.SharedEncoding`) when it has one: the
+  client's large values once for all its legs, the legs of all its choices too;
 * closed when the request ends, whatever ends it (:meth:`Legs.aclose`, shielded and
   bounded).
 
@@ -60,6 +63,7 @@ import anyio
 from opentelemetry.trace import Span
 
 from pd_orchestrator.fleet.state import FleetState
+from pd_orchestrator.flows.bodies import Encoded, SharedEncoding
 from pd_orchestrator.flows.chunks import ChunkView, MalformedChunk, view_answer, view_chunk
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.openai.responses import Kind
@@ -225,6 +229,7 @@ class Legs:
         *,
         forward: Mapping[str, str] | None = None,
         trace: RequestTrace | None = None,
+        encoding: SharedEncoding | None = None,
     ) -> None:
         self.upstream = upstream
         self.fleet = fleet
@@ -233,6 +238,7 @@ class Legs:
         self.clock = clock
         self.forward = forward
         self.trace = trace
+        self.encoding = encoding
         self.failed: set[str] = set()
         self.prompt_tokens = 0
         self.blocks: Sequence[int] = ()
@@ -245,6 +251,11 @@ class Legs:
         """A new leg id: ``<request id>-<n>``."""
         self._count += 1
         return f"{self.request_id}-{self._count}"
+
+    def _encoded(self, body: Json) -> Json | Encoded:
+        """``body`` as the upstream client sends it: in pieces through the request's
+        :attr:`encoding` (its large values encoded once), else as it is."""
+        return body if self.encoding is None else self.encoding.encode(body)
 
     def allowance(self) -> float:
         """Seconds the read timeouts of the next legs grow by for their prompt's size."""
@@ -340,7 +351,7 @@ class Legs:
         backlog = self._backlog(phase, body, stream=False)
         with self._leg(endpoint, name, span, backlog, held=False):
             return await self.upstream.post_json(
-                endpoint, path, body, phase=phase,
+                endpoint, path, self._encoded(body), phase=phase,
                 headers=self._headers(endpoint, span, extra), prompt_tokens=self.prompt_tokens,
             )  # fmt: skip
 
@@ -454,7 +465,7 @@ class Legs:
         """The stream answering ``body``, in flight on ``endpoint`` until it is closed."""
         with self._leg(endpoint, phase, span, backlog, held=True):
             stream = await self.upstream.open_stream(
-                endpoint, path, body, phase=phase,
+                endpoint, path, self._encoded(body), phase=phase,
                 headers=self._headers(endpoint, span, extra), prompt_tokens=self.prompt_tokens,
             )  # fmt: skip
         self.fleet.record_accepted(endpoint.name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol
 
-__all__ = ["ClientSink", "GatewayError"]
+__all__ = ["ClientSink", "GatewayError", "check_token_ids"]
 
 
 class GatewayError(Exception):
@@ -16,6 +16,14 @@ class GatewayError(Exception):
         self.status = status
         self.message = message
         self.param = param
+
+
+def check_token_ids(count: int, limit: int, param: str = "prompt") -> None:
+    """Refuse ``count`` token ids past ``limit`` (``limits.max_prompt_token_ids``;
+    400), however the gateway came by them: a client's ``param``, or a decoder's
+    ``/tokenize`` of the prompt."""
+    if count > limit:
+        raise GatewayError(400, f"`{param}` has more than {limit} token ids", param)
 
 
 class ClientSink(Protocol):

@@ -1,8 +1,9 @@
 """Admission: a completion request read, parsed once and checked, before any routing.
 
-:func:`~pd_orchestrator.gateway.limits.read_body` reads the body; :func:`admit`
-decodes it (400 unless a JSON object), checks it against the limits
-(:func:`~pd_orchestrator.gateway.limits.check_json`: depth, messages, token ids),
+:func:`read_json` reads a body within the limits, decodes it (400 unless a JSON
+object) and checks it against them
+(:func:`~pd_orchestrator.gateway.limits.check_json`: messages, token ids, depth) --
+for every route that takes a body, the tokenizer routes too. :func:`admit` then
 refuses the KV-transfer fields a client may not set (400, see
 :func:`refuse_transfer_fields`) and the fields only the gateway sets (400, see
 :func:`refuse_gateway_fields`), parses it into its typed view (400 naming the
@@ -24,14 +25,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.types import Receive
+
 from connectors import PeerInfo
 from pd_orchestrator.config.allowlist import split_host_port
-from pd_orchestrator.config.settings import KvSettings
+from pd_orchestrator.config.settings import KvSettings, LimitsConfig
 from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.flows.sink import GatewayError
-from pd_orchestrator.gateway.limits import check_choices, check_json
+from pd_orchestrator.gateway.limits import BodyKind, check_choices, check_json, read_body
 from pd_orchestrator.gateway.state import GatewayState
 from pd_orchestrator.model.endpoints import Endpoint, Role
+from pd_orchestrator.openai.errors import echoed
 from pd_orchestrator.openai.protocol import RequestError, decode_json_object, parse_for
 from pd_orchestrator.openai.responses import Kind
 from pd_orchestrator.planner.choices import sidecar_order
@@ -43,13 +47,16 @@ __all__ = [
     "TRANSFER_FIELDS",
     "TRANSFER_XARGS",
     "Admitted",
+    "Body",
     "RequestIds",
     "admit",
     "header_map",
     "json_object",
+    "read_json",
     "refuse_gateway_fields",
     "refuse_transfer_fields",
     "request_id_of",
+    "unknown_model",
 ]
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -105,6 +112,32 @@ def json_object(raw: bytes) -> dict[str, Any]:
         raise GatewayError(400, str(exc)) from None
 
 
+@dataclass(frozen=True, slots=True)
+class Body:
+    """A request body as read (``raw``, forwarded as it is where it can be) and as
+    decoded and checked (``json``)."""
+
+    raw: bytes
+    json: dict[str, Any]
+
+
+async def read_json(receive: Receive, limits: LimitsConfig, kind: BodyKind) -> Body:
+    """The one way every route that takes a body reads and checks it: read within
+    ``max_body_bytes`` (413), decoded as a JSON object (400), checked against the
+    limits on messages, token ids and depth (400,
+    :func:`~pd_orchestrator.gateway.limits.check_json`) before anything validates,
+    re-serialises or forwards it."""
+    raw = await read_body(receive, limits.max_body_bytes)
+    body = json_object(raw)
+    check_json(body, limits, kind)
+    return Body(raw, body)
+
+
+def unknown_model(model: object) -> GatewayError:
+    """The 404 for a model this gateway does not serve (the name cut short)."""
+    return GatewayError(404, f"The model `{echoed(model)}` does not exist.", "model")
+
+
 def refuse_transfer_fields(body: dict[str, Any]) -> None:
     """400 when a client body sets a KV-transfer field (see :data:`TRANSFER_FIELDS`
     and :data:`TRANSFER_XARGS`); a null value is no setting and passes."""
@@ -135,15 +168,15 @@ def admit(
     state: GatewayState,
     kind: Kind,
     path: str,
-    raw: bytes,
+    read: Body,
     headers: dict[str, str],
     arrival: float,
     ids: RequestIds,
 ) -> Admitted:
-    """Admit one completion request (see the module docstring); raises GatewayError."""
-    body = json_object(raw)
+    """Admit one completion request, its body read by :func:`read_json` (see the
+    module docstring); raises GatewayError."""
+    body = read.json
     config = state.config
-    check_json(body, config.limits, kind)
     if not config.security.trust_client_transfer_params:
         refuse_transfer_fields(body)
     refuse_gateway_fields(body)
@@ -151,9 +184,9 @@ def admit(
         view = parse_for(kind, body)
     except RequestError as exc:
         raise GatewayError(400, str(exc), exc.param) from None
-    check_choices(view.n, len(raw), config.limits)
+    check_choices(view.n, len(read.raw), config.limits)
     if state.models and view.model not in state.models:
-        raise GatewayError(404, f"The model `{view.model}` does not exist.", "model")
+        raise unknown_model(view.model)
     request = ClientRequest(
         kind=kind,
         path=path,
@@ -194,7 +227,7 @@ def _host_port(state: GatewayState, header: str, value: str) -> tuple[str, int]:
     if port is None:
         raise GatewayError(400, f"header {header} must name host:port")
     if state.config.sidecar.ssrf_protection and not state.allowlist.current.allows(host, port):
-        raise GatewayError(403, f"{header}: {value.strip()!r} is not in the allow-list")
+        raise GatewayError(403, f"{header}: '{echoed(value.strip())}' is not in the allow-list")
     return host, port
 
 

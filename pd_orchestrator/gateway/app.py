@@ -53,13 +53,13 @@ from pd_orchestrator.flows.sink import GatewayError
 from pd_orchestrator.gateway.admission import (
     RequestIds,
     header_map,
-    json_object,
+    read_json,
     request_id_of,
 )
 from pd_orchestrator.gateway.auth import OPEN_PATHS, ApiKeys, forwarded_headers, unauthorized
 from pd_orchestrator.gateway.completion import CompletionPath
 from pd_orchestrator.gateway.lifecycle import Drain, closing_connections
-from pd_orchestrator.gateway.limits import check_head, read_body
+from pd_orchestrator.gateway.limits import BodyKind, check_head
 from pd_orchestrator.gateway.observe import Answered
 from pd_orchestrator.gateway.passthrough import tokenizer_decoder, versions
 from pd_orchestrator.gateway.protocol import limited_protocol
@@ -78,7 +78,6 @@ from pd_orchestrator.telemetry.logs import REQUEST_ID
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
 from pd_orchestrator.telemetry.tracing import Tracing
 from pd_orchestrator.upstream.client import Phase, Upstream
-from pd_orchestrator.upstream.errors import UpstreamError
 from pd_orchestrator.upstream.transport import Transport
 
 __all__ = ["Gateway"]
@@ -316,8 +315,8 @@ class Gateway:
         tracing = self.tracing
         trace = None if tracing is None else tracing.request("POST", path, headers)
         try:
-            raw = await read_body(request.receive, state.config.limits.max_body_bytes)
-            body = json_object(raw)
+            kind: BodyKind = "tokenize" if path == "/tokenize" else "detokenize"
+            body = (await read_json(request.receive, state.config.limits, kind)).json
             decoder = tokenizer_decoder(state, body.get("model"), next(self._turns))
             forward = forwarded_headers(headers, own_keys=self._api_keys is not None, tracing=trace)
             legs = Legs(
@@ -326,7 +325,7 @@ class Gateway:
             )  # fmt: skip
             answer: dict[str, object] = await legs.post(decoder, path, body, Phase.TOKENIZE)
             status, error = 200, None
-        except (GatewayError, UpstreamError) as exc:
+        except Exception as exc:  # every error in the OpenAI shape (error_of logs the rest)
             status, message, param = error_of(exc)
             answer, error = error_body(message, status, param=param), message
         self.metrics.count_request(path, "error" if status >= 400 else "none", status)

@@ -24,16 +24,16 @@ from functools import partial
 
 from starlette.types import Receive, Scope, Send
 
+from pd_orchestrator.flows.bodies import SharedEncoding
 from pd_orchestrator.flows.choices import choice_request, run_choices
 from pd_orchestrator.flows.flow import Flow, Outcome
 from pd_orchestrator.flows.legs import Legs
 from pd_orchestrator.flows.render import renderer_for
 from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.flows.sink import ClientSink, GatewayError
-from pd_orchestrator.gateway.admission import Admitted, RequestIds, admit, header_map
+from pd_orchestrator.gateway.admission import Admitted, RequestIds, admit, header_map, read_json
 from pd_orchestrator.gateway.auth import forwarded_headers
 from pd_orchestrator.gateway.lifecycle import SHUTTING_DOWN, Drain
-from pd_orchestrator.gateway.limits import read_body
 from pd_orchestrator.gateway.observe import Answered, log_access, span_attributes
 from pd_orchestrator.gateway.protocol import default_concurrent_choices
 from pd_orchestrator.gateway.response import error_of, refuse, respond
@@ -143,9 +143,9 @@ class CompletionPath:
     async def _plan(
         self, state: GatewayState, headers: dict[str, str], receive: Receive, kind: Kind, path: str
     ) -> tuple[Admitted, Plan]:
-        raw = await read_body(receive, state.config.limits.max_body_bytes)
+        body = await read_json(receive, state.config.limits, kind)
         now = self.clock()
-        admitted = admit(state, kind, path, raw, headers, now, self._ids)
+        admitted = admit(state, kind, path, body, headers, now, self._ids)
         REQUEST_ID.set(admitted.request.request_id)
         candidates = state.scraper.candidates(state.fleet.snapshot(), now)
         admitted = await self._tokenized(state, admitted, candidates)
@@ -213,16 +213,27 @@ class CompletionPath:
         trace: RequestTrace | None,
     ) -> list[Flow]:
         """The request's flow; one per choice when it asks for ``n`` > 1. Every leg of
-        every choice carries ``forward`` and, when tracing, hangs below ``trace``."""
+        every choice carries ``forward`` and, when tracing, hangs below ``trace``; the
+        body's large values are encoded once for all of them."""
         requests = [request]
         if request.view.n > 1:
             requests = [choice_request(request, i) for i in range(request.view.n)]
+        encoding = SharedEncoding(request.body)  # the prompt's bytes once for every leg
         upstream, fleet, metrics, clock = self.upstream, state.fleet, self.metrics, self.clock
         return [
             Flow(
                 one,
                 plan,
-                Legs(upstream, fleet, metrics, one.request_id, clock, forward=forward, trace=trace),
+                Legs(
+                    upstream,
+                    fleet,
+                    metrics,
+                    one.request_id,
+                    clock,
+                    forward=forward,
+                    trace=trace,
+                    encoding=encoding,
+                ),
                 state.attempt,
                 state.flow,
             )

@@ -10,27 +10,29 @@ OpenAI error shape); the limits are :class:`~pd_orchestrator.config.settings.Lim
   the head arrives; this check holds under any ASGI server.
 * :func:`read_body` -- reads the body up to the limit and refuses it (413) as soon
   as it passes, so nothing is buffered beyond it.
-* :func:`check_json` -- on the decoded body, before it is validated: nesting depth,
-  chat messages and token ids of a prompt (400). The depth walk visits containers
-  only and skips a completion's ``prompt`` (which validation then allows to be a
-  string or a flat list of token ids only, however long), so a plain completion
-  body costs about a microsecond and a 100-message chat some tens.
+* :func:`check_json` -- on the decoded body of every route that takes one (the
+  completion routes, ``/tokenize``, ``/detokenize``), before it is validated or
+  forwarded: chat messages and token ids (a prompt's, ``/detokenize``'s
+  ``tokens``), then nesting depth (400). The depth walk visits containers only and
+  skips a completion's ``prompt`` (which validation then allows to be a string or a
+  flat list of token ids only, however long), so a plain completion body costs
+  about a microsecond and a 100-message chat some tens.
 * :func:`check_choices` -- on the validated request: ``n`` times the body's size
   (400): each choice is a request of its own upstream, with its own copy of the body.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from starlette.types import Receive, Scope
 
 from pd_orchestrator.config.settings import LimitsConfig
-from pd_orchestrator.flows.sink import GatewayError
-from pd_orchestrator.openai.responses import Kind
+from pd_orchestrator.flows.sink import GatewayError, check_token_ids
 
 __all__ = [
     "REFUSALS_THAT_CLOSE",
+    "BodyKind",
     "check_choices",
     "check_head",
     "check_json",
@@ -43,6 +45,10 @@ REFUSALS_THAT_CLOSE = frozenset({413, 431})
 
 _MAX_LENGTH_DIGITS = 19
 _CONTAINERS = frozenset({dict, list})
+
+BodyKind = Literal["completion", "chat", "tokenize", "detokenize"]
+"""What a request body is: a completion or chat request, or a ``/tokenize`` or
+``/detokenize`` body."""
 
 
 def check_head(scope: Scope, limits: LimitsConfig) -> None:
@@ -109,21 +115,21 @@ def json_depth_exceeds(body: dict[str, Any], limit: int, skip: str = "") -> bool
     return False
 
 
-def check_json(body: dict[str, Any], limits: LimitsConfig, kind: Kind) -> None:
-    """Refuse a decoded body that nests too deep or carries too many messages or
-    prompt token ids (400), before it is validated as a request of ``kind``."""
-    if json_depth_exceeds(body, limits.max_json_depth, "prompt" if kind == "completion" else ""):
-        raise GatewayError(400, f"the JSON body nests deeper than {limits.max_json_depth} levels")
-    prompt = body.get("prompt")
-    if type(prompt) is list and len(prompt) > limits.max_prompt_token_ids:
-        raise GatewayError(
-            400, f"the prompt has more than {limits.max_prompt_token_ids} token ids", "prompt"
-        )
+def check_json(body: dict[str, Any], limits: LimitsConfig, kind: BodyKind) -> None:
+    """Refuse a decoded body of ``kind`` that carries too many messages or token ids
+    (``prompt``; ``tokens`` for ``/detokenize``), or nests too deep (400), before it
+    is validated or forwarded. The counts come first: they bound the depth walk."""
+    ids = "tokens" if kind == "detokenize" else "prompt"
+    found = body.get(ids)
+    if type(found) is list:
+        check_token_ids(len(found), limits.max_prompt_token_ids, ids)
     messages = body.get("messages")
     if type(messages) is list and len(messages) > limits.max_messages:
         raise GatewayError(
             400, f"the request has more than {limits.max_messages} messages", "messages"
         )
+    if json_depth_exceeds(body, limits.max_json_depth, "prompt" if kind == "completion" else ""):
+        raise GatewayError(400, f"the JSON body nests deeper than {limits.max_json_depth} levels")
 
 
 def check_choices(n: int, size: int, limits: LimitsConfig) -> None:

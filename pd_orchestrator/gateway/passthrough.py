@@ -3,7 +3,9 @@
 
 ``POST /tokenize`` and ``POST /detokenize`` go, unchanged, to a healthy decoder that
 serves the body's ``model`` (any decoder when the body names none; decoders take
-turns), as a ``tokenize`` leg: the decoder's tokenizer is the one the completion
+turns), as a ``tokenize`` leg, once the body passed the same reading and checks as
+a completion's (:func:`~pd_orchestrator.gateway.admission.read_json`: 413 and 400,
+never forwarded): the decoder's tokenizer is the one the completion
 routes use, so a client that aligns prompts with it (``vllm bench serve`` does)
 gets the lengths it asked for. A model no decoder serves is a 404, a decoder that
 fails is the usual upstream error, both in the OpenAI error shape.
@@ -21,8 +23,10 @@ import orjson
 
 from pd_orchestrator import __version__
 from pd_orchestrator.flows.sink import GatewayError
+from pd_orchestrator.gateway.admission import unknown_model
 from pd_orchestrator.gateway.state import GatewayState
 from pd_orchestrator.model.endpoints import Endpoint, Role
+from pd_orchestrator.openai.errors import echoed
 from pd_orchestrator.upstream.client import Upstream
 from pd_orchestrator.upstream.errors import UpstreamError
 
@@ -38,14 +42,14 @@ def tokenizer_decoder(state: GatewayState, model: object, turn: int) -> Endpoint
     if model is not None and not isinstance(model, str):
         raise GatewayError(400, "model: a string is expected", "model")
     if model is not None and state.models and model not in state.models:
-        raise GatewayError(404, f"The model `{model}` does not exist.", "model")
+        raise unknown_model(model)
     serving = [
         status
         for status in state.fleet.snapshot(Role.DECODE)
         if model is None or status.endpoint.model in (None, model)
     ]
     if not serving:
-        raise GatewayError(503, f"no decoder serves the model `{model}`")
+        raise GatewayError(503, f"no decoder serves the model `{echoed(model)}`")
     healthy = [
         s for s in serving if s.healthy and state.scraper.is_responsive(s.endpoint.name)
     ] or serving

@@ -53,6 +53,10 @@ _JSON = "application/json"
 def error_of(exc: Exception) -> tuple[int, str, str | None]:
     """Status, message and parameter of an error a flow raised.
 
+    A body the JSON encoder refuses is the client's (400; every body the gateway
+    encodes is made of a client's). Anything else unexpected is a 500, logged
+    (:func:`_log_unexpected`: its traceback once per place it is raised).
+
     An upstream failure is logged in full (``pd_orchestrator.upstream``: endpoint,
     phase, status and the upstream's own message; WARNING, or INFO for an upstream
     4xx passed on as the client's error) unless the legs logged it already where
@@ -76,8 +80,36 @@ def error_of(exc: Exception) -> tuple[int, str, str | None]:
             mapped.status,
         )
         return mapped.status, mapped.message, mapped.param
-    logger.error("unexpected error while serving a request", exc_info=exc)
+    if isinstance(exc, orjson.JSONEncodeError):  # only bodies made of a client's are encoded
+        logger.info("a request body could not be encoded for upstream: %s", exc)
+        return 400, "the request body cannot be forwarded as JSON", None
+    _log_unexpected(exc)
     return 500, f"internal error: {type(exc).__name__}", None
+
+
+_TRACED: set[tuple[str, str, int]] = set()
+"""Where unexpected errors were raised (type, file, line) whose traceback was logged."""
+_MAX_TRACED = 256
+
+
+def _log_unexpected(exc: Exception) -> None:
+    """Log an unexpected error at ERROR: with its traceback the first time it is
+    raised where it was, in one line after that (a client that can set it off
+    repeatedly does not fill the log with tracebacks)."""
+    frame = exc.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    code = frame.tb_frame.f_code.co_filename if frame is not None else ""
+    where = (type(exc).__name__, code, frame.tb_lineno if frame is not None else 0)
+    if where in _TRACED:
+        logger.error(
+            "unexpected error while serving a request (traceback logged before): %s: %s",
+            where[0], exc,
+        )  # fmt: skip
+        return
+    if len(_TRACED) < _MAX_TRACED:
+        _TRACED.add(where)
+    logger.error("unexpected error while serving a request", exc_info=exc)
 
 
 class _AsgiSink:

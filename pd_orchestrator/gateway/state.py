@@ -153,6 +153,8 @@ def build_state(
             config.sidecar.allowlist_refresh,
         ),
         models=frozenset(config.models()),
-        attempt=attempt_for(config.mode, config.ask_all, metrics),
+        attempt=attempt_for(
+            config.mode, config.ask_all, metrics, config.limits.max_prompt_token_ids
+        ),
         flow=FlowSettings(config.handback, config.upstream, _connectors(config), metrics, clock),
     )

@@ -4,6 +4,7 @@ vLLM answers errors as ``{"error": {"message", "type", "param", "code"}}`` with
 ``code`` the HTTP status. :func:`error_body` builds that shape; :func:`error_message`
 reads a message back out of it (or out of the older flat
 ``{"object": "error", "message", ...}`` shape some servers still send).
+:func:`echoed` is how an error message quotes a client's value (cut short).
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from __future__ import annotations
 from http import HTTPStatus
 from typing import Any
 
-__all__ = ["error_body", "error_message", "error_type_for"]
+__all__ = ["ECHO_CHARS", "echoed", "error_body", "error_message", "error_type_for"]
+
+ECHO_CHARS = 256
+"""The most characters of a client's value an error message quotes."""
 
 _TYPES = {
     400: "BadRequestError",
@@ -62,3 +66,11 @@ def error_message(body: Any) -> str | None:
     if body.get("object") == "error" and isinstance(body.get("message"), str):
         return str(body["message"])
     return None
+
+
+def echoed(value: object, limit: int = ECHO_CHARS) -> str:
+    """``value`` (a string as it is, anything else as its ``repr``) as an error message
+    quotes it: its first ``limit`` characters, then ``...`` when it was longer (a
+    client's 1 MB model name is not sent back to it)."""
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

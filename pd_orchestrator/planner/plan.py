@@ -321,6 +321,13 @@ class Plan:
             asked = decoders[:1]
         return replace(self, decoders=decoders, asked=asked)
 
+    def following(self, decoder: Endpoint) -> Plan:
+        """The plan of a request's other choices once its choice 0 is served by
+        ``decoder``, which now holds the prompt: ``decoder`` asked alone, then the
+        plan's other decoders (for a retry)."""
+        rest = tuple(d for d in self.decoders if d.name != decoder.name)
+        return replace(self, decoders=(decoder, *rest), asked=(decoder,), width=None)
+
     def fallback(self, config: AskAllFallbackConfig) -> Endpoint:
         """The decoder that takes the request when every asked decoder rejected it: the
         best of the asked decoders, or of every decoder when the width is adaptive (it

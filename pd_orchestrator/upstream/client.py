@@ -333,7 +333,12 @@ class Upstream:
         return found
 
     def _request(
-        self, endpoint: Endpoint, method: str, path: str, content: bytes, headers: Any
+        self,
+        endpoint: Endpoint,
+        method: str,
+        path: str,
+        content: bytes | tuple[bytes, ...],
+        headers: Any,
     ) -> Request:
         target = self._targets.get(endpoint.url)
         if target is None:
@@ -359,7 +364,7 @@ class Upstream:
         self,
         endpoint: Endpoint,
         path: str,
-        body: Json,
+        body: Json | tuple[bytes, ...],
         *,
         phase: Phase,
         headers: Mapping[str, str] | None = None,
@@ -367,7 +372,7 @@ class Upstream:
     ) -> Json:
         """POST ``body`` (its prompt ``prompt_tokens`` long) and return the decoded JSON
         answer (2xx only)."""
-        request = self._request(endpoint, "POST", path, orjson.dumps(body), headers)
+        request = self._request(endpoint, "POST", path, _content(body), headers)
         reply = await self._exchange(
             endpoint, request, phase, self._timeouts_for(phase, prompt_tokens)
         )
@@ -382,7 +387,7 @@ class Upstream:
         self,
         endpoint: Endpoint,
         path: str,
-        body: Json,
+        body: Json | tuple[bytes, ...],
         *,
         phase: Phase,
         headers: Mapping[str, str] | None = None,
@@ -390,7 +395,7 @@ class Upstream:
     ) -> ChunkStream:
         """POST ``body`` (its prompt ``prompt_tokens`` long) for an SSE answer; the caller
         must ``aclose`` the stream."""
-        request = self._request(endpoint, "POST", path, orjson.dumps(body), headers)
+        request = self._request(endpoint, "POST", path, _content(body), headers)
         timeouts = self._timeouts_for(phase, prompt_tokens)
         with _translate(endpoint, phase):
             response = await self._transport.send(request, timeouts)
@@ -435,6 +440,11 @@ class Upstream:
         timeouts = Timeouts(connect=min(t.connect, limit), read=limit, pool=min(t.pool, limit))
         request = self._request(endpoint, "GET", path, b"", None)
         return await self._exchange(endpoint, request, Phase.PROBE, timeouts)
+
+
+def _content(body: Json | tuple[bytes, ...]) -> bytes | tuple[bytes, ...]:
+    """A request's content: ``body`` encoded, or as the caller encoded it in pieces."""
+    return body if isinstance(body, tuple) else orjson.dumps(body)
 
 
 def _decoded(endpoint: Endpoint, phase: Phase, reply: Reply, what: str) -> Any:

@@ -139,6 +139,10 @@ class Timeouts:
     pool: float
 
 
+_JOINED = 65536
+"""The body size up to which a request is written in one piece."""
+
+
 @dataclass(frozen=True, slots=True)
 class Request:
     """One request as the transport sends it; ``headers`` are extra header lines."""
@@ -146,7 +150,9 @@ class Request:
     method: str
     origin: Origin
     path: str
-    content: bytes = b""
+    content: bytes | tuple[bytes, ...] = b""
+    """The body: one piece, or pieces sent one after the other (never joined, so
+    requests that share a large piece do not each copy it)."""
     headers: Sequence[tuple[str, str]] = ()
 
     @property
@@ -154,7 +160,8 @@ class Request:
         return f"{self.origin.scheme}://{self.origin.host_header.decode()}{self.path}"
 
     def json(self) -> Any:
-        return orjson.loads(self.content)
+        content = self.content
+        return orjson.loads(content if isinstance(content, bytes) else b"".join(content))
 
     def header(self, name: str) -> str | None:
         wanted = name.lower()
@@ -163,18 +170,23 @@ class Request:
                 return value
         return None
 
-    def encode(self) -> bytes:
+    def encode(self) -> tuple[bytes, ...]:
+        """The request as the pieces to write: one when the body is small, else the
+        head and the body's pieces as they are."""
+        content = (self.content,) if isinstance(self.content, bytes) else self.content
+        size = sum(map(len, content))
         lines = [
             f"{self.method} {self.path} HTTP/1.1\r\n".encode(),
             b"host: " + self.origin.host_header + b"\r\n",
         ]
-        if self.content or self.method == "POST":
+        if size or self.method == "POST":
             lines.append(b"content-type: application/json\r\ncontent-length: ")
-            lines.append(str(len(self.content)).encode() + b"\r\n")
+            lines.append(str(size).encode() + b"\r\n")
         lines.extend(f"{key}: {value}\r\n".encode() for key, value in self.headers)
         lines.append(b"\r\n")
-        lines.append(self.content)
-        return b"".join(lines)
+        if size <= _JOINED:
+            return (b"".join((*lines, *content)),)
+        return (b"".join(lines), *content)
 
 
 class Response(Protocol):
@@ -283,10 +295,11 @@ class _Connection(asyncio.Protocol):
             timer.cancel()
             self._waiter = None
 
-    def start(self, payload: bytes) -> None:
+    def start(self, payload: tuple[bytes, ...]) -> None:
         self._reset()
         assert self.transport is not None
-        self.transport.write(payload)
+        for piece in payload:
+            self.transport.write(piece)
 
     async def head(self, seconds: float) -> None:
         """Wait for the status line and headers (``seconds`` between two reads)."""

@@ -321,3 +321,60 @@ async def test_a_request_that_must_keep_its_text_is_fanned_out_as_text(
     assert after == before + 1
     # each of the four asked decoders tokenized the text itself
     assert await _decoders(fleet, TOKENIZED) - tokenized >= 4 * answer.usage["prompt_tokens"]
+
+
+# -- several choices ----------------------------------------------------------------------------
+PREFILLED = "vllm:prompt_tokens_total"
+REJECTIONS = "vllm:cache_threshold_rejections_total"
+
+
+@pytest.mark.parametrize("width", ["all", "adaptive"])
+async def test_a_cold_request_with_16_choices_is_prefilled_once(
+    fleet: Fleet, race: Child, adaptive: Child, width: str
+) -> None:
+    """Choice 0 is prefilled and handed over; the other 15 are admitted warm on the
+    decoder that now holds the prompt, asking no other decoder. Old: with ``width:
+    adaptive`` (the shipped ask-all config) every choice skipped the fan-out and was
+    prefilled on its own (16 prefills, 16 hand-overs); with ``all`` every choice asked
+    all four decoders again."""
+    gateway = race if width == "all" else adaptive
+    body = _chat(uuid.uuid4().hex, ["write sixteen different poems"]) | {"n": 16, "seed": 7}
+    before = await _prefillers(fleet, PREFILLED), await _decoders(fleet, REJECTIONS)
+    answer = await call(gateway.url, "chat", body)
+    assert answer.status == 200 and answer.decision == "pd" and answer.body is not None
+    assert sorted(c["index"] for c in answer.body["choices"]) == list(range(16))
+    assert answer.usage is not None
+    prefilled = await _prefillers(fleet, PREFILLED) - before[0]
+    assert prefilled == answer.usage["prompt_tokens"]  # one prefill
+    asked = 4 if width == "all" else 0  # choice 0's fan-out; the others asked the holder
+    assert await _decoders(fleet, REJECTIONS) - before[1] == asked
+
+
+async def test_ask_all_does_not_ask_at_a_client_threshold_of_1(fleet: Fleet, race: Child) -> None:
+    """At threshold 1 no prompt can be admitted: straight to P/D, no decoder asked (as
+    decode-first). Old: ask-all asked all four decoders, each rejected."""
+    body = _chat(uuid.uuid4().hex, ["hello"]) | {"cache_hit_threshold": 1.0}
+    before = await _decoders(fleet, REJECTIONS)
+    skipped = await _gateway(race, "pd_orchestrator_ask_all_total", outcome="skipped")
+    answer = await call(race.url, "chat", body)
+    assert answer.status == 200 and answer.decision == "pd" and answer.text
+    assert await _decoders(fleet, REJECTIONS) == before
+    assert await _gateway(race, "pd_orchestrator_ask_all_total", outcome="skipped") == skipped + 1
+
+
+async def test_a_tokenized_prompt_is_held_to_the_token_id_limit(
+    fleet: Fleet, gateway_factory: GatewayFactory
+) -> None:
+    """A text prompt the one ``/tokenize`` turns into more token ids than
+    ``max_prompt_token_ids`` is refused as a token-id prompt of that length is (400).
+    Old: its ids were sent to every asked decoder."""
+    config = fleet.config() | {"limits": {"max_prompt_token_ids": 64}}
+    gateway = gateway_factory(config, name="few-ids")
+    short = await call(
+        gateway.url, "completion", {"model": MODEL, "prompt": "hi there", "max_tokens": 2}
+    )
+    assert short.status == 200
+    long = {"model": MODEL, "prompt": f"{uuid.uuid4().hex} " + "word " * 200, "max_tokens": 2}
+    answer = await call(gateway.url, "completion", long)
+    assert answer.status == 400 and answer.body is not None
+    assert "more than 64 token ids" in answer.body["error"]["message"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import orjson
@@ -12,6 +13,7 @@ from pd_orchestrator.config.settings import LimitsConfig
 from pd_orchestrator.flows.sink import GatewayError
 from pd_orchestrator.gateway.admission import refuse_transfer_fields
 from pd_orchestrator.gateway.limits import check_head, check_json, json_depth_exceeds, read_body
+from pd_orchestrator.gateway.response import error_of
 
 LIMITS = LimitsConfig(
     max_body_bytes=2048,
@@ -163,3 +165,28 @@ def test_transfer_fields_are_refused(extra: dict[str, Any], param: str | None) -
         assert "may not be set by a client" in exc.message
     else:
         assert param is None
+
+
+def _raise(exc: Exception) -> Exception:
+    try:
+        raise exc
+    except Exception as raised:
+        return raised
+
+
+def test_unexpected_errors_log_their_traceback_once_per_place(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client that sets off the same unexpected error again and again gets one
+    traceback in the log, then one line each; an encoder's refusal of a body is the
+    client's (400, no traceback). Old: a traceback at ERROR per request."""
+    caplog.set_level(logging.INFO, "pd_orchestrator.gateway")
+    errors = [_raise(KeyError(f"k{i}")) for i in range(3)]  # all raised at one place
+    assert [error_of(e)[0] for e in errors] == [500, 500, 500]
+    traced = [r for r in caplog.records if r.levelno == logging.ERROR and r.exc_info]
+    assert len(traced) == 1
+    assert sum(r.levelno == logging.ERROR for r in caplog.records) == 3
+    caplog.clear()
+    status, message, _ = error_of(_raise(orjson.JSONEncodeError("Recursion limit reached")))
+    assert status == 400 and "cannot be forwarded" in message
+    assert not any(r.exc_info for r in caplog.records)

@@ -539,6 +539,64 @@ async def test_too_many_messages(strict: Child) -> None:
     assert answer.status == 400 and assert_error_shape(answer.body, 400)["param"] == "messages"
 
 
+def _tracebacks(child: Child) -> int:
+    return child.log_path.read_text(errors="replace").count("Traceback")
+
+
+_IDS = [7] * 65
+TOKENIZER_BODIES = {
+    "tokenize-depth-17": ("/tokenize", {"prompt": "p", "x": [[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]}),
+    "tokenize-depth-301": ("/tokenize", b'{"prompt":"p","x":' + _nested(300) + b"}"),
+    "detokenize-depth-301": ("/detokenize", b'{"tokens":[1],"x":' + _nested(300) + b"}"),
+    "tokenize-depth-1101": ("/tokenize", b'{"prompt":"p","x":' + _nested(1100) + b"}"),
+    "tokenize-messages": ("/tokenize", {"messages": [{"role": "user", "content": "hi"}] * 9}),
+    "tokenize-ids": ("/tokenize", {"prompt": _IDS}),
+    "detokenize-ids": ("/detokenize", {"tokens": _IDS}),
+}
+
+
+@pytest.mark.parametrize("case", list(TOKENIZER_BODIES))
+async def test_tokenizer_routes_check_bodies_as_the_completion_routes(
+    strict: Child, case: str
+) -> None:
+    """The same reading and checks as a completion's: 400 naming the limit, nothing
+    forwarded, no traceback in the log. Old: 254-1023 levels deep was a 500 (``internal
+    error: TypeError``, a traceback logged per request), 17-253 levels, 9 messages and
+    65 token ids were forwarded upstream."""
+    path, body = TOKENIZER_BODIES[case]
+    raw = body if isinstance(body, bytes) else orjson.dumps({"model": MODEL, **body})
+    traces = _tracebacks(strict)
+    async with httpx.AsyncClient(base_url=strict.url, timeout=10) as client:
+        fine = await client.post(path, json={"model": MODEL, "prompt": "p", "tokens": [1, 2]})
+        response = await client.post(path, content=raw)
+    assert fine.status_code == 200
+    assert response.status_code == 400
+    message = assert_error_shape(response.json(), 400)["message"]
+    assert any(word in message for word in ("deeper", "depth", "more than")), message
+    assert _tracebacks(strict) == traces
+
+
+@pytest.mark.parametrize("route", ["completion", "chat", "tokenize"])
+async def test_an_unknown_model_is_echoed_cut_short(strict: Child, route: str) -> None:
+    """Old: the whole name came back in the 404 (1 MB for a 1 MB name)."""
+    model = "m" * 50_000
+    if route == "tokenize":
+        async with httpx.AsyncClient(base_url=strict.url, timeout=10) as client:
+            response = await client.post("/tokenize", json={"model": model, "prompt": "p"})
+        status, body = response.status_code, response.json()
+    else:
+        prompt = (
+            {"prompt": "p"}
+            if route == "completion"
+            else {"messages": [{"role": "user", "content": "p"}]}
+        )
+        answer = await call(strict.url, route, {"model": model, **prompt})
+        status, body = answer.status, answer.body
+    assert status == 404
+    message = assert_error_shape(body, 404)["message"]
+    assert len(message) < 400 and "m" * 256 + "..." in message
+
+
 # -- malformed input ---------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "raw",
