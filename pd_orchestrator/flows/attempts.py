@@ -213,7 +213,7 @@ class _AskAll:
         config = self.config.fallback
         decoder = plan.fallback(config)
         asked = _asked(plan)
-        local = config.then == "local" and plan.threshold.value < 1.0
+        local = config.then == "local" and not _admits_none(plan)
         outcome = "skipped" if not asked else "fallback_local" if local else "fallback_pd"
         self.metrics.ask_all.labels(outcome).inc()
         return Attempted(decoder, None, local=local, rejected=rejected)
@@ -286,7 +286,13 @@ class Race(_AskAll):
 def _asked(plan: Plan) -> tuple[Endpoint, ...]:
     """The decoders an ask-all attempt asks: the plan's, none at threshold 1 (as
     :class:`Single`: no prompt reaches a hit ratio of 1, so asking only costs time)."""
-    return () if plan.threshold.value >= 1.0 else plan.asked
+    return () if _admits_none(plan) else plan.asked
+
+
+def _admits_none(plan: Plan) -> bool:
+    """Whether ``plan``'s route sends threshold 1 (P/D now, or declined): no decoder
+    admits it."""
+    return isinstance(plan.route, GoPD | Decline)
 
 
 def _held_tokens(leg: Leg) -> int:
