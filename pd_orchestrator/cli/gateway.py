@@ -26,7 +26,7 @@ from rich.text import Text
 
 from pd_orchestrator import __version__
 from pd_orchestrator.cli.logs import add_logging_arguments, logging_from_args
-from pd_orchestrator.cli.signals import exit_on_sigterm
+from pd_orchestrator.cli.signals import exit_on_sigterm, sigterm_seen
 from pd_orchestrator.config import ConfigError, GatewayConfig, load_config
 from pd_orchestrator.config.settings import FleetEndpoint
 from pd_orchestrator.model.hardware import get_profile
@@ -189,6 +189,9 @@ def serve_gateway(
             tg.start_soon(server.serve, [sock, *extra])
             while not server.started:  # noqa: ASYNC110 - uvicorn exposes no event
                 await anyio.sleep(0.02)
+            if sigterm_seen():  # stopped before uvicorn took the signals over
+                server.should_exit = True
+                return
             logger.info(
                 "pd-orchestrator %s serving on %s (%s, %d endpoints, tracing %s)",
                 __version__, url, config.mode, len(config.fleet()), tracing,
