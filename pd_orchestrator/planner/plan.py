@@ -34,7 +34,8 @@ returns a :class:`Plan`:
    a peer to decode on: it then leads the plan's decoders. :class:`Whole` names a
    prefiller whose pool spills: it then leads the plan's decoders, and serves the
    request itself. The policy is then told the final route
-   (:meth:`~pd_orchestrator.policies.threshold.ThresholdResolver.chosen`).
+   (:meth:`~pd_orchestrator.policies.threshold.ThresholdResolver.chosen`), and for a
+   spilling pick it declined, :class:`Decline`.
 5. **Prompt size** in tokens (exact when counted, else estimated from its
    characters), which lengthens the read timeouts of the request's legs.
 6. **Spare decoders** (:meth:`Plan.spare_decoders`): the decode profile's ranking
@@ -432,13 +433,13 @@ class Planner:
         choice = self._choose(asking, ranking)
         if choice.decoder.endpoint.spill and not _served_whole(choice.route):
             # the spilling prefiller the routing picked does not take it: decoders only
+            declined, route = choice, choice.route
             ranking = self.profiles.decode.run(routing, decoders_in)
             choice = self._choose(asking, ranking)
+            self._tell(declined, Decline(route.policy, route.reason))
         route = _final(choice.route)
-        if choice.context is not None and self.threshold is not None:
-            self.threshold.chosen(choice.context, route)
-            if not choice.continuable:  # the decoders it may be asked on all take it
-                route = replace(route, admission_only=True)
+        if self._tell(choice, route) and not choice.continuable:
+            route = replace(route, admission_only=True)  # every decoder asked takes it
         decoders = _leading(_decoding(ranking, choice.decoder), route, prefillers_in)
         width = self._adaptive(routing, decoders, candidates, threshold_of(route))
         return Plan(
@@ -470,6 +471,14 @@ class Planner:
             return self.profiles.decode.run(routing, decoders)
         # the role filter keeps every candidate for a request of role ``both``
         return self.profiles.decode.run(replace(routing, role=Role.BOTH), (*decoders, *spills))
+
+    def _tell(self, choice: _Choice, route: Route) -> bool:
+        """Tell the policy that decided ``choice`` the route its pick took (a declined
+        spilling pick: :class:`Decline`); False when no policy decided it."""
+        if choice.context is None or self.threshold is None:
+            return False
+        self.threshold.chosen(choice.context, route)
+        return True
 
     def _spills(
         self, facts: RequestFacts, prefillers: tuple[Candidate, ...]

@@ -39,6 +39,7 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.model.route import Ask, Decline, GoPD, Local, Route, Whole, at
 from pd_orchestrator.policies.base import (
     POLICY,
@@ -82,14 +83,19 @@ class GoodputPolicy:
         this policy's own route would keep when it is that route, else the prompt's
         uncached part when the route prefills there (:class:`Local`, :class:`Whole` on
         it, or :class:`Ask` at a threshold it meets); remember the hit rates the
-        context's endpoints read."""
-        own, kept = self._decide(context)
+        decision read from readings (worked out again, listing them)."""
+        model = self.model
+        seen: list[Candidate] = []
+        model.reads = seen
+        try:
+            own, kept = self._decide(context)
+        finally:
+            model.reads = None
         if route != own:
             kept = self._kept(context, route)
-        model = self.model
         if kept is not None:
             model.keep(context.decoder.endpoint, context.now, kept)
-        model.saw((context.decoder, *context.prefillers, *context.peers))
+        model.saw(seen)
 
     def _kept(self, context: ThresholdContext, route: Route) -> float | None:
         """The uncached tokens another policy's ``route`` keeps at the decoder (None:

@@ -48,7 +48,7 @@ Learning (:meth:`GoodputModel.observe`, :meth:`GoodputModel.keep`): per pool, th
 down slowly); a P/D sample above twice the best known rate is a prompt the prefiller
 held, not learnt. ``m`` and ``o`` are EWMAs. ``kept_d`` grows by the uncached tokens
 of each request the final route keeps at ``d`` (told after composition); the hit rates
-of the endpoints a request's context saw are remembered until a reading gives another.
+the decision read from readings are remembered until a reading gives another.
 Seeds: the hardware profile's rate, step and attention term when one matches the
 endpoint, else ``prefill_tokens_per_s`` and a linear model. Measurements behind these
 choices: benchmarks/README.md.
@@ -206,6 +206,9 @@ class GoodputModel:
     hits: dict[str, float] = field(default_factory=dict)
     prompt_mean: float = 0.0
     out_mean: float = 0.0
+    reads: list[Candidate] | None = field(default=None, compare=False, repr=False)
+    """While not None, :meth:`hit_rate` lists here the candidates whose reading gave
+    the rate it returned (what :meth:`saw` then remembers); None while deciding."""
 
     def pool(self, endpoint: Endpoint) -> PoolModel:
         """``endpoint``'s pool, seeded on first use (its seed depends on nothing learnt)."""
@@ -231,7 +234,11 @@ class GoodputModel:
         reading gave (:meth:`saw`); None when no reading ever gave one."""
         load = candidate.load
         rate = load.prefix_hit_rate if load is not None else None
-        return self.hits.get(candidate.endpoint.name) if rate is None else rate
+        if rate is None:
+            return self.hits.get(candidate.endpoint.name)
+        if self.reads is not None:
+            self.reads.append(candidate)
+        return rate
 
     def remote_ttft(self, context: ThresholdContext, model: PoolModel) -> float | None:
         """``remote``: the TTFT through the best compatible prefiller (None: none)."""

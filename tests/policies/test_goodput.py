@@ -708,3 +708,16 @@ def test_a_queued_routed_pick_serves_the_prompt_whole_only_if_it_still_answers_i
     # a decoder in the same state keeps the prompt all the same (reason ``queued``)
     queued = _decided(policy, replace(asked(9_500), decoder=decoder(backlog=9_500)))
     assert queued == Local("goodput", "queued")
+
+
+def test_deciding_changes_nothing_the_hit_rates_it_read_are_remembered_when_told() -> None:
+    policy = _policy()
+    rated = LoadSnapshot(1, 0, 0.0, 0.0, prefix_hit_rate=0.5)
+    peer = decoder("d1", reading=rated)  # read only for a drain
+    asked = context(tokens=4_000, dec=decoder(reading=rated), peers=(peer,))
+    route = policy.decide(asked)
+    assert route == Local("goodput", "local")
+    assert not policy.model.hits and not policy.model.duty  # decide wrote nothing
+    policy.chosen(asked, route)
+    # the decoder's reading was read (the prefiller's gives no rate); the peer's was not
+    assert policy.model.hits == {"d0": 0.5} and policy.model.duty["d0"].tokens == 2_000

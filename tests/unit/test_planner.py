@@ -461,13 +461,15 @@ def test_spilling_prefillers_rank_beside_the_decoders_for_a_policy_that_reads_th
     assert {e.name for e in plan.decoders} == decoders
 
 
-def test_the_policy_is_told_the_final_route_once_after_a_declined_pick() -> None:
+def test_the_policy_is_told_what_each_pick_it_decided_took() -> None:
     spilling = _endpoint("hp1", Role.PREFILL, "nvidia", spill=True)
     candidates = [Candidate(e, in_flight=0 if e is spilling else 2) for e in (*FLEET, spilling)]
     declines = _Whole(takes=False)
     plan = _planner(policy=declines).plan(_request(), candidates, 0.0, 0)
     assert len(declines.seen) == 2  # asked about the spilling pick, then a decoder
-    assert declines.told == [plan.route] == [Ask(0.5, "static", "fixed")]
+    # the declined pick, then the decoder's final route
+    assert declines.told == [Decline("goodput", "declined"), plan.route]
+    assert plan.route == Ask(0.5, "static", "fixed")
 
 
 def test_ask_all_sees_no_peers() -> None:
