@@ -1,24 +1,27 @@
 """Latency profiles of the simulator (constants from the project's calibration notes).
 
-Time of one engine step, in seconds (``LatencyProfile.step_seconds``), a roofline::
+Time of one engine step, in seconds (``LatencyProfile.step_seconds``), the step as
+vLLM runs it (docs/simulator-step-model.md)::
 
-    step    = a_dec + max(memory, compute) + load   if any request decodes in the step
-            = a_pf + prefill + load                  if the step only prefills
-    memory  = weights + ctx_read * (sum of the context lengths of the decoding requests)
-    compute = B * lin + prefill                      for B decoding requests
-    prefill = sum over prefill chunks of  n * lin + attn * n * (c + n / 2)
+    step    = a_dec + linear + decode_attn + chunk_attn + load   if any request decodes
+            = a_pf + sum over chunks of (n * lin + attn(n, c)) + load   if it only prefills
+    linear  = max(weights, (B + N) * lin)      for B decoding requests and N chunk tokens
+    decode_attn = ctx_read * (sum of the context lengths of the decoding requests)
+    chunk_attn  = sum over prefill chunks of attn(n, c),  attn(n, c) = attn * n * (c + n / 2)
 
 for a chunk of ``n`` new tokens after ``c`` already computed ones; ``load`` is the
-time spent loading KV from elsewhere (a hand-over, an offload tier). A decode batch
-is memory-bound (it reads the weights and its KV once per step), so a prefill chunk
-small enough that ``compute`` stays below ``memory`` rides almost free on it, and a
-large one makes the step compute-bound: each of its tokens then adds ``lin``
-(Sarathi-Serve's observation; DistServe's stall of decodes behind a long prefill).
-At the ITL table's points ``compute`` is far below ``memory``, so the fit below
-still reproduces them. ``weights`` and
-``ctx_read`` are fitted to the inter-token latency table (ITL at batch 1, 64 and
-256 with a 2k context): ``ctx_read = (ITL256 - ITL64) / (192 * 2048)`` and
-``weights = ITL1 - a_dec - 2048 * ctx_read``. A KV transfer of ``u`` tokens takes
+time spent loading KV from elsewhere (a hand-over, an offload tier). The linear
+layers (the GEMMs) are shared by every token of the step: they read the weights
+once and compute over all ``B + N`` tokens, a roofline. The attention is not shared:
+the decodes' attention (a KV read) and each chunk's attention run one after the
+other, so neither hides behind the other's reads. A chunk thus rides free only in
+the linear layers' slack, ``weights / lin - B`` tokens, which shrinks as the batch
+grows (Sarathi-Serve's knee at batch 1; none left at a large batch, where every
+chunk token adds ``lin``, DistServe's interference).
+
+``weights`` and ``ctx_read`` are fitted to the ends of the inter-token latency table
+(ITL at batch 1 and 256 with a 2k context; ``a_dec + linear + decode_attn`` meets
+both exactly, the batch-64 point is a check). A KV transfer of ``u`` tokens takes
 ``a_kv + u * kv_bytes_per_token / link_bytes_per_s``.
 
 The ``instant`` profile has every constant at zero.
@@ -26,6 +29,7 @@ The ``instant`` profile has every constant at zero.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 __all__ = ["PROFILES", "LatencyProfile", "get_profile"]
@@ -49,33 +53,70 @@ class LatencyProfile:
     a_kv: float = 0.001
     link_bytes_per_s: float = 40e9
 
+    def attention_seconds(self, new: int, cached: int) -> float:
+        """Attention time of a prefill chunk of ``new`` tokens after ``cached`` ones."""
+        if new <= 0:
+            return 0.0
+        return self.attn * new * (cached + new / 2)
+
     def prefill_seconds(self, new: int, cached: int) -> float:
         """Compute time of ``new`` prompt tokens after ``cached`` ones (no fixed cost)."""
         if new <= 0:
             return 0.0
-        return new * self.lin + self.attn * new * (cached + new / 2)
+        return new * self.lin + self.attention_seconds(new, cached)
 
     def step_seconds(
-        self, decode_context: int, num_decode: int, prefill: float, load: float = 0.0
+        self,
+        decode_context: int,
+        num_decode: int,
+        chunks: Iterable[tuple[int, int]] = (),
+        load: float = 0.0,
     ) -> float:
-        """Duration of a step with ``num_decode`` decoding requests (the roofline of the
-        module docstring; pure).
+        """Duration of a step with ``num_decode`` decoding requests and the prefill
+        ``chunks`` (the model of the module docstring; pure).
 
-        ``decode_context`` is the sum of their context lengths, ``prefill`` the summed
-        :meth:`prefill_seconds` of the step's prefill chunks and ``load`` the seconds
-        spent loading external KV in the step.
+        ``decode_context`` is the sum of the decoding requests' context lengths,
+        ``chunks`` the step's prefill chunks as ``(new, cached)`` token counts and
+        ``load`` the seconds spent loading external KV in the step.
         """
+        chunk_tokens = 0
+        chunk_attention = 0.0
+        for new, cached in chunks:
+            chunk_tokens += max(new, 0)
+            chunk_attention += self.attention_seconds(new, cached)
         if num_decode == 0:
-            return 0.0 if prefill == 0.0 and load == 0.0 else self.a_pf + prefill + load
-        memory = self.weights + self.ctx_read * decode_context
-        compute = num_decode * self.lin + prefill
-        return self.a_dec + max(memory, compute) + load
+            if chunk_tokens == 0 and load == 0.0:
+                return 0.0
+            return self.a_pf + chunk_tokens * self.lin + chunk_attention + load
+        linear = max(self.weights, (num_decode + chunk_tokens) * self.lin)
+        decode_attention = self.ctx_read * decode_context
+        return self.a_dec + linear + decode_attention + chunk_attention + load
 
     def transfer_seconds(self, tokens: int) -> float:
         """Time to move the KV of ``tokens`` tokens between instances."""
         if tokens <= 0:
             return 0.0
         return self.a_kv + tokens * self.kv_bytes_per_token / self.link_bytes_per_s
+
+
+_FIT_CONTEXT = 2048
+_FIT_BATCH = 256
+
+
+def _fit_decode(a_dec: float, lin: float, itl1: float, itl256: float) -> tuple[float, float]:
+    """``(ctx_read, weights)`` (ms) that make ``a_dec + max(weights, B * lin) + ctx_read *
+    B * 2048`` meet ``itl1`` at batch 1 and ``itl256`` at batch 256 (all in ms).
+
+    The batch-256 step is compute-bound in its linear layers when ``256 * lin`` exceeds
+    the weights read, weights-bound otherwise; the batch-1 step is weights-bound.
+    """
+    big = _FIT_BATCH * _FIT_CONTEXT
+    ctx_read = (itl256 - a_dec - _FIT_BATCH * lin) / big
+    weights = itl1 - a_dec - _FIT_CONTEXT * ctx_read
+    if weights > _FIT_BATCH * lin:  # weights-bound at 256 as well
+        ctx_read = (itl256 - itl1) / (big - _FIT_CONTEXT)
+        weights = itl1 - a_dec - _FIT_CONTEXT * ctx_read
+    return ctx_read, weights
 
 
 def _fit(
@@ -88,13 +129,11 @@ def _fit(
     lin_us: float,
     attn_ns: float,
     itl1_ms: float,
-    itl64_ms: float,
     itl256_ms: float,
     kv_kib: int,
     capacity: int,
 ) -> LatencyProfile:
-    ctx_read_ms = (itl256_ms - itl64_ms) / (192 * 2048)
-    weights_ms = itl1_ms - a_dec_ms - 2048 * ctx_read_ms
+    ctx_read_ms, weights_ms = _fit_decode(a_dec_ms, lin_us / 1e3, itl1_ms, itl256_ms)
     return LatencyProfile(
         name=name,
         hardware=hardware,
@@ -122,7 +161,6 @@ PROFILES: dict[str, LatencyProfile] = {
             lin_us=29.5,
             attn_ns=0.96,
             itl1_ms=6.5,
-            itl64_ms=11.2,
             itl256_ms=25.5,
             kv_kib=128,
             capacity=845_000,
@@ -136,7 +174,6 @@ PROFILES: dict[str, LatencyProfile] = {
             lin_us=30.7,
             attn_ns=1.0,
             itl1_ms=7.2,
-            itl64_ms=11.5,
             itl256_ms=24.7,
             kv_kib=128,
             capacity=1_640_000,
@@ -150,7 +187,6 @@ PROFILES: dict[str, LatencyProfile] = {
             lin_us=72,
             attn_ns=1.34,
             itl1_ms=15.9,
-            itl64_ms=18.8,
             itl256_ms=27.7,
             kv_kib=320,
             capacity=1_120_000,
@@ -164,7 +200,6 @@ PROFILES: dict[str, LatencyProfile] = {
             lin_us=150,
             attn_ns=2.78,
             itl1_ms=23.2,
-            itl64_ms=28.6,
             itl256_ms=45.0,
             kv_kib=320,
             capacity=975_000,

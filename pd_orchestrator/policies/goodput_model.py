@@ -348,7 +348,7 @@ class GoodputModel:
         if model.profile is None:
             return model.itl or 0.0
         per_stream = (self.prompt_mean or prompt) + self.output_tokens() / 2
-        return model.profile.step_seconds(round(count * per_stream), count, 0.0)
+        return model.profile.step_seconds(round(count * per_stream), count)
 
     # -- learning ----------------------------------------------------------------------------
     def saw(self, candidates: Iterable[Candidate]) -> None:

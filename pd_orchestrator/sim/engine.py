@@ -607,7 +607,8 @@ class Engine:
         profile = self.config.profile
         context = 0
         decoding = 0
-        prefill = load = 0.0
+        load = 0.0
+        chunks: list[tuple[int, int]] = []
         for req, count in scheduled:
             load += req.load_seconds
             req.load_seconds = 0.0
@@ -615,8 +616,8 @@ class Engine:
                 decoding += 1
                 context += req.num_computed + 1
             else:
-                prefill += profile.prefill_seconds(count, req.num_computed)
-        return profile.step_seconds(context, decoding, prefill, load)
+                chunks.append((count, req.num_computed))
+        return profile.step_seconds(context, decoding, chunks, load)
 
     def _compute(self, req: _Req, count: int, finish_time: float) -> RequestOutput | None:
         was_decoding = req.decoding

@@ -507,7 +507,7 @@ def test_before_any_itl_the_bare_step_is_the_hardware_profile_s() -> None:
     model = policy.model.pools[h200.pool]
     assert model.itl is None and model.profile is profile_of(h200) is not None
     # 50 streams of about 4000 + 50 tokens each, no prefill: the profile's roofline
-    step = model.profile.step_seconds(50 * 4_050, 50, 0.0)
+    step = model.profile.step_seconds(50 * 4_050, 50)
     allowed = 1 - step / (0.03 * 0.5)
     left = allowed * 3.0 * model.rate_local - 4_000
     assert left > model.free_tokens
@@ -527,13 +527,13 @@ def test_a_crowded_decoder_steps_as_its_profile_says_whatever_the_pool_s_itl() -
     model.itl = 0.010  # the pool's mean, learnt while its decoders were quiet
     # four streams: the profile's step (about 7 ms) is below the observed 10 ms, which
     # stands
-    assert model.profile.step_seconds(4 * 4_050, 4, 0.0) < 0.010
+    assert model.profile.step_seconds(4 * 4_050, 4) < 0.010
     quiet = context(tokens=4_000, dec=Candidate(h200, True, 4, None))
     left = (1 - 0.010 / (0.03 * 0.5)) * 3.0 * model.rate_local
     assert policy.model.stall_limit(quiet, model) == pytest.approx(left)
     # 150 streams of 4k tokens: the profile's step is past the goal's 15 ms on its own,
     # so only what a step carries for free is left, and 1,000 uncached tokens go P/D
-    assert model.profile.step_seconds(150 * 4_050, 150, 0.0) > 0.015
+    assert model.profile.step_seconds(150 * 4_050, 150) > 0.015
     crowded = context(tokens=4_000, cached=3_000, dec=Candidate(h200, True, 150, None))
     assert policy.model.stall_limit(crowded, model) == model.free_tokens
     decision = _decided(policy, crowded)
