@@ -296,10 +296,22 @@ class _Connection(asyncio.Protocol):
             self._waiter = None
 
     def start(self, payload: tuple[bytes, ...]) -> None:
+        """Write a request. A transport already closing (the server closed the idle
+        connection, and its loss is not delivered yet) is :class:`ConnectionBroken`, so
+        the send is made once more on a fresh connection; uvloop raises RuntimeError
+        when written to then."""
         self._reset()
-        assert self.transport is not None
-        for piece in payload:
-            self.transport.write(piece)
+        transport = self.transport
+        assert transport is not None
+        if transport.is_closing():
+            raise ConnectionBroken("the connection closed before the answer began")
+        try:
+            for piece in payload:
+                transport.write(piece)
+        except RuntimeError as exc:
+            raise ConnectionBroken(
+                f"the connection closed before the answer began ({exc})"
+            ) from exc
 
     async def head(self, seconds: float) -> None:
         """Wait for the status line and headers (``seconds`` between two reads)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 import pytest
@@ -122,6 +123,31 @@ async def test_a_connection_closed_while_idle_is_replaced_once() -> None:
         assert await second.read() == b"ok"
         await transport.aclose()
     assert len(accepted) == 2
+
+
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {"use_uvloop": True})], ids=["uvloop"])
+async def test_a_connection_lost_before_its_request_is_written_is_a_broken_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server went away between the connect and the write (a decoder killed just
+    then): the send is :class:`ConnectionBroken`, as any early close is. uvloop raised
+    RuntimeError on the write, which once escaped the health checks and stopped them."""
+    async with server(keep_alive()) as (origin, _):
+        transport = HttpTransport()
+        pool = transport._pool(origin)
+        connect = pool._connect
+
+        async def lost_at_once(seconds: float) -> Any:
+            connection = await connect(seconds)
+            assert connection.transport is not None
+            connection.transport.abort()
+            await asyncio.sleep(0.05)  # its loss is delivered before the write
+            return connection
+
+        monkeypatch.setattr(pool, "_connect", lost_at_once)
+        with pytest.raises(ConnectionBroken):
+            await transport.send(_post(origin), TIMEOUTS)
+        await transport.aclose()
 
 
 async def test_a_refused_connection_is_connect_failed() -> None:
