@@ -8,7 +8,9 @@ plain streamed and whole ones on both APIs, constrained ones (``json_schema``, a
 named tool), ``n`` > 1, repeats of earlier prompts (warm: decode-first) and clients
 that leave mid-stream. Each period (:data:`FAULTS`) a decoder is killed and
 restarted on its port, a prefiller answers HTTP 500 to every request for a while, and
-the other decoder breaks every answer after a few tokens for a while.
+the other decoder breaks every answer after a few tokens for a while; while the first
+decoder is down, a preemption round (:func:`preemption_round`) overflows the other's
+KV cache so that it hands requests back mid-answer.
 
 Every answer is judged against the reference's tokens
 (:mod:`pd_orchestrator.bench.verdicts`). Every ``sample_every`` seconds the soak
@@ -75,6 +77,7 @@ __all__ = [
     "growth",
     "judge_run",
     "make_job",
+    "preemption_round",
     "render",
     "run_soak",
     "verdict_table",
@@ -95,7 +98,8 @@ SCHEMA = {"name": "answer", "schema": {"type": "object"}}
 
 FAULTS: tuple[tuple[float, str], ...] = (
     (5.0, "kill decode-0"),
-    (12.0, "restart decode-0"),
+    (6.0, "preempt decode-1"),
+    (14.0, "restart decode-0"),
     (25.0, "failing prefill-0"),
     (40.0, "restart prefill-0"),
     (48.0, "dropping decode-1"),
@@ -105,8 +109,10 @@ FAULTS: tuple[tuple[float, str], ...] = (
 ``failing`` restarts the instance with ``--failure-rate 1`` (HTTP 500 to every
 completion request, health checks answered); ``dropping`` restarts it with
 ``--drop-after-tokens 8`` (every answer breaks after 8 tokens: the gateway continues
-it elsewhere from the tokens already sent, as it does a hand-back); ``restart``
-brings it back healthy."""
+it elsewhere from the tokens already sent, as it does a hand-back); ``preempt`` sends
+a :func:`preemption_round` with the mix paused (decode-0 is down: every leg lands on
+the pressured decoder, which serves the round alone, preempts and hands back);
+``restart`` brings it back healthy."""
 
 
 @dataclass(frozen=True)
@@ -188,9 +194,42 @@ def make_job(index: int, run: str, max_tokens: int, rng: random.Random) -> Job:
     return Job("chat" if chat else "completion", body, leave)
 
 
+PREEMPTION_SHAPE = (4, 220, 150)
+"""(prompts, prompt tokens, output tokens) of a :func:`preemption_round`: four prompts
+of 14 blocks of 16 tokens growing to 24 blocks each overflow a decoder of 64 blocks."""
+
+
+def preemption_round(index: int, run: str) -> tuple[list[Job], list[Job]]:
+    """The ``index``-th preemption round of a run: (warm-ups, round). The round's
+    requests are token prompts no instance has seen (exact sizes:
+    :data:`PREEMPTION_SHAPE`), ``ignore_eos``, two streamed and two whole, with the
+    client's ``cache_hit_threshold`` at 0.9: a preempted one whose blocks were
+    evicted is handed back rather than recomputed. Each warm-up asks its prompt for
+    one token (whole) first, so that the decoder holds it and admits the round."""
+    count, prompt_tokens, output = PREEMPTION_SHAPE
+    rng = random.Random(f"{run}-preempt-{index}")
+    jobs = []
+    for i in range(count):
+        body = {
+            "model": MODEL,
+            "prompt": [rng.randrange(1000, 3000) for _ in range(prompt_tokens)],
+            "max_tokens": output,
+            "ignore_eos": True,
+            "temperature": 0,
+            "return_token_ids": True,
+            "cache_hit_threshold": 0.9,
+            "stream": i % 2 == 0,
+        }
+        jobs.append(Job("completion", body))
+    warm = [Job("completion", job.body | {"max_tokens": 1, "stream": False}) for job in jobs]
+    return warm, jobs
+
+
 def _reference_body(job: Job) -> dict[str, Any]:
-    """What the reference instance is asked: the request, whole, one choice."""
-    return {k: v for k, v in job.body.items() if k not in ("stream", "stream_options", "n")}
+    """What the reference instance is asked: the request, whole, one choice, with no
+    threshold (the reference's cache is cold)."""
+    drop = ("stream", "stream_options", "n", "cache_hit_threshold")
+    return {k: v for k, v in job.body.items() if k not in drop}
 
 
 # -- the tally and the readings ------------------------------------------------------------------
@@ -528,6 +567,8 @@ class _Run:
         self.readings: list[Reading] = []
         self.probes: list[float] = []
         self.references: dict[str, list[int]] = {}
+        self.slots = anyio.Semaphore(options.concurrency)
+        """The mix's slots (a preemption round holds them all)."""
         self.started = 0.0
         self.run = f"soak{random.Random(options.seed).getrandbits(32):08x}"
 
@@ -558,7 +599,7 @@ class _Run:
 
     async def load(self, http: httpx.AsyncClient, ref: httpx.AsyncClient) -> None:
         rng = random.Random(self.options.seed)
-        slots = anyio.Semaphore(self.options.concurrency)
+        slots = self.slots
 
         async def slot(job: Job) -> None:
             try:
@@ -575,13 +616,45 @@ class _Run:
             ):
                 await anyio.sleep(max(0.0, due - self.elapsed()))
                 await slots.acquire()
+                if self.elapsed() >= self.options.duration:  # waited past the end
+                    slots.release()
+                    break
                 tg.start_soon(slot, make_job(index, self.run, self.options.max_tokens, rng))
                 index += 1
 
-    async def faults(self) -> None:
-        for at, action in fault_times(self.options.duration, self.options.fault_period):
-            await anyio.sleep(max(0.0, at - self.elapsed()))
-            await _apply(self.fleet, action)
+    async def preempt(self, http: httpx.AsyncClient, ref: httpx.AsyncClient, index: int) -> None:
+        """One :func:`preemption_round`, every answer judged: the warm-ups one after
+        another, then the round at once, with the mix paused (its slots all held, its
+        requests in flight done): other answers would evict the warm prompts before
+        the round reaches them, and the round would go P/D instead."""
+        warm, jobs = preemption_round(index, self.run)
+        held = 0
+        try:
+            for _ in range(self.options.concurrency):
+                await self.slots.acquire()
+                held += 1
+            for job in warm:
+                await self.one(http, ref, job)
+            async with anyio.create_task_group() as tg:
+                for job in jobs:
+                    tg.start_soon(self.one, http, ref, job)
+        finally:
+            for _ in range(held):
+                self.slots.release()
+
+    async def faults(self, ref: httpx.AsyncClient) -> None:
+        """The faults of :func:`fault_times` on time; the preemption rounds on a client
+        of their own (the mix's may have every connection taken)."""
+        rounds = 0
+        own = client(PREEMPTION_SHAPE[0], BOUND + 5)
+        async with own as http, anyio.create_task_group() as tg:
+            for at, action in fault_times(self.options.duration, self.options.fault_period):
+                await anyio.sleep(max(0.0, at - self.elapsed()))
+                if action.startswith("preempt "):
+                    tg.start_soon(self.preempt, http, ref, rounds)
+                    rounds += 1
+                else:
+                    await _apply(self.fleet, action)
 
     async def probe(self, http: httpx.AsyncClient) -> None:
         while True:
@@ -639,7 +712,7 @@ async def _soak(fleet: _Fleet, options: SoakOptions, out: Callable[[Table], None
             background.start_soon(run.probe, side)
             background.start_soon(run.watch, side)
             async with anyio.create_task_group() as faults:
-                faults.start_soon(run.faults)
+                faults.start_soon(run.faults, side)
                 await run.load(http, side)
                 faults.cancel_scope.cancel()  # once a restart under way is done
             background.cancel_scope.cancel()

@@ -15,10 +15,12 @@ from pd_orchestrator.bench.soak import (
     SoakOptions,
     SoakResult,
     Tally,
+    _reference_body,
     fault_times,
     growth,
     judge_run,
     make_job,
+    preemption_round,
     render,
     verdict_table,
     windows,
@@ -183,6 +185,23 @@ def test_the_mix_has_every_shape_and_is_seeded() -> None:
     assert len(warm) == 6 and all(job.body["messages"] in cold for job in warm)
     again = [make_job(i, "run", 24, random.Random(0)).body for i in range(24)]
     assert again == bodies
+
+
+def test_a_preemption_round_overflows_the_pressured_decoder_after_warming_it() -> None:
+    warm, jobs = preemption_round(0, "run")
+    assert len(warm) == len(jobs) == 4
+    blocks = sum(-(-(len(j.body["prompt"]) + j.body["max_tokens"]) // 16) for j in jobs)
+    assert blocks > 64  # the pressured decoder's blocks
+    assert {j.stream for j in jobs} == {True, False}
+    for before, job in zip(warm, jobs, strict=True):
+        assert before.body["prompt"] == job.body["prompt"] and before.body["max_tokens"] == 1
+        assert job.body["cache_hit_threshold"] == 0.9 and job.body["ignore_eos"]
+    again, _ = preemption_round(0, "run")
+    assert again == warm and preemption_round(1, "run")[0] != warm  # seeded, new each round
+    # the reference (a cold cache) is asked without the threshold
+    assert "cache_hit_threshold" not in _reference_body(jobs[0])
+    kinds = [action.split()[0] for _, action in FAULTS]
+    assert kinds.index("kill") < kinds.index("preempt") < kinds.index("restart")
 
 
 def test_the_faults_repeat_each_period_within_the_run() -> None:

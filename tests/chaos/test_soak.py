@@ -28,5 +28,6 @@ def test_three_minutes_of_soak_lose_nothing_and_leak_no_descriptor() -> None:
     assert result.tally.unclean == 0, report
     assert verdicts[IDENTICAL] > 0 and verdicts[LEFT] > 0, report
     assert result.readings[-1].recovered > 0, report  # the breaking decoder's answers
+    assert result.readings[-1].handbacks > 0, report  # the preemption rounds
     assert any(name == "descriptors back after the load" for name, _, _ in result.checks)
     assert result.passed, report
