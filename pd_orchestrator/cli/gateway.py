@@ -60,7 +60,7 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "--workers",
         type=int,
         default=None,
-        help="gateway processes sharing the port (overrides listen.workers; see README)",
+        help="gateway processes sharing the port (overrides listen.workers; docs/operations.md)",
     )
     add_logging_arguments(serve)
     serve.set_defaults(handler=run_serve)
