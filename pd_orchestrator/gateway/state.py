@@ -10,11 +10,12 @@ the state they started with.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from connectors import Connector, get_connector
 from pd_orchestrator.config.settings import GatewayConfig
 from pd_orchestrator.fleet.allowlist import AllowListKeeper
+from pd_orchestrator.fleet.cache_reports import CacheReports
 from pd_orchestrator.fleet.endpoints import endpoints_from_config
 from pd_orchestrator.fleet.health import HealthMonitor
 from pd_orchestrator.fleet.scraper import LoadScraper
@@ -75,6 +76,8 @@ class GatewayState:
     models: frozenset[str]
     attempt: Attempt
     flow: FlowSettings
+    cache_reports: CacheReports = field(default_factory=CacheReports)
+    """Which decoders report their cached counts (kept across reloads)."""
 
 
 def check_plugins(config: GatewayConfig) -> None:
@@ -114,7 +117,8 @@ def build_state(
     (policy errors are ``RoutingConfigError`` too).
 
     Endpoints that keep their name and URL across a reload keep their health; a
-    ``goodput`` policy keeps what the one of the same name learnt.
+    ``goodput`` policy keeps what the one of the same name learnt; which decoders
+    report their cached counts is kept.
     """
     endpoints = endpoints_from_config(config)
     fleet = FleetState(
@@ -140,6 +144,9 @@ def build_state(
     adaptive = _adaptive_width(config, prefix, previous)
     profiles = build_profiles(config.routing, registry)
     bridges = config.compatibility.connector_pairs()
+    reports = CacheReports()
+    if previous is not None:
+        reports.inherit(previous.cache_reports)
     return GatewayState(
         config=config,
         fleet=fleet,
@@ -157,4 +164,5 @@ def build_state(
             config.mode, config.ask_all, metrics, config.limits.max_prompt_token_ids
         ),
         flow=FlowSettings(config.handback, config.upstream, _connectors(config), metrics, clock),
+        cache_reports=reports,
     )

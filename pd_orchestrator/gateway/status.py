@@ -32,7 +32,9 @@ def status_document(state: GatewayState, now: float) -> dict[str, Any]:
     """``GET /status``: the fleet by endpoint name with health (``healthy``: in routing;
     ``ejected``: taken out by outlier detection), in-flight and load (with
     ``admission_only``: its threshold plugin takes ``cache_hit_admission_only``;
-    ``resumes``: it takes ``cache_hit_resume_tokens``)."""
+    ``resumes``: it takes ``cache_hit_resume_tokens``) and ``cached_counts``: whether it
+    reports ``prompt_tokens_details`` (``reporting``, ``unknown`` or ``silent``: see
+    :mod:`~pd_orchestrator.fleet.cache_reports`)."""
     endpoints = []
     for status in state.fleet.snapshot():
         endpoint = status.endpoint
@@ -48,6 +50,7 @@ def status_document(state: GatewayState, now: float) -> dict[str, Any]:
                 "ejected": _ejection(state, endpoint.name, now),
                 "in_flight": status.in_flight,
                 "backlog": status.backlog,
+                "cached_counts": state.cache_reports.state(endpoint.name),
                 "load": None
                 if load is None
                 else {
