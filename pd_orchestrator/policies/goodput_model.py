@@ -55,8 +55,9 @@ above twice the best known rate is a prompt the prefiller held, not learnt. ``m`
 route keeps at ``d`` (told after composition); the hit rates the decision read from
 readings are remembered until a reading gives another.
 Seeds: the hardware profile's rate, step and attention term when one matches the
-endpoint, else ``prefill_tokens_per_s`` and a linear model. Measurements behind these
-choices: benchmarks/README.md.
+endpoint, else ``prefill_tokens_per_s`` and a linear model; :func:`knowledge_of` says
+which, and the gateway logs it per pool at start-up and shows it in ``/status``.
+Measurements behind these choices: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ __all__ = [
     "GoodputModel",
     "GoodputParams",
     "PoolModel",
+    "knowledge_of",
     "profile_of",
     "seed_rate",
     "streams",
@@ -118,6 +120,16 @@ def profile_of(endpoint: Endpoint) -> LatencyProfile | None:
         if (profile.hardware, profile.model) == (endpoint.hardware, endpoint.model):
             return profile
     return None
+
+
+def knowledge_of(endpoint: Endpoint) -> str:
+    """What the model of ``endpoint``'s pool starts from, in words: ``simulator profile
+    NAME`` (a built-in simulator profile matches its hardware and model: the
+    simulator's constants, starting points rather than measurements of this
+    deployment) or ``seeds`` (``prefill_tokens_per_s``, a linear model; learnt from
+    traffic)."""
+    profile = profile_of(endpoint)
+    return "seeds" if profile is None else f"simulator profile {profile.name}"
 
 
 def seed_rate(endpoint: Endpoint, default: float) -> float:
