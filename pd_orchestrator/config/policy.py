@@ -29,6 +29,11 @@ policy type's own strict model when the block is built through a registry
 The older shape ``policy: {type: static, value: 0.7}`` still reads: ``value`` is
 the shorthand of the static policy's ``params.value`` (and ``type`` defaults to
 ``static``), so ``PDO_THRESHOLD__POLICY__VALUE=0.8`` keeps working.
+
+The default stays ``static 0.7``, not ``goodput``: ``goodput`` serves SLO targets
+(``ttft``, ``tpot``) that only the operator can state, and on hardware the
+simulator's table lacks it starts from seeds rather than measurements (the gateway
+says which per pool: :func:`pd_orchestrator.gateway.state.goodput_knowledge`).
 """
 
 from __future__ import annotations

@@ -117,7 +117,9 @@ class Transcript:
         """Add one leg's usage: ``leg_tokens``, the tokens of it the client got, counted
         by their ids whether the leg finished or broke (each token once: a continuation
         generates only what comes after them); what ``usage`` reports only for a leg
-        that returned no ids. Prompt figures once, from the original prompt's leg."""
+        that returned no ids. Prompt figures once, from the original prompt's leg; the
+        cached count stays None when ``usage`` has no ``prompt_tokens_details`` (a cold
+        prompt or a server that does not report it: the gateway tells them apart)."""
         reported = usage.get("completion_tokens") if usage else None
         if not leg_tokens and isinstance(reported, int):
             leg_tokens = reported
@@ -128,7 +130,7 @@ class Transcript:
         self.prompt_tokens = prompt if isinstance(prompt, int) else None
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        self.cached_tokens = cached if isinstance(cached, int) else 0
+        self.cached_tokens = cached if isinstance(cached, int) else None  # None: not said
 
     def usage(self) -> Usage:
         """Merged usage: the original prompt, every leg's completion tokens once."""

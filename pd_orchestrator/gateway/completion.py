@@ -253,13 +253,16 @@ class CompletionPath:
         """After the flow, before its answer ends: teach the planner what it did."""
         if outcome is None:
             return
+        cached = outcome.cached_tokens
+        if outcome.decision != "pd":  # the original prompt's count came from the decoder
+            cached = state.cache_reports.resolve(outcome.decoder.name, cached)
         served = Served(
             outcome.decoder,
             self.clock(),
             outcome.ttft,
             outcome.itl,
             outcome.prompt_tokens,
-            cached_tokens=outcome.cached_tokens,
+            cached_tokens=cached,
             output_tokens=outcome.output_tokens,
             remote=outcome.decision == "pd",
             rejected=outcome.rejected,

@@ -9,12 +9,14 @@ the state they started with.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from connectors import Connector, get_connector
 from pd_orchestrator.config.settings import GatewayConfig
 from pd_orchestrator.fleet.allowlist import AllowListKeeper
+from pd_orchestrator.fleet.cache_reports import CacheReports
 from pd_orchestrator.fleet.endpoints import endpoints_from_config
 from pd_orchestrator.fleet.health import HealthMonitor
 from pd_orchestrator.fleet.scraper import LoadScraper
@@ -25,11 +27,21 @@ from pd_orchestrator.gateway.prefix_runtime import PrefixRuntime
 from pd_orchestrator.planner.plan import Planner
 from pd_orchestrator.planner.width import AdaptiveWidth
 from pd_orchestrator.policies import build_threshold
+from pd_orchestrator.policies.goodput_model import knowledge_of
 from pd_orchestrator.routing.profiles import build_profiles
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
 from pd_orchestrator.upstream.client import Upstream
 
-__all__ = ["GatewayState", "ReloadResult", "build_state", "check_plugins", "restart_notes"]
+__all__ = [
+    "GatewayState",
+    "ReloadResult",
+    "build_state",
+    "check_plugins",
+    "goodput_knowledge",
+    "restart_notes",
+]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +87,30 @@ class GatewayState:
     models: frozenset[str]
     attempt: Attempt
     flow: FlowSettings
+    cache_reports: CacheReports = field(default_factory=CacheReports)
+    """Which decoders report their cached counts (kept across reloads)."""
+
+
+def goodput_knowledge(config: GatewayConfig) -> dict[str, str]:
+    """Per pool, what a ``goodput`` policy of ``config`` starts from (empty: no
+    ``goodput`` policy runs): see :func:`~pd_orchestrator.policies.goodput_model.knowledge_of`
+    (several, comma-separated, when the pool's endpoints differ)."""
+    if not _names_goodput(config.threshold.model_dump()):
+        return {}
+    known: dict[str, set[str]] = {}
+    for endpoint in endpoints_from_config(config):
+        known.setdefault(endpoint.pool, set()).add(knowledge_of(endpoint))
+    return {pool: ", ".join(sorted(words)) for pool, words in sorted(known.items())}
+
+
+def _names_goodput(value: object) -> bool:
+    """Whether a dumped threshold configuration names the ``goodput`` type anywhere
+    (its default policy, an override, a composed part)."""
+    if isinstance(value, dict):
+        return value.get("type") == "goodput" or any(_names_goodput(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_names_goodput(v) for v in value)
+    return False
 
 
 def check_plugins(config: GatewayConfig) -> None:
@@ -114,7 +150,8 @@ def build_state(
     (policy errors are ``RoutingConfigError`` too).
 
     Endpoints that keep their name and URL across a reload keep their health; a
-    ``goodput`` policy keeps what the one of the same name learnt.
+    ``goodput`` policy keeps what the one of the same name learnt; which decoders
+    report their cached counts is kept.
     """
     endpoints = endpoints_from_config(config)
     fleet = FleetState(
@@ -140,6 +177,11 @@ def build_state(
     adaptive = _adaptive_width(config, prefix, previous)
     profiles = build_profiles(config.routing, registry)
     bridges = config.compatibility.connector_pairs()
+    for pool, knows in goodput_knowledge(config).items():
+        logger.info("goodput: pool %s starts from %s", pool, knows)
+    reports = CacheReports()
+    if previous is not None:
+        reports.inherit(previous.cache_reports)
     return GatewayState(
         config=config,
         fleet=fleet,
@@ -157,4 +199,5 @@ def build_state(
             config.mode, config.ask_all, metrics, config.limits.max_prompt_token_ids
         ),
         flow=FlowSettings(config.handback, config.upstream, _connectors(config), metrics, clock),
+        cache_reports=reports,
     )

@@ -10,7 +10,7 @@ import dataclasses
 import time
 from typing import Any
 
-from pd_orchestrator.gateway.state import GatewayState
+from pd_orchestrator.gateway.state import GatewayState, goodput_knowledge
 from pd_orchestrator.model.endpoints import Role
 
 __all__ = ["models_document", "ready_document", "status_document"]
@@ -32,7 +32,10 @@ def status_document(state: GatewayState, now: float) -> dict[str, Any]:
     """``GET /status``: the fleet by endpoint name with health (``healthy``: in routing;
     ``ejected``: taken out by outlier detection), in-flight and load (with
     ``admission_only``: its threshold plugin takes ``cache_hit_admission_only``;
-    ``resumes``: it takes ``cache_hit_resume_tokens``)."""
+    ``resumes``: it takes ``cache_hit_resume_tokens``) and ``cached_counts``: whether it
+    reports ``prompt_tokens_details`` (``reporting``, ``unknown`` or ``silent``: see
+    :mod:`~pd_orchestrator.fleet.cache_reports`); with a ``goodput`` policy,
+    ``goodput_starts_from``: per pool, a built-in simulator profile or seeds."""
     endpoints = []
     for status in state.fleet.snapshot():
         endpoint = status.endpoint
@@ -48,6 +51,7 @@ def status_document(state: GatewayState, now: float) -> dict[str, Any]:
                 "ejected": _ejection(state, endpoint.name, now),
                 "in_flight": status.in_flight,
                 "backlog": status.backlog,
+                "cached_counts": state.cache_reports.state(endpoint.name),
                 "load": None
                 if load is None
                 else {
@@ -68,9 +72,12 @@ def status_document(state: GatewayState, now: float) -> dict[str, Any]:
         "kv_event_streams": dict(report.streams),
         "index": None if report.index is None else _plain(report.index),
     }
-    document = {"mode": state.config.mode, "endpoints": endpoints, "prefix": prefix}
+    document: dict[str, Any] = {"mode": state.config.mode, "endpoints": endpoints, "prefix": prefix}
     if state.config.mode == "ask-all":
         document["ask_all"] = _ask_all(state, now)
+    knowledge = goodput_knowledge(state.config)
+    if knowledge:
+        document["goodput_starts_from"] = knowledge
     return document
 
 

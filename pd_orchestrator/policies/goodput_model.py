@@ -43,15 +43,21 @@ least wait) when ``wait_d + h >= T*s`` and the remote path pays; else keep ``u``
 
 Learning (:meth:`GoodputModel.observe`, :meth:`GoodputModel.keep`): per pool, the ITL
 (an EWMA, ``alpha``) and the rates from served requests, each sample
-``tokens / (ttft - hops - transfer - attention)``; a rate is a decaying maximum
-``r <- max(x, r + alpha * (x - r))`` (a fast sample lifts it at once, queueing pulls it
-down slowly); a P/D sample above twice the best known rate is a prompt the prefiller
-held, not learnt. ``m`` and ``o`` are EWMAs. ``kept_d`` grows by the uncached tokens
-of each request the final route keeps at ``d`` (told after composition); the hit rates
-the decision read from readings are remembered until a reading gives another.
+``tokens / (ttft - hops - transfer - attention)``; a rate is a bounded decaying
+maximum: the sample is first clipped into ``[r / k, k * r]`` (``k = 1.5``), then
+``r <- max(x, r + alpha * (x - r))`` (a fast sample lifts it at once, by at most ``k``,
+queueing pulls it down slowly, by at most ``alpha * (1 - 1/k)`` of it a sample), so no
+one sample, however far off, moves a rate by more than x1.5. A local sample is learnt
+only when the decoder reported its cached count (``prompt_tokens_details``; None:
+unknown, not learnt, as a warm prompt would pass for a whole prefill); a P/D sample
+above twice the best known rate is a prompt the prefiller held, not learnt. ``m`` and
+``o`` are EWMAs. ``kept_d`` grows by the uncached tokens of each request the final
+route keeps at ``d`` (told after composition); the hit rates the decision read from
+readings are remembered until a reading gives another.
 Seeds: the hardware profile's rate, step and attention term when one matches the
-endpoint, else ``prefill_tokens_per_s`` and a linear model. Measurements behind these
-choices: benchmarks/README.md.
+endpoint, else ``prefill_tokens_per_s`` and a linear model; :func:`knowledge_of` says
+which, and the gateway logs it per pool at start-up and shows it in ``/status``.
+Measurements behind these choices: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ __all__ = [
     "GoodputModel",
     "GoodputParams",
     "PoolModel",
+    "knowledge_of",
     "profile_of",
     "seed_rate",
     "streams",
@@ -115,6 +122,16 @@ def profile_of(endpoint: Endpoint) -> LatencyProfile | None:
     return None
 
 
+def knowledge_of(endpoint: Endpoint) -> str:
+    """What the model of ``endpoint``'s pool starts from, in words: ``simulator profile
+    NAME`` (a built-in simulator profile matches its hardware and model: the
+    simulator's constants, starting points rather than measurements of this
+    deployment) or ``seeds`` (``prefill_tokens_per_s``, a linear model; learnt from
+    traffic)."""
+    profile = profile_of(endpoint)
+    return "seeds" if profile is None else f"simulator profile {profile.name}"
+
+
 def seed_rate(endpoint: Endpoint, default: float) -> float:
     """Prefill tokens per second of ``endpoint`` by its hardware profile when one
     matches its hardware and model, else ``default``."""
@@ -128,8 +145,16 @@ def _mean(mean: float, sample: float, alpha: float) -> float:
 
 
 def _learn_rate(rate: float, sample: float, alpha: float) -> float:
-    """The decaying maximum of the module docstring."""
+    """The bounded decaying maximum of the module docstring: ``sample`` clipped into
+    ``[rate / k, k * rate]`` (``k``: :data:`_MAX_STEP`; unclipped before any rate)."""
+    if rate > 0:
+        sample = min(max(sample, rate / _MAX_STEP), rate * _MAX_STEP)
     return max(sample, rate + alpha * (sample - rate))
+
+
+_MAX_STEP = 1.5
+"""The most one sample may multiply or divide a learnt rate's sample by: see
+:func:`_learn_rate`."""
 
 
 @dataclass(slots=True)

@@ -321,6 +321,21 @@ def test_the_precise_index_matches_how_the_servers_hash_and_publish() -> None:
         json.loads(flags["kv-transfer-config"])
 
 
+def test_every_vllm_server_reports_its_cached_tokens() -> None:
+    """Without ``--enable-prompt-tokens-details`` vLLM's answers do not say what the
+    prompt had cached, and ``goodput`` cannot learn its local prefill rate."""
+    servers = [
+        (path.name, container)
+        for path, doc in MANIFESTS
+        if doc["kind"] in ("StatefulSet", "Deployment")
+        for container in _containers(doc)
+        if container.get("command") == ["vllm", "serve"]
+    ]
+    assert len(servers) == 4
+    for name, container in servers:
+        assert "--enable-prompt-tokens-details" in container["args"], name
+
+
 def test_the_grace_period_covers_the_drain() -> None:
     deployment = _find("Deployment", "pd-orchestrator", "gateway")
     pod = _pod(deployment)

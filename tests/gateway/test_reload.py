@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import uuid
 from pathlib import Path
@@ -18,7 +19,13 @@ from pd_orchestrator.children import Child, python_command, start_child, stop_ch
 from pd_orchestrator.config import GatewayConfig
 from pd_orchestrator.config.loader import parse_config
 from pd_orchestrator.config.settings import TimeoutConfig, UpstreamConfig
-from pd_orchestrator.gateway.state import GatewayState, build_state, restart_notes
+from pd_orchestrator.gateway.state import (
+    GatewayState,
+    build_state,
+    goodput_knowledge,
+    restart_notes,
+)
+from pd_orchestrator.gateway.status import status_document
 from pd_orchestrator.policies.goodput import GoodputPolicy
 from pd_orchestrator.policies.goodput_model import GoodputModel
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
@@ -192,3 +199,31 @@ async def test_a_reload_keeps_what_the_goodput_model_learnt() -> None:
         assert model(fresh).out_mean == 0.0  # another policy: nothing to keep
     finally:
         await upstream.aclose()
+
+
+async def test_the_gateway_says_per_pool_what_goodput_starts_from(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No silent knowledge: a pool whose hardware a built-in simulator profile
+    matches is said to run on that profile; any other on the seeds."""
+    fleet = preset_fleet("tiny")
+    urls = {i.name: f"http://127.0.0.1:{9000 + n}" for n, i in enumerate(fleet.instances)}
+    data = _gateway_config(fleet, urls, {"policy": {"type": "goodput"}}, {})
+    data["pools"][0]["hardware"] = "some-new-gpu"
+    config = parse_config(data)
+    upstream = Upstream(UpstreamConfig(), TimeoutConfig())
+    try:
+        with caplog.at_level(logging.INFO, logger="pd_orchestrator.gateway.state"):
+            state = build_state(config, upstream, GatewayMetrics(), lambda: 0.0)
+        document = status_document(state, 0.0)
+    finally:
+        await upstream.aclose()
+    known = document["goodput_starts_from"]
+    assert set(known) == {e["pool"] for e in document["endpoints"]}
+    assert known[data["pools"][0]["name"]] == "seeds"
+    assert any(words.startswith("simulator profile ") for words in known.values())
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("goodput:")]
+    assert len(lines) == len(known)
+    assert all(e["cached_counts"] == "unknown" for e in document["endpoints"])
+    static = parse_config(_gateway_config(fleet, urls, {"policy": {"value": 0.7}}, {}))
+    assert goodput_knowledge(static) == {}
