@@ -79,8 +79,33 @@ class WeightedParams(ComposeParams):
         return self
 
 
+class _Composite:
+    """What every composite does with its children: its parts are the children, it
+    ranks spilling prefillers when one of them does, tells every child the final route
+    and lets every child observe each latency."""
+
+    __slots__ = ()
+    children: tuple[ThresholdPolicy, ...]
+
+    @property
+    def parts(self) -> tuple[ThresholdPolicy, ...]:
+        return self.children
+
+    @property
+    def ranks_spill(self) -> bool:
+        return any(child.ranks_spill for child in self.children)
+
+    def chosen(self, context: ThresholdContext, route: Route) -> None:
+        for child in self.children:
+            child.chosen(context, route)
+
+    def observe(self, observation: LatencyObservation) -> None:
+        for child in self.children:
+            child.observe(observation)
+
+
 @dataclass(frozen=True, slots=True)
-class ExtremePolicy:
+class ExtremePolicy(_Composite):
     """``max`` (``largest``) or ``min`` of the children; see the module docstring."""
 
     children: tuple[ThresholdPolicy, ...]
@@ -93,14 +118,6 @@ class ExtremePolicy:
         lows, highs = zip(*(child.bounds for child in self.children), strict=True)
         return (pick(lows), pick(highs))
 
-    @property
-    def parts(self) -> tuple[ThresholdPolicy, ...]:
-        return self.children
-
-    @property
-    def ranks_spill(self) -> bool:
-        return any(child.ranks_spill for child in self.children)
-
     def decide(self, context: ThresholdContext) -> Route:
         routes = [child.decide(context) for child in self.children]
         best, value = routes[0], threshold_of(routes[0])
@@ -110,17 +127,9 @@ class ExtremePolicy:
                 best, value = route, other
         return best
 
-    def chosen(self, context: ThresholdContext, route: Route) -> None:
-        for child in self.children:
-            child.chosen(context, route)
-
-    def observe(self, observation: LatencyObservation) -> None:
-        for child in self.children:
-            child.observe(observation)
-
 
 @dataclass(frozen=True, slots=True)
-class WeightedPolicy:
+class WeightedPolicy(_Composite):
     """The weighted mean of the children; see the module docstring."""
 
     children: tuple[ThresholdPolicy, ...]
@@ -136,25 +145,9 @@ class WeightedPolicy:
         bounds = [child.bounds for child in self.children]
         return (self._mean([low for low, _ in bounds]), self._mean([high for _, high in bounds]))
 
-    @property
-    def parts(self) -> tuple[ThresholdPolicy, ...]:
-        return self.children
-
-    @property
-    def ranks_spill(self) -> bool:
-        return any(child.ranks_spill for child in self.children)
-
     def decide(self, context: ThresholdContext) -> Route:
         values = [threshold_of(child.decide(context)) for child in self.children]
         return at(self._mean(values), self.name, "weighted")
-
-    def chosen(self, context: ThresholdContext, route: Route) -> None:
-        for child in self.children:
-            child.chosen(context, route)
-
-    def observe(self, observation: LatencyObservation) -> None:
-        for child in self.children:
-            child.observe(observation)
 
 
 def _children(
