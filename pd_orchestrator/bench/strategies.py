@@ -5,12 +5,22 @@ a threshold policy.
   NIXL path do): prefill on a prefiller, KV to the decoder, decode there.
 * ``decode-only`` -- every instance decodes, threshold 0, no prefillers
   (aggregated serving on the same instances).
-* ``dynamo`` -- decode-first with the ``dynamo`` policy at Dynamo's defaults: remote
-  prefill iff more than 1000 tokens are uncached and fewer than 2 requests wait for
-  a prefiller (:mod:`pd_orchestrator.policies.peers`).
+* ``dynamo`` -- decode-first with the ``dynamo`` policy at current Dynamo's defaults
+  (conditional disaggregation, ``isl_bounding``): local iff fewer than 2048 tokens
+  are uncached and the uncached share is under 0.7
+  (:mod:`pd_orchestrator.policies.peers`).
+* ``dynamo-load`` -- the same with Dynamo's ``isl_or_load`` rule: also local when the
+  picked prefiller is busy.
+* ``dynamo-legacy`` -- decode-first with Dynamo 0.1-0.3's rule: remote prefill iff
+  more than 1000 tokens are uncached and fewer than 2 requests wait for a prefiller.
+
+  The three ``dynamo`` strategies pick their prefiller as Dynamo's KV-aware prefill
+  router does (:attr:`~pd_orchestrator.bench.prefill_picks.PrefillPick.DYNAMO_KV`);
+  the others take the prefill profile's first pick.
 * ``llm-d`` -- decode-first with the ``llm-d`` policy: remote prefill iff at least
   ``nonCachedTokens`` are uncached on the decoder; llm-d's default (0) turns P/D off,
-  so the bench sets 1000, Dynamo's length (the two then differ by the queue rule).
+  so the bench sets 1000, legacy Dynamo's length (the two then differ by the queue
+  rule).
 * ``static-<v>`` -- decode-first with a fixed threshold ``v`` (a sweep).
 * ``load-adaptive`` -- decode-first with the ``load-adaptive`` policy (defaults).
 * ``slo-feedback`` -- decode-first with the ``slo-feedback`` policy (defaults), its
@@ -40,6 +50,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from pd_orchestrator.bench.prefill_picks import PrefillPick
 from pd_orchestrator.bench.results import Slo
 from pd_orchestrator.config.policy import ThresholdConfig
 from pd_orchestrator.policies import PolicyConfigError, ThresholdResolver, build_threshold
@@ -57,6 +68,8 @@ DEFAULT_STRATEGIES = (
     "always-pd",
     "decode-only",
     "dynamo",
+    "dynamo-load",
+    "dynamo-legacy",
     "llm-d",
     "static-0.3",
     "static-0.5",
@@ -78,12 +91,15 @@ class Mode(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Strategy:
-    """A named mode; decode-first strategies carry their ``threshold`` block."""
+    """A named mode; decode-first strategies carry their ``threshold`` block;
+    ``prefill_pick``: how the strategy's system picks a P/D request's prefiller
+    (:mod:`pd_orchestrator.bench.prefill_picks`)."""
 
     name: str
     mode: Mode
     threshold: ThresholdConfig | None = None
     description: str = ""
+    prefill_pick: PrefillPick = PrefillPick.PROFILE
 
     def __post_init__(self) -> None:
         if (self.mode is Mode.DECODE_FIRST) != (self.threshold is not None):
@@ -147,7 +163,25 @@ def _fixed(slo: Slo) -> dict[str, Strategy]:
             "dynamo",
             Mode.DECODE_FIRST,
             _threshold({"type": "dynamo"}),
-            "decode-first, Dynamo's rule: remote above 1000 uncached tokens, queue < 2",
+            "decode-first, Dynamo's conditional disaggregation (isl_bounding: local iff"
+            " < 2048 uncached and uncached share < 0.7; KV-aware prefill router)",
+            PrefillPick.DYNAMO_KV,
+        ),
+        "dynamo-load": Strategy(
+            "dynamo-load",
+            Mode.DECODE_FIRST,
+            _threshold({"type": "dynamo", "params": {"policy": "isl_or_load"}}),
+            "decode-first, Dynamo's conditional disaggregation (isl_or_load: isl_bounding"
+            " or a busy prefiller; KV-aware prefill router)",
+            PrefillPick.DYNAMO_KV,
+        ),
+        "dynamo-legacy": Strategy(
+            "dynamo-legacy",
+            Mode.DECODE_FIRST,
+            _threshold({"type": "dynamo-legacy"}),
+            "decode-first, Dynamo 0.1-0.3's rule: remote above 1000 uncached tokens,"
+            " queue < 2; KV-aware prefill router",
+            PrefillPick.DYNAMO_KV,
         ),
         "llm-d": Strategy(
             "llm-d",

@@ -18,7 +18,9 @@ latency, the same for every leg):
   plan's decoder (at threshold 1, which no prompt meets, there is no attempt: straight
   to the prefiller, as the gateway does). Admitted: it is served there (``decode``).
   Rejected (``cache_threshold`` with no token): the plan's first prefiller for that
-  decoder (the prefill profile, with the compatibility filter), which prefills with
+  decoder (the prefill profile, with the compatibility filter), or among those the
+  one the strategy's system picks (:attr:`Strategy.prefill_pick`: Dynamo's KV-aware
+  prefill router for the ``dynamo`` strategies), which prefills with
   ``do_remote_decode`` and one output token and holds the KV; the decode leg goes
   to the decoder with threshold 0, which first pulls the KV (a side-channel round
   trip, then ``transfer_seconds`` of the tokens it lacks, as the HTTP simulator
@@ -65,6 +67,7 @@ from functools import partial
 from typing import assert_never
 
 from pd_orchestrator.bench.fleet import FleetSpec, InstanceSpec
+from pd_orchestrator.bench.prefill_picks import PrefillLoad, PrefillPick, dynamo_pick
 from pd_orchestrator.bench.results import RequestRecord, RunResult
 from pd_orchestrator.bench.strategies import Mode, Strategy
 from pd_orchestrator.bench.workloads import BenchRequest, Workload, digest_segments, materialize
@@ -374,6 +377,20 @@ class VirtualFleet:
     def instance(self, name: str) -> _Instance:
         return self._by_name[name]
 
+    def prefiller_for(self, ranked: Sequence[Endpoint], digest: PromptDigest) -> _Instance:
+        """The prefiller of a P/D leg for ``digest`` among ``ranked`` (the prefill
+        profile's ranking, non-empty), picked as the strategy's system picks it
+        (:class:`~pd_orchestrator.bench.prefill_picks.PrefillPick`)."""
+        instances = [self.instance(endpoint.name) for endpoint in ranked]
+        if self.strategy.prefill_pick is PrefillPick.PROFILE:
+            return instances[0]
+        hashes, tokens = digest.block_hashes, digest.num_tokens
+        loads = [
+            PrefillLoad(i.name, i.backlog, i.engine.local_hit_tokens_of(hashes, tokens))
+            for i in instances
+        ]
+        return self.instance(dynamo_pick(loads, tokens, self.spec.block_size))
+
     # -- engines ----------------------------------------------------------------------------
     def submit(
         self,
@@ -552,7 +569,7 @@ class _Flow:
         if not prefillers:
             self.fail(now, f"no prefiller can reach {self.decoder.name}")
             return
-        prefiller = self.fleet.instance(prefillers[0].name)
+        prefiller = self.fleet.prefiller_for(prefillers, digest)
         self.record.prefiller = prefiller.name
 
         def on_prefill(when: float, output: RequestOutput) -> None:

@@ -1,7 +1,7 @@
 """The built-in policy types, registered on a routing registry as kind ``policy``.
 
 Leaf types: ``static``, ``min-uncached-tokens``, ``load-adaptive``, ``slo-feedback``, and
-the peers' rules ``dynamo`` and ``llm-d``, and the cost model ``goodput``.
+the peers' rules ``dynamo``, ``dynamo-legacy`` and ``llm-d``, and the cost model ``goodput``.
 Types with child policies, built through the registry they are registered on:
 ``max``, ``min``, ``weighted``, ``overrides``.
 """
@@ -15,7 +15,7 @@ from pd_orchestrator.policies.goodput import GOODPUT
 from pd_orchestrator.policies.load_adaptive import LOAD_ADAPTIVE
 from pd_orchestrator.policies.min_uncached import MIN_UNCACHED_TOKENS
 from pd_orchestrator.policies.overrides import overrides_type
-from pd_orchestrator.policies.peers import DYNAMO, LLM_D
+from pd_orchestrator.policies.peers import DYNAMO, DYNAMO_LEGACY, LLM_D
 from pd_orchestrator.policies.slo_feedback import SLO_FEEDBACK
 from pd_orchestrator.policies.static import STATIC
 from pd_orchestrator.prefix.index import PreciseIndex
@@ -30,6 +30,7 @@ LEAF_POLICY_TYPES: tuple[PluginType[Any, Any], ...] = (
     LOAD_ADAPTIVE,
     SLO_FEEDBACK,
     DYNAMO,
+    DYNAMO_LEGACY,
     LLM_D,
     GOODPUT,
 )

@@ -106,13 +106,25 @@ def test_multi_turn_later_turns_hit_their_decoder() -> None:
     assert len(result.records) == 40
 
 
-def test_dynamo_rule_prefills_remotely_only_long_uncached_prompts() -> None:
-    result = _run("dynamo", _workload((0.0, (Segment(5, 900),)), (0.0, (Segment(6, 6000),))))
+def test_dynamo_legacy_rule_prefills_remotely_only_long_uncached_prompts() -> None:
+    workload = _workload((0.0, (Segment(5, 900),)), (0.0, (Segment(6, 6000),)))
+    result = _run("dynamo-legacy", workload)
     assert [r.decision for r in result.records] == ["decode", "pd"]
     short, long = result.records
     assert short.threshold == 0.0
     assert long.threshold == pytest.approx(1 - 1000.5 / 6000)
-    assert result.reasons == {"dynamo:short-prompt": 1, "dynamo:uncached-length": 1}
+    assert result.reasons == {
+        "dynamo-legacy:short-prompt": 1,
+        "dynamo-legacy:uncached-length": 1,
+    }
+
+
+def test_dynamo_isl_bounding_sends_even_a_short_cold_prompt_remote() -> None:
+    """Current Dynamo's default: a cold 900-token prompt has an uncached share of 1,
+    above 0.7, so it goes P/D although it is under 2048 tokens."""
+    result = _run("dynamo", _workload((0.0, (Segment(5, 900),)), (0.0, (Segment(6, 6000),))))
+    assert [r.decision for r in result.records] == ["pd", "pd"]
+    assert result.reasons == {"dynamo:effective-isl": 2}
 
 
 def test_every_default_strategy_runs_with_the_gateway_policies() -> None:
