@@ -2,7 +2,8 @@
 a threshold policy.
 
 * ``always-pd`` -- prefill-first for every request (what vllm-router and llm-d's
-  NIXL path do): prefill on a prefiller, KV to the decoder, decode there.
+  NIXL path do): prefill on a prefiller, KV to the decoder, decode there; the
+  prefiller picked as vllm-router's P/D mode picks it (``cache_aware``).
 * ``decode-only`` -- every instance decodes, threshold 0, no prefillers
   (aggregated serving on the same instances).
 * ``dynamo`` -- decode-first with the ``dynamo`` policy at current Dynamo's defaults
@@ -15,8 +16,10 @@ a threshold policy.
   more than 1000 tokens are uncached and fewer than 2 requests wait for a prefiller.
 
   The three ``dynamo`` strategies pick their prefiller as Dynamo's KV-aware prefill
-  router does (:attr:`~pd_orchestrator.bench.prefill_picks.PrefillPick.DYNAMO_KV`);
-  the others take the prefill profile's first pick.
+  router does, ``llm-d`` as llm-d's sample prefill profile (prefix 2, queue 1),
+  ``always-pd`` as vllm-router's ``cache_aware``
+  (:class:`~pd_orchestrator.bench.prefill_picks.PrefillPick`); the others take the
+  prefill profile's first pick.
 * ``llm-d`` -- decode-first with the ``llm-d`` policy: remote prefill iff at least
   ``nonCachedTokens`` are uncached on the decoder; llm-d's default (0) turns P/D off,
   so the bench sets 1000, legacy Dynamo's length (the two then differ by the queue
@@ -155,7 +158,13 @@ def _fixed(slo: Slo) -> dict[str, Strategy]:
     """The built-in strategies with fixed names."""
     slo_params = {"ttft_p90": slo.ttft, "itl_p99": slo.tpot}
     return {
-        "always-pd": Strategy("always-pd", Mode.PREFILL_FIRST, None, "prefill-first always"),
+        "always-pd": Strategy(
+            "always-pd",
+            Mode.PREFILL_FIRST,
+            None,
+            "prefill-first always, vllm-router's P/D mode (cache_aware prefill pick)",
+            PrefillPick.CACHE_AWARE,
+        ),
         "decode-only": Strategy(
             "decode-only", Mode.DECODE_ONLY, None, "all instances decode, threshold 0"
         ),
@@ -187,7 +196,9 @@ def _fixed(slo: Slo) -> dict[str, Strategy]:
             "llm-d",
             Mode.DECODE_FIRST,
             _threshold({"type": "llm-d", "params": {"non_cached_tokens": 1000}}),
-            "decode-first, llm-d's rule: remote from 1000 uncached tokens",
+            "decode-first, llm-d's rule: remote from 1000 uncached tokens; prefix and queue"
+            " prefill scorers",
+            PrefillPick.LLM_D,
         ),
         "load-adaptive": Strategy(
             "load-adaptive",

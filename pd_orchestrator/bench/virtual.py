@@ -20,7 +20,8 @@ latency, the same for every leg):
   Rejected (``cache_threshold`` with no token): the plan's first prefiller for that
   decoder (the prefill profile, with the compatibility filter), or among those the
   one the strategy's system picks (:attr:`Strategy.prefill_pick`: Dynamo's KV-aware
-  prefill router for the ``dynamo`` strategies), which prefills with
+  prefill router for the ``dynamo`` strategies, llm-d's prefix and queue scorers for
+  ``llm-d``, vllm-router's ``cache_aware`` for ``always-pd``), which prefills with
   ``do_remote_decode`` and one output token and holds the KV; the decode leg goes
   to the decoder with threshold 0, which first pulls the KV (a side-channel round
   trip, then ``transfer_seconds`` of the tokens it lacks, as the HTTP simulator
@@ -67,7 +68,13 @@ from functools import partial
 from typing import assert_never
 
 from pd_orchestrator.bench.fleet import FleetSpec, InstanceSpec
-from pd_orchestrator.bench.prefill_picks import PrefillLoad, PrefillPick, dynamo_pick
+from pd_orchestrator.bench.prefill_picks import (
+    PrefillLoad,
+    PrefillPick,
+    cache_aware_pick,
+    dynamo_pick,
+    llm_d_pick,
+)
 from pd_orchestrator.bench.results import RequestRecord, RunResult
 from pd_orchestrator.bench.strategies import Mode, Strategy
 from pd_orchestrator.bench.workloads import BenchRequest, Workload, digest_segments, materialize
@@ -178,6 +185,7 @@ class _Instance:
         self.expiry_at: float | None = None
         self.in_flight = 0
         self.backlog = 0
+        self.routed = 0
         self._awaiting: dict[str, tuple[int, Sequence[bytes]]] = {}
         self.pending = pending
         self.busy = 0.0
@@ -203,14 +211,16 @@ class _Instance:
         return Candidate(self.endpoint, True, self.in_flight, self.load, self.backlog)
 
     def enter(self, request: EngineRequest) -> None:
-        """One more request in flight, its prompt in the backlog and its block hashes
-        pending until its first output (as the gateway counts them)."""
+        """One more request in flight, its prompt in the backlog (and in ``routed``, all
+        prompt tokens sent here) and its block hashes pending until its first output
+        (as the gateway counts them)."""
         self.in_flight += 1
         tokens = max(0, request.num_prompt_tokens - request.external_tokens)
         digest = request.digest
         hashes = digest.block_hashes if tokens and digest is not None else ()
         self._awaiting[request.request_id] = (tokens, hashes)
         self.backlog += tokens
+        self.routed += tokens
         if hashes:
             self.pending.hold(self.name, hashes)
 
@@ -386,10 +396,28 @@ class VirtualFleet:
             return instances[0]
         hashes, tokens = digest.block_hashes, digest.num_tokens
         loads = [
-            PrefillLoad(i.name, i.backlog, i.engine.local_hit_tokens_of(hashes, tokens))
+            PrefillLoad(
+                i.name,
+                i.backlog,
+                i.engine.local_hit_tokens_of(hashes, tokens),
+                0 if i.load is None else i.load.waiting,
+                i.in_flight,
+                i.routed,
+            )
             for i in instances
         ]
-        return self.instance(dynamo_pick(loads, tokens, self.spec.block_size))
+        match self.strategy.prefill_pick:
+            case PrefillPick.DYNAMO_KV:
+                name = dynamo_pick(loads, tokens, self.spec.block_size)
+            case PrefillPick.LLM_D:
+                name = llm_d_pick(loads, tokens, self.spec.block_size)
+            case PrefillPick.CACHE_AWARE:
+                name = cache_aware_pick(loads, tokens)
+            case PrefillPick.PROFILE:
+                name = loads[0].name
+            case _:
+                assert_never(self.strategy.prefill_pick)
+        return self.instance(name)
 
     # -- engines ----------------------------------------------------------------------------
     def submit(
