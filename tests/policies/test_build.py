@@ -91,7 +91,7 @@ def test_the_documented_example_builds() -> None:
         (
             {"policy": {"type": "load-adaptiv"}},
             "threshold.policy: policy 'load-adaptiv': unknown policy type 'load-adaptiv' "
-            "(known: dynamo, goodput, llm-d, load-adaptive, max, min, min-uncached-tokens, "
+            "(known: dynamo, dynamo-legacy, goodput, llm-d, load-adaptive, max, min, min-uncached-tokens, "
             "overrides, slo-feedback, static, weighted)",
         ),
         (
