@@ -91,8 +91,8 @@ def test_the_documented_example_builds() -> None:
         (
             {"policy": {"type": "load-adaptiv"}},
             "threshold.policy: policy 'load-adaptiv': unknown policy type 'load-adaptiv' "
-            "(known: dynamo, dynamo-legacy, goodput, llm-d, load-adaptive, max, min, min-uncached-tokens, "
-            "overrides, slo-feedback, static, weighted)",
+            "(known: dynamo, dynamo-legacy, goodput, llm-d, load-adaptive, max, min, "
+            "min-uncached-tokens, overrides, slo-feedback, static, weighted)",
         ),
         (
             {"policy": {"type": "load-adaptive", "params": {"rise": 0.1}}},
