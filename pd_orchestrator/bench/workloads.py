@@ -32,7 +32,9 @@ Generators (every one seeded; the same arguments give the same list):
   group, a question of 256-1200 tokens per user, 256 output tokens, Poisson
   arrivals.
 * :func:`multi_turn` -- conversations of 5-20 turns on a common short system
-  prompt; each turn re-sends the history plus a new user message. The first message
+  prompt, starting open loop (Poisson); each turn re-sends the history plus a new
+  user message after the previous answer and a think time; a request budget keeps
+  the first turns in nominal time, so it spans many conversations. The first message
   (704-1600 tokens, context pasted by the user) puts the conversation's own tokens
   within its first 1024, the prefix a gateway keys a token prompt's affinity on.
 * :func:`long_doc` -- documents of 8k-32k tokens with a short question; a small
@@ -47,7 +49,7 @@ import json
 import random
 import struct
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pd_orchestrator.sim.digest import PromptDigest
@@ -431,35 +433,54 @@ def shared_prefix(
 
 
 def multi_turn(options: WorkloadOptions, conversations: int = 128, think: float = 4.0) -> Workload:
-    """Conversations of 5-20 turns; each turn re-sends the history and a new message."""
+    """Conversations of 5-20 turns; each turn re-sends the history and a new message.
+
+    Conversations start open loop (seeded Poisson at ``options.rate``, 2/s by
+    default); within one, a turn follows the previous answer after a think time
+    (closed loop). With ``options.requests`` the workload is the first that many
+    turns in nominal time (a conversation's start plus its think times so far), of
+    as many conversations as it takes -- not the first conversations whole, which
+    would put every request of a short run in a few closed loops and cap the
+    requests in flight at their count whatever the rate.
+    """
     rng = random.Random(options.seed)
     system = Segment(content_key("chat-system"), options.tokens(320))
     rate = options.rate or 2.0
-    starts = _poisson(rng, conversations, rate)
-    requests: list[BenchRequest] = []
-    for c, start in enumerate(starts):
-        previous: int | None = None
+    count = conversations if options.requests is None else max(conversations, options.requests)
+    turns: list[tuple[float, int, int, BenchRequest]] = []
+    for c, start in enumerate(_poisson(rng, count, rate)):
+        nominal = start
         for turn in range(rng.randint(5, 20)):
             size = rng.randint(704, 1600) if turn == 0 else rng.randint(40, 400)
             message = Segment(content_key("chat-user", c, turn), options.tokens(size))
+            think_time = rng.expovariate(1 / think)
+            nominal += think_time if turn else 0.0
             request = BenchRequest(
-                index=len(requests),
+                index=0,
                 session=f"conv-{c}",
                 turn=turn,
-                segments=(system, message) if previous is None else (message,),
+                segments=(system, message) if turn == 0 else (message,),
                 max_tokens=options.tokens(rng.randint(100, 400)),
                 arrival=start * options.time_scale,
-                after=previous,
-                think_time=rng.expovariate(1 / think) * options.time_scale,
-                extends=previous is not None,
+                think_time=think_time * options.time_scale,
+                extends=turn > 0,
             )
-            previous = request.index
-            requests.append(request)
+            turns.append((nominal, c, turn, request))
+    turns.sort(key=lambda item: item[:3])
+    kept = turns if options.requests is None else turns[: options.requests]
+    requests: list[BenchRequest] = []
+    last: dict[str, int] = {}
+    for _, _, _, request in kept:
+        index = len(requests)
+        requests.append(replace(request, index=index, after=last.get(request.session)))
+        last[request.session] = index
+    sessions = len(last)
     return Workload(
         "multi-turn",
-        f"{conversations} conversations of 5-20 turns, think time {think:g}s, "
-        f"{rate:g} conversations/s x{1 / options.time_scale:g}",
-        _limit(requests, options.requests),
+        f"{sessions} conversations of 5-20 turns (the first {len(requests)} turns), "
+        f"open-loop starts at {rate:g} conversations/s x{1 / options.time_scale:g}, "
+        f"think time {think:g}s",
+        tuple(requests),
     )
 
 

@@ -169,6 +169,26 @@ def test_multi_turn_shape() -> None:
         assert all(t.after == p.index and t.extends for p, t in itertools.pairwise(turns))
 
 
+def test_multi_turn_budget_spans_open_loop_conversations_not_a_few_closed_loops() -> None:
+    workload = build_workload("multi-turn", WorkloadOptions(requests=400, seed=2))
+    assert len(workload) == 400
+    sessions: dict[str, list[BenchRequest]] = {}
+    for request in workload.requests:
+        sessions.setdefault(request.session, []).append(request)
+    # the first 400 turns in time, not the first ~32 conversations whole
+    assert len(sessions) > 60
+    for turns in sessions.values():
+        assert [t.turn for t in turns] == list(range(len(turns)))  # each a prefix
+        assert turns[0].after is None
+        assert all(t.after == p.index and t.extends for p, t in itertools.pairwise(turns))
+    # conversation starts are open loop at the rate: ~2/s, not all at once
+    starts = sorted(turns[0].arrival for turns in sessions.values())
+    span = starts[-1] - starts[0]
+    assert 0.5 < (len(starts) - 1) / span < 8.0
+    faster = build_workload("multi-turn", WorkloadOptions(requests=400, seed=2, rate=8.0))
+    assert len({r.session for r in faster.requests}) > len(sessions)
+
+
 def test_long_doc_shape() -> None:
     workload = build_workload("long-doc", WorkloadOptions())
     documents = [r.segments[0] for r in workload.requests]
