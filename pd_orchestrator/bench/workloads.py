@@ -58,6 +58,7 @@ from pd_orchestrator.sim.tokenizer import NUM_WORDS, WORD_BASE
 
 __all__ = [
     "MOONCAKE_BLOCK_TOKENS",
+    "MOONCAKE_DEVELOPMENT_LINES",
     "WORKLOADS",
     "BenchRequest",
     "Segment",
@@ -77,6 +78,10 @@ __all__ = [
 
 MOONCAKE_BLOCK_TOKENS = 512
 """Tokens per hash id in the Mooncake trace."""
+
+MOONCAKE_DEVELOPMENT_LINES = 2400
+"""The trace lines the benchmarks were developed on (``--requests 600 --seeds 4``:
+lines 1-2400); a window past them is held out (docs/benchmarks.md)."""
 
 WORKLOADS = ("mooncake", "shared-prefix", "multi-turn", "long-doc")
 
@@ -125,6 +130,8 @@ class Workload:
     name: str
     description: str
     requests: tuple[BenchRequest, ...]
+    window: str = ""
+    """A trace replay's window (its lines, and whether development used them)."""
 
     def __post_init__(self) -> None:
         for position, request in enumerate(self.requests):
@@ -300,12 +307,14 @@ def mooncake(options: WorkloadOptions) -> Workload:
         for i, (record, arrival) in enumerate(zip(records, arrivals, strict=True))
     ]
     replay = "bursts as recorded" if step == 0.0 else f"spread over {step / 1000.0:.3g}s steps"
+    used = "development" if skip < MOONCAKE_DEVELOPMENT_LINES else "held out"
+    window = f"lines {skip + 1}-{skip + len(requests)}, {used}"
     return Workload(
         "mooncake",
-        f"Mooncake conversation trace, {len(requests)} requests, lines {skip + 1}-"
-        f"{skip + len(requests)}, {block} tokens per hash id, {replay}, "
-        f"time x{options.time_scale:g}",
+        f"Mooncake conversation trace, {len(requests)} requests, {window}, {block} tokens "
+        f"per hash id, {replay}, time x{options.time_scale:g}",
         tuple(requests),
+        window,
     )
 
 

@@ -376,6 +376,7 @@ def _settings(
         "seed": args.seed,
         "seeds": args.seeds,
         "trace_offset": args.trace_offset if args.workload == "mooncake" else None,
+        "trace_window": workload.window or None,
         "trace_bursts": args.trace_bursts if args.workload == "mooncake" else None,
         "slo": {
             "ttft": slo.ttft,
@@ -400,7 +401,8 @@ def _report(
     out: Path = args.out or Path("bench-results") / f"{workload.name}-{runner}-{fleet.name}"
     out.mkdir(parents=True, exist_ok=True)
     summaries = [summarize(result, slo) for result in results]
-    title = f"{workload.name} ({len(workload)} requests), {runner}, {fleet.describe()}"
+    window = f", {workload.window}" if workload.window else ""
+    title = f"{workload.name} ({len(workload)} requests{window}), {runner}, {fleet.describe()}"
     console.print(summary_table(summaries, title, slo))
     document = None
     if searches:

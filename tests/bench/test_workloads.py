@@ -81,6 +81,10 @@ def test_mooncake_seed_picks_a_window_of_the_trace(tmp_path: Path) -> None:
     # an offset moves every window: seed 0 after one line is seed 1's window above
     moved = mooncake(WorkloadOptions(trace=trace, requests=1, trace_offset=1))
     assert [r.own_tokens for r in moved.requests] == [1500] and "lines 2-2" in moved.description
+    assert moved.window == "lines 2-2, development"
+    long = _ticks(tmp_path, ticks=241, per_tick=10)
+    held = mooncake(WorkloadOptions(trace=long, requests=5, trace_offset=2400))
+    assert held.window == "lines 2401-2405, held out" and held.window in held.description
     with pytest.raises(ValueError, match="offset"):
         WorkloadOptions(trace_offset=-1)
 
