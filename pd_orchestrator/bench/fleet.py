@@ -104,6 +104,16 @@ class FleetSpec:
     def prefillers(self) -> tuple[InstanceSpec, ...]:
         return tuple(i for i in self.instances if i.role.prefills)
 
+    def prefill_latency(self, reference_tokens: int = 4096) -> LatencyProfile:
+        """The prefill hardware a request running alone would get: the profile of the
+        prefillers (every instance in a fleet with none) that computes a cold prompt of
+        ``reference_tokens`` fastest."""
+        pool = self.prefillers or self.instances
+        profiles = {i.profile: i.latency for i in pool}
+        return min(
+            profiles.values(), key=lambda latency: latency.prefill_seconds(reference_tokens, 0)
+        )
+
     def aggregated(self) -> FleetSpec:
         """The same instances, every one a decoder (decode-only serving)."""
         instances = tuple(replace(i, role=Role.DECODE, spill=False) for i in self.instances)

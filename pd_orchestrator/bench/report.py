@@ -18,7 +18,7 @@ from typing import Any
 
 from rich.table import Table
 
-from pd_orchestrator.bench.goodput import GoodputSearch
+from pd_orchestrator.bench.goodput import GoodputSearch, SearchSettings
 from pd_orchestrator.bench.results import RunResult, Slo, Summary, percentiles
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "quantiles",
     "ratios_to_best_other",
     "summary_table",
+    "void_reason",
     "write_json",
 ]
 
@@ -52,9 +53,8 @@ def _thresholds(summary: Summary) -> str:
 def summary_table(summaries: Sequence[Summary], title: str, slo: Slo) -> Table:
     """One row per strategy; the best value of each latency/goodput column in bold."""
     caption = (
-        f"times in ms; goodput: requests/s meeting TTFT <= {slo.ttft:g} s and "
-        f"TPOT <= {slo.tpot * 1e3:g} ms; decode / pd: requests served where cached / "
-        "prefilled remotely; threshold: p10/p50/p90 of the values sent"
+        f"times in ms; goodput: requests/s meeting {slo.describe()}; decode / pd: requests "
+        "served where cached / prefilled remotely; threshold: p10/p50/p90 of the values sent"
     )
     table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
     columns = (
@@ -224,21 +224,43 @@ def ratios_to_best_other(values: Mapping[str, float]) -> dict[str, float | None]
     return ratios
 
 
+def void_reason(searches: Mapping[str, GoodputSearch], ceiling: float) -> str | None:
+    """Why the row cannot discriminate, or None when it can: every strategy at the
+    floor (goodput 0, even the lowest rate fails) or every one at the ceiling (the
+    search stopped at ``ceiling`` still passing). Such a row is reported, not counted."""
+    found = [search.multiplier for search in searches.values()]
+    if not found:
+        return None
+    if all(multiplier == 0.0 for multiplier in found):
+        return "void: every strategy at the floor"
+    if all(multiplier >= ceiling for multiplier in found):
+        return "void: every strategy at the ceiling"
+    return None
+
+
 def goodput_table(
-    searches: Mapping[str, GoodputSearch], title: str, slo: Slo, goal: float
+    searches: Mapping[str, GoodputSearch],
+    title: str,
+    slo: Slo,
+    goal: float,
+    ceiling: float = SearchSettings().ceiling,
 ) -> Table:
     """One row per strategy: its goodput (the highest rate multiplier meeting the
     attainment goal), the rate served there, the ratio to the best other strategy
-    and each pool's busy fraction at that rate."""
+    and each pool's busy fraction at that rate. A void row (:func:`void_reason`)
+    says so in its title and shows no ratios."""
+    void = void_reason(searches, ceiling)
     caption = (
         f"goodput: the highest multiple of the workload's arrival rate at which >= {goal:.0%} "
-        f"of requests meet TTFT <= {slo.ttft:g} s and TPOT <= {slo.tpot * 1e3:g} ms; "
+        f"of requests meet {slo.describe()}; "
         "busy: share of the run each pool spent stepping, at that rate"
     )
+    if void:
+        title = f"{title} -- {void} (not counted)"
     table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
     for column in ("strategy", "goodput (x rate)", "req/s", "vs best other", "SLO met", "busy"):
         table.add_column(column, justify="left" if column in ("strategy", "busy") else "right")
-    ratios = ratios_to_best_other({n: s.multiplier for n, s in searches.items()})
+    ratios = _ratios(searches, void)
     for name, found in searches.items():
         best = found.best
         ratio = ratios[name]
@@ -256,11 +278,23 @@ def goodput_table(
     return table
 
 
-def goodput_document(searches: Mapping[str, GoodputSearch], goal: float) -> dict[str, Any]:
-    """The goodput searches as ``results.json`` holds them."""
-    ratios = ratios_to_best_other({n: s.multiplier for n, s in searches.items()})
+def _ratios(searches: Mapping[str, GoodputSearch], void: str | None) -> dict[str, float | None]:
+    """Each strategy's goodput over the best other's; all None on a void row."""
+    if void:
+        return dict.fromkeys(searches)
+    return ratios_to_best_other({n: s.multiplier for n, s in searches.items()})
+
+
+def goodput_document(
+    searches: Mapping[str, GoodputSearch], goal: float, ceiling: float = SearchSettings().ceiling
+) -> dict[str, Any]:
+    """The goodput searches as ``results.json`` holds them (``void``: the reason a
+    row is not counted, or null; its ratios are null then)."""
+    void = void_reason(searches, ceiling)
+    ratios = _ratios(searches, void)
     return {
         "attainment_goal": goal,
+        "void": void,
         "strategies": {
             name: {
                 "multiplier": found.multiplier,

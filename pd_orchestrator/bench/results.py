@@ -9,7 +9,8 @@ time scale). :func:`summarize` reduces a run to a :class:`Summary`:
 * ITL: every gap between two consecutive tokens of a request (``itl_p*`` are
   percentiles over all gaps of the run) and TPOT, a request's mean gap;
 * goodput: requests per second (over the run's span) that met both SLOs
-  (TTFT <= ``Slo.ttft`` and TPOT <= ``Slo.tpot``), and their share;
+  (TTFT within :meth:`Slo.ttft_limit` of its prompt and TPOT <= ``Slo.tpot``),
+  and their share;
 * prefill tokens computed (not served from a cache, on any instance) and KV bytes
   moved between instances.
 """
@@ -22,19 +23,49 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pd_orchestrator.model.hardware import LatencyProfile
+
 __all__ = ["RequestRecord", "RunResult", "Slo", "Summary", "percentile", "percentiles", "summarize"]
 
 
 @dataclass(frozen=True, slots=True)
 class Slo:
-    """Service-level objectives for goodput: TTFT and mean inter-token latency."""
+    """Service-level objectives for goodput: TTFT and mean inter-token latency.
+
+    With ``ttft_scale`` 0 (the default) every request's TTFT limit is ``ttft``. With
+    ``ttft_scale`` k > 0 the limit scales with the prompt, as DistServe sets SLOs per
+    application and Splitwise relative to the request alone: the larger of ``ttft``
+    (the floor) and k times the prompt's isolated cold prefill on ``prefill`` (the
+    fleet's prefill hardware; required then).
+    """
 
     ttft: float = 2.0
     tpot: float = 0.05
+    ttft_scale: float = 0.0
+    prefill: LatencyProfile | None = None
 
     def __post_init__(self) -> None:
         if self.ttft <= 0 or self.tpot <= 0:
             raise ValueError("SLO limits must be > 0")
+        if self.ttft_scale < 0:
+            raise ValueError("the TTFT scale must be >= 0")
+        if self.ttft_scale and self.prefill is None:
+            raise ValueError("a TTFT limit that scales with the prompt needs a prefill profile")
+
+    def ttft_limit(self, prompt_tokens: int) -> float:
+        """The TTFT limit of a request of ``prompt_tokens`` (see the class docstring)."""
+        if not self.ttft_scale or self.prefill is None:
+            return self.ttft
+        alone = self.prefill.prefill_seconds(prompt_tokens, 0)
+        return max(self.ttft, self.ttft_scale * alone)
+
+    def describe(self) -> str:
+        """The TTFT and TPOT limits in words, e.g. ``TTFT <= max(1s, 3 x prefill
+        alone on h200), TPOT <= 30ms``."""
+        ttft = f"{self.ttft:g}s"
+        if self.ttft_scale and self.prefill is not None:
+            ttft = f"max({ttft}, {self.ttft_scale:g} x prefill alone on {self.prefill.name})"
+        return f"TTFT <= {ttft}, TPOT <= {self.tpot * 1000:g}ms"
 
 
 @dataclass(slots=True)
@@ -66,7 +97,8 @@ class RequestRecord:
         """Whether the request completed within both SLOs."""
         if not self.ok or self.ttft is None:
             return False
-        return self.ttft <= slo.ttft and (self.tpot is None or self.tpot <= slo.tpot)
+        limit = slo.ttft_limit(self.prompt_tokens)
+        return self.ttft <= limit and (self.tpot is None or self.tpot <= slo.tpot)
 
 
 @dataclass

@@ -22,12 +22,19 @@ Generators (every one seeded; the same arguments give the same list):
   ``time_scale``; output lengths are kept (scaled by ``size_scale``). The seed picks
   the window: seed ``k`` replays trace lines ``k * requests + 1`` to ``(k + 1) *
   requests``, its clock starting at the window's first timestamp, so draws of one
-  trace are disjoint stretches of it (seed 0: the trace's start).
+  trace are disjoint stretches of it (seed 0: the trace's start); ``trace_offset``
+  moves every window that many lines further. The trace's timestamps come in steps
+  (3 s in the conversation trace), so a literal replay sends each step's requests
+  as one burst: by default each step's requests are spread uniformly (seeded, in
+  their trace order) over ``[t, t + step)``, the step detected from the window's
+  distinct timestamps (:func:`timestamp_step`); ``bursts`` replays them as they are.
 * :func:`shared_prefix` -- groups x users: a system prompt of 2048-6000 tokens per
   group, a question of 256-1200 tokens per user, 256 output tokens, Poisson
   arrivals.
 * :func:`multi_turn` -- conversations of 5-20 turns on a common short system
-  prompt; each turn re-sends the history plus a new user message. The first message
+  prompt, starting open loop (Poisson); each turn re-sends the history plus a new
+  user message after the previous answer and a think time; a request budget keeps
+  the first turns in nominal time, so it spans many conversations. The first message
   (704-1600 tokens, context pasted by the user) puts the conversation's own tokens
   within its first 1024, the prefix a gateway keys a token prompt's affinity on.
 * :func:`long_doc` -- documents of 8k-32k tokens with a short question; a small
@@ -42,7 +49,7 @@ import json
 import random
 import struct
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pd_orchestrator.sim.digest import PromptDigest
@@ -51,6 +58,7 @@ from pd_orchestrator.sim.tokenizer import NUM_WORDS, WORD_BASE
 
 __all__ = [
     "MOONCAKE_BLOCK_TOKENS",
+    "MOONCAKE_DEVELOPMENT_LINES",
     "WORKLOADS",
     "BenchRequest",
     "Segment",
@@ -64,11 +72,16 @@ __all__ = [
     "mooncake",
     "multi_turn",
     "shared_prefix",
+    "timestamp_step",
     "token_at",
 ]
 
 MOONCAKE_BLOCK_TOKENS = 512
 """Tokens per hash id in the Mooncake trace."""
+
+MOONCAKE_DEVELOPMENT_LINES = 2400
+"""The trace lines the benchmarks were developed on (``--requests 600 --seeds 4``:
+lines 1-2400); a window past them is held out (docs/benchmarks.md)."""
 
 WORKLOADS = ("mooncake", "shared-prefix", "multi-turn", "long-doc")
 
@@ -117,6 +130,8 @@ class Workload:
     name: str
     description: str
     requests: tuple[BenchRequest, ...]
+    window: str = ""
+    """A trace replay's window (its lines, and whether development used them)."""
 
     def __post_init__(self) -> None:
         for position, request in enumerate(self.requests):
@@ -137,7 +152,9 @@ class WorkloadOptions:
     has them). ``time_scale``: multiply every arrival and think time (0.5 = twice
     the load). ``size_scale``: multiply every length. ``rate``: arrivals per second
     for the synthetic workloads (None: the generator's default). ``seed``: the
-    random draws. ``trace``: the Mooncake trace file.
+    random draws. ``trace``: the Mooncake trace file; ``trace_offset``: trace lines
+    skipped before the seed's window; ``bursts``: replay the trace's timestamps as
+    they are instead of spreading each step's requests over the step.
     """
 
     requests: int | None = None
@@ -146,8 +163,12 @@ class WorkloadOptions:
     rate: float | None = None
     seed: int = 0
     trace: Path | None = None
+    trace_offset: int = 0
+    bursts: bool = False
 
     def __post_init__(self) -> None:
+        if self.trace_offset < 0:
+            raise ValueError("the trace offset must be >= 0")
         if self.time_scale <= 0 or self.size_scale <= 0:
             raise ValueError("time and size scales must be > 0")
         if self.requests is not None and self.requests < 1:
@@ -270,24 +291,60 @@ def mooncake(options: WorkloadOptions) -> Workload:
         )
     block = options.tokens(MOONCAKE_BLOCK_TOKENS)
     skip = _window_start(options)
-    requests: list[BenchRequest] = []
-    start: float | None = None
+    records: list[_TraceRecord] = []
     with options.trace.open() as lines:
         for number, line in enumerate(itertools.islice(lines, skip, None), skip + 1):
-            if options.requests is not None and len(requests) >= options.requests:
+            if options.requests is not None and len(records) >= options.requests:
                 break
-            record = _TraceRecord.parse(line, number)
-            start = record.timestamp_ms if start is None else start
-            requests.append(_mooncake_request(len(requests), record, block, start, options))
-    if not requests:
+            records.append(_TraceRecord.parse(line, number))
+    if not records:
         raise ValueError(f"the trace ends before seed {options.seed}'s window (line {skip + 1})")
-    window = f", lines {skip + 1}-{skip + len(requests)}" if skip else ""
+    stamps = [record.timestamp_ms for record in records]
+    step = 0.0 if options.bursts else timestamp_step(stamps)
+    arrivals = _spread(stamps, step, random.Random(options.seed))
+    requests = [
+        _mooncake_request(i, record, block, (arrival - stamps[0]) / 1000.0, options)
+        for i, (record, arrival) in enumerate(zip(records, arrivals, strict=True))
+    ]
+    replay = "bursts as recorded" if step == 0.0 else f"spread over {step / 1000.0:.3g}s steps"
+    used = "development" if skip < MOONCAKE_DEVELOPMENT_LINES else "held out"
+    window = f"lines {skip + 1}-{skip + len(requests)}, {used}"
     return Workload(
         "mooncake",
-        f"Mooncake conversation trace, {len(requests)} requests{window}, {block} tokens per "
-        f"hash id, time x{options.time_scale:g}",
+        f"Mooncake conversation trace, {len(requests)} requests, {window}, {block} tokens "
+        f"per hash id, {replay}, time x{options.time_scale:g}",
         tuple(requests),
+        window,
     )
+
+
+def timestamp_step(stamps: Sequence[float]) -> float:
+    """The step the timestamps ``stamps`` come in (0.0 for fewer than two distinct
+    values): the gaps between consecutive distinct values are taken as multiples of
+    the smallest one that is not jitter (at least a quarter of the median gap), and
+    the step is their total over the number of steps they span -- about 3000 ms for
+    the Mooncake conversation trace, whose gaps are 2997-3003 ms or multiples."""
+    values = sorted(set(stamps))
+    gaps = sorted(b - a for a, b in itertools.pairwise(values))
+    if not gaps:
+        return 0.0
+    median = gaps[len(gaps) // 2]
+    kept = [gap for gap in gaps if gap >= median / 4]
+    base = kept[0]
+    return sum(kept) / sum(max(1, round(gap / base)) for gap in kept)
+
+
+def _spread(stamps: Sequence[float], step: float, rng: random.Random) -> list[float]:
+    """``stamps`` (ms, in trace order) with each run of equal values spread over
+    ``[t, t + step)``: sorted uniform draws from ``rng``, so arrivals keep the trace's
+    order; unchanged for ``step`` 0."""
+    if step <= 0.0:
+        return list(stamps)
+    arrivals: list[float] = []
+    for stamp, run in itertools.groupby(stamps):
+        offsets = sorted(rng.random() * step for _ in run)
+        arrivals.extend(stamp + offset for offset in offsets)
+    return arrivals
 
 
 def _window_start(options: WorkloadOptions) -> int:
@@ -296,7 +353,7 @@ def _window_start(options: WorkloadOptions) -> int:
         raise ValueError("the seed of a trace replay must be >= 0")
     if options.seed and options.requests is None:
         raise ValueError("a seed other than 0 picks a window of the trace: it needs --requests")
-    return options.seed * (options.requests or 0)
+    return options.trace_offset + options.seed * (options.requests or 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,8 +383,10 @@ class _TraceRecord:
 
 
 def _mooncake_request(
-    index: int, record: _TraceRecord, block: int, start_ms: float, options: WorkloadOptions
+    index: int, record: _TraceRecord, block: int, arrival: float, options: WorkloadOptions
 ) -> BenchRequest:
+    """The request of ``record`` arriving ``arrival`` trace seconds after the window's
+    start (before ``time_scale``)."""
     length = min(options.tokens(record.input_length), block * len(record.hash_ids))
     segments = []
     for hash_id in record.hash_ids:
@@ -342,7 +401,7 @@ def _mooncake_request(
         turn=0,
         segments=tuple(segments),
         max_tokens=options.tokens(record.output_length),
-        arrival=(record.timestamp_ms - start_ms) / 1000.0 * options.time_scale,
+        arrival=arrival * options.time_scale,
     )
 
 
@@ -383,35 +442,54 @@ def shared_prefix(
 
 
 def multi_turn(options: WorkloadOptions, conversations: int = 128, think: float = 4.0) -> Workload:
-    """Conversations of 5-20 turns; each turn re-sends the history and a new message."""
+    """Conversations of 5-20 turns; each turn re-sends the history and a new message.
+
+    Conversations start open loop (seeded Poisson at ``options.rate``, 2/s by
+    default); within one, a turn follows the previous answer after a think time
+    (closed loop). With ``options.requests`` the workload is the first that many
+    turns in nominal time (a conversation's start plus its think times so far), of
+    as many conversations as it takes -- not the first conversations whole, which
+    would put every request of a short run in a few closed loops and cap the
+    requests in flight at their count whatever the rate.
+    """
     rng = random.Random(options.seed)
     system = Segment(content_key("chat-system"), options.tokens(320))
     rate = options.rate or 2.0
-    starts = _poisson(rng, conversations, rate)
-    requests: list[BenchRequest] = []
-    for c, start in enumerate(starts):
-        previous: int | None = None
+    count = conversations if options.requests is None else max(conversations, options.requests)
+    turns: list[tuple[float, int, int, BenchRequest]] = []
+    for c, start in enumerate(_poisson(rng, count, rate)):
+        nominal = start
         for turn in range(rng.randint(5, 20)):
             size = rng.randint(704, 1600) if turn == 0 else rng.randint(40, 400)
             message = Segment(content_key("chat-user", c, turn), options.tokens(size))
+            think_time = rng.expovariate(1 / think)
+            nominal += think_time if turn else 0.0
             request = BenchRequest(
-                index=len(requests),
+                index=0,
                 session=f"conv-{c}",
                 turn=turn,
-                segments=(system, message) if previous is None else (message,),
+                segments=(system, message) if turn == 0 else (message,),
                 max_tokens=options.tokens(rng.randint(100, 400)),
                 arrival=start * options.time_scale,
-                after=previous,
-                think_time=rng.expovariate(1 / think) * options.time_scale,
-                extends=previous is not None,
+                think_time=think_time * options.time_scale,
+                extends=turn > 0,
             )
-            previous = request.index
-            requests.append(request)
+            turns.append((nominal, c, turn, request))
+    turns.sort(key=lambda item: item[:3])
+    kept = turns if options.requests is None else turns[: options.requests]
+    requests: list[BenchRequest] = []
+    last: dict[str, int] = {}
+    for _, _, _, request in kept:
+        index = len(requests)
+        requests.append(replace(request, index=index, after=last.get(request.session)))
+        last[request.session] = index
+    sessions = len(last)
     return Workload(
         "multi-turn",
-        f"{conversations} conversations of 5-20 turns, think time {think:g}s, "
-        f"{rate:g} conversations/s x{1 / options.time_scale:g}",
-        _limit(requests, options.requests),
+        f"{sessions} conversations of 5-20 turns (the first {len(requests)} turns), "
+        f"open-loop starts at {rate:g} conversations/s x{1 / options.time_scale:g}, "
+        f"think time {think:g}s",
+        tuple(requests),
     )
 
 

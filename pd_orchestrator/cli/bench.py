@@ -133,7 +133,33 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=Path(os.environ[TRACE_ENV]) if os.environ.get(TRACE_ENV) else None,
         help=f"the Mooncake trace (JSON lines; default ${TRACE_ENV})",
     )
+    add(
+        "--trace-offset",
+        type=int,
+        default=0,
+        help="mooncake: skip this many trace lines before the seed's window "
+        "(docs/benchmarks.md names the windows used in development)",
+    )
+    add(
+        "--trace-bursts",
+        action="store_true",
+        help="mooncake: replay each timestamp's requests at once, as recorded "
+        "(default: spread over the trace's timestamp step)",
+    )
     add("--slo-ttft", type=float, default=2.0, help="goodput SLO on TTFT (seconds)")
+    add(
+        "--slo-ttft-floor",
+        type=float,
+        default=None,
+        help="the TTFT limit's floor with --slo-ttft-scale (seconds; default --slo-ttft)",
+    )
+    add(
+        "--slo-ttft-scale",
+        type=float,
+        default=0.0,
+        help="TTFT limit per request: max(floor, this x its isolated cold prefill on the "
+        "fleet's prefill hardware); 0: the absolute --slo-ttft",
+    )
     add("--slo-tpot", type=float, default=0.05, help="goodput SLO on mean ITL (seconds)")
     add("--hop", type=float, default=VirtualOptions().hop, help="virtual: one HTTP leg (s)")
     add(
@@ -248,7 +274,7 @@ def _search_goodput(
     seed, pooled into one probe per multiplier)."""
     _, routing = _routing(args.routing)
     options = _virtual_options(args)
-    slo = Slo(args.slo_ttft, args.slo_tpot)
+    slo = _slo(args, fleet)
     settings = SearchSettings(goal=args.attainment, bisections=args.bisections)
     sizes = [len(workload) for workload in workloads]
 
@@ -322,6 +348,15 @@ async def _target(
     )
 
 
+def _slo(args: argparse.Namespace, fleet: FleetSpec) -> Slo:
+    """The SLO of ``--slo-*``: absolute (``--slo-ttft``) or, with ``--slo-ttft-scale``,
+    scaling with each prompt's cold prefill on the fleet's prefill hardware."""
+    floor = args.slo_ttft if args.slo_ttft_floor is None else args.slo_ttft_floor
+    if not args.slo_ttft_scale:
+        return Slo(floor, args.slo_tpot)
+    return Slo(floor, args.slo_tpot, args.slo_ttft_scale, fleet.prefill_latency())
+
+
 def _settings(
     args: argparse.Namespace, fleet: FleetSpec, workload: Workload, slo: Slo
 ) -> dict[str, Any]:
@@ -340,7 +375,16 @@ def _settings(
         "prefix_index": not args.no_prefix_index,
         "seed": args.seed,
         "seeds": args.seeds,
-        "slo": {"ttft": slo.ttft, "tpot": slo.tpot},
+        "trace_offset": args.trace_offset if args.workload == "mooncake" else None,
+        "trace_window": workload.window or None,
+        "trace_bursts": args.trace_bursts if args.workload == "mooncake" else None,
+        "slo": {
+            "ttft": slo.ttft,
+            "tpot": slo.tpot,
+            "ttft_scale": slo.ttft_scale,
+            "ttft_prefill_profile": slo.prefill.name if slo.prefill else None,
+            "described": slo.describe(),
+        },
     }
 
 
@@ -352,12 +396,13 @@ def _report(
     console: Console,
     searches: dict[str, GoodputSearch] | None = None,
 ) -> None:
-    slo = Slo(args.slo_ttft, args.slo_tpot)
+    slo = _slo(args, fleet)
     runner = "virtual" if args.virtual else "live"
     out: Path = args.out or Path("bench-results") / f"{workload.name}-{runner}-{fleet.name}"
     out.mkdir(parents=True, exist_ok=True)
     summaries = [summarize(result, slo) for result in results]
-    title = f"{workload.name} ({len(workload)} requests), {runner}, {fleet.describe()}"
+    window = f", {workload.window}" if workload.window else ""
+    title = f"{workload.name} ({len(workload)} requests{window}), {runner}, {fleet.describe()}"
     console.print(summary_table(summaries, title, slo))
     document = None
     if searches:
@@ -411,7 +456,7 @@ def run(args: argparse.Namespace) -> int:
         strategies = resolve_strategies(
             [name.strip() for name in args.policies.split(",") if name.strip()],
             policies,
-            Slo(args.slo_ttft, args.slo_tpot),
+            _slo(args, fleet),
         )
         options = WorkloadOptions(
             requests=args.requests,
@@ -420,6 +465,8 @@ def run(args: argparse.Namespace) -> int:
             rate=args.rate,
             seed=args.seed,
             trace=args.trace,
+            trace_offset=args.trace_offset,
+            bursts=args.trace_bursts,
         )
         workload = build_workload(args.workload, options)
         workloads = _seeded(args, options, workload)

@@ -4,9 +4,24 @@ from __future__ import annotations
 
 import pytest
 
-from pd_orchestrator.bench.goodput import Probe, SearchSettings, pooled, scaled, search
-from pd_orchestrator.bench.report import ratios_to_best_other
+from pd_orchestrator.bench.fleet import preset_fleet
+from pd_orchestrator.bench.goodput import (
+    GoodputSearch,
+    Probe,
+    SearchSettings,
+    pooled,
+    scaled,
+    search,
+)
+from pd_orchestrator.bench.report import (
+    goodput_document,
+    goodput_table,
+    ratios_to_best_other,
+    void_reason,
+)
+from pd_orchestrator.bench.results import RequestRecord, Slo
 from pd_orchestrator.bench.workloads import WorkloadOptions, build_workload
+from pd_orchestrator.model.hardware import get_profile
 
 
 def _capacity(limit: float, calls: list[float]) -> object:
@@ -92,3 +107,54 @@ def test_pooling_runs_that_do_not_belong_together_is_an_error(
 ) -> None:
     with pytest.raises(ValueError, match=why):
         pooled(probes, requests)
+
+
+def _search(multiplier: float) -> GoodputSearch:
+    probe = Probe(multiplier, 0.95, 1.0, {}) if multiplier else None
+    return GoodputSearch(multiplier, probe, (probe,) if probe else ())
+
+
+@pytest.mark.parametrize(
+    ("found", "reason"),
+    [
+        ({"a": 0.0, "b": 0.0}, "void: every strategy at the floor"),
+        ({"a": 64.0, "b": 64.0}, "void: every strategy at the ceiling"),
+        ({"a": 0.0, "b": 64.0}, None),
+        ({"a": 64.0, "b": 32.0}, None),
+    ],
+)
+def test_a_row_at_the_floor_or_the_ceiling_is_void(
+    found: dict[str, float], reason: str | None
+) -> None:
+    searches = {name: _search(m) for name, m in found.items()}
+    assert void_reason(searches, 64.0) == reason
+    document = goodput_document(searches, 0.9, ceiling=64.0)
+    assert document["void"] == reason
+    ratios = [s["ratio_to_best_other"] for s in document["strategies"].values()]
+    assert (ratios == [None, None]) == (reason is not None)
+    table = goodput_table(searches, "row", Slo(), 0.9, ceiling=64.0)
+    assert (reason is not None) == ("not counted" in str(table.title))
+    if reason:
+        assert list(table.columns[3].cells) == ["-", "-"]
+
+
+def test_a_ttft_limit_scales_with_the_prompt_over_a_floor() -> None:
+    h200 = get_profile("h200-llama3-8b")
+    slo = Slo(1.0, 0.03, ttft_scale=3.0, prefill=h200)
+    short, long = 2000, 60000
+    assert slo.ttft_limit(short) == 1.0  # a short prompt gets the floor
+    assert slo.ttft_limit(long) == pytest.approx(3 * h200.prefill_seconds(long, 0))
+    assert slo.ttft_limit(long) > 1.0
+    assert Slo(1.0, 0.03).ttft_limit(long) == 1.0  # the absolute SLO is unchanged
+    late = RequestRecord(0, "s", 0.0, long, ttft=2.0, e2e=3.0, tpot=0.02)
+    assert late.meets(slo) and not late.meets(Slo(1.0, 0.03))
+    assert "3 x prefill alone on h200-llama3-8b" in slo.describe()
+    with pytest.raises(ValueError, match="prefill profile"):
+        Slo(1.0, 0.03, ttft_scale=3.0)
+
+
+def test_the_slo_uses_the_fleets_fastest_prefill_hardware() -> None:
+    mixed = preset_fleet("mixed")
+    fastest = mixed.prefill_latency()
+    for instance in mixed.prefillers:
+        assert fastest.prefill_seconds(8192, 0) <= instance.latency.prefill_seconds(8192, 0)

@@ -18,6 +18,7 @@ from pd_orchestrator.bench.workloads import (
     digest_segments,
     materialize,
     mooncake,
+    timestamp_step,
 )
 from pd_orchestrator.sim.tokenizer import NUM_WORDS, WORD_BASE
 
@@ -43,7 +44,7 @@ def test_synthetic_workloads_are_deterministic(name: str) -> None:
 
 
 def test_mooncake_blocks_lengths_and_time_scaling(tmp_path: Path) -> None:
-    workload = mooncake(WorkloadOptions(trace=_trace(tmp_path), time_scale=0.5))
+    workload = mooncake(WorkloadOptions(trace=_trace(tmp_path), time_scale=0.5, bursts=True))
     first, second, third = workload.requests
     assert [s.length for s in first.segments] == [512, 488]
     assert [r.own_tokens for r in workload.requests] == [1000, 1500, 600]
@@ -65,18 +66,70 @@ def test_mooncake_size_scale_and_limit(tmp_path: Path) -> None:
 def test_mooncake_seed_picks_a_window_of_the_trace(tmp_path: Path) -> None:
     trace = _trace(tmp_path)
     first = mooncake(WorkloadOptions(trace=trace, requests=2))
-    second = mooncake(WorkloadOptions(trace=trace, requests=2, seed=1, time_scale=0.5))
+    second = mooncake(WorkloadOptions(trace=trace, requests=2, seed=1, time_scale=0.5, bursts=True))
     assert [r.own_tokens for r in first.requests] == [1000, 1500]
     # the third line only, its clock from its own timestamp
     assert [r.own_tokens for r in second.requests] == [600]
     assert [r.arrival for r in second.requests] == [0.0]
     assert [r.max_tokens for r in second.requests] == [5]
-    assert "lines 3-3" in second.description and "lines" not in first.description
+    assert "lines 3-3" in second.description and "lines 1-2" in first.description
     # the same hash id is the same content in every window
     assert second.requests[0].segments[0] == first.requests[0].segments[0]
     pairs = mooncake(WorkloadOptions(trace=trace, requests=1, seed=1, time_scale=0.5))
     assert [r.own_tokens for r in pairs.requests] == [1500]
     assert [r.arrival for r in pairs.requests] == [0.0]
+    # an offset moves every window: seed 0 after one line is seed 1's window above
+    moved = mooncake(WorkloadOptions(trace=trace, requests=1, trace_offset=1))
+    assert [r.own_tokens for r in moved.requests] == [1500] and "lines 2-2" in moved.description
+    assert moved.window == "lines 2-2, development"
+    long = _ticks(tmp_path, ticks=241, per_tick=10)
+    held = mooncake(WorkloadOptions(trace=long, requests=5, trace_offset=2400))
+    assert held.window == "lines 2401-2405, held out" and held.window in held.description
+    with pytest.raises(ValueError, match="offset"):
+        WorkloadOptions(trace_offset=-1)
+
+
+def _ticks(tmp_path: Path, ticks: int, per_tick: int, step: int = 3000) -> Path:
+    """A trace of ``per_tick`` requests at each of ``ticks`` timestamps ``step`` ms
+    apart, with the trace's jitter (+-1 ms) on every other tick."""
+    lines = [
+        {
+            "timestamp": t * step + (t % 2),
+            "input_length": 600,
+            "output_length": 8,
+            "hash_ids": [t, i],
+        }
+        for t in range(ticks)
+        for i in range(per_tick)
+    ]
+    path = tmp_path / "ticks.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_timestamp_step_is_detected_from_the_distinct_timestamps() -> None:
+    assert timestamp_step([0, 0, 3000, 5999, 9000, 15001]) == pytest.approx(3000.2, abs=0.5)
+    assert timestamp_step([0, 1000, 1000, 3000]) == pytest.approx(1000.0)
+    assert timestamp_step([5, 5, 5]) == 0.0 and timestamp_step([]) == 0.0
+
+
+def test_mooncake_spreads_each_step_and_replays_bursts_on_request(tmp_path: Path) -> None:
+    trace = _ticks(tmp_path, ticks=4, per_tick=10)
+    spread = mooncake(WorkloadOptions(trace=trace, time_scale=0.5))
+    bursts = mooncake(WorkloadOptions(trace=trace, time_scale=0.5, bursts=True))
+    assert [r.arrival for r in bursts.requests[:10]] == [0.0] * 10
+    assert "bursts as recorded" in bursts.description
+    arrivals = [r.arrival for r in spread.requests]
+    assert "spread over 3s steps" in spread.description
+    # in trace order, each tick's requests within its own (scaled) step, no two together
+    assert arrivals == sorted(arrivals) and len(set(arrivals)) == len(arrivals)
+    for tick in range(4):
+        own = arrivals[tick * 10 : (tick + 1) * 10]
+        start = bursts.requests[tick * 10].arrival
+        assert all(start <= a < start + 1.5 for a in own)
+        assert max(own) - min(own) > 0.5
+    # seeded: the same options spread the same way
+    assert mooncake(WorkloadOptions(trace=trace, time_scale=0.5)) == spread
 
 
 def test_mooncake_windows_out_of_the_trace_are_refused(tmp_path: Path) -> None:
@@ -118,6 +171,26 @@ def test_multi_turn_shape() -> None:
     for turns in sessions.values():
         assert turns[0].after is None and not turns[0].extends
         assert all(t.after == p.index and t.extends for p, t in itertools.pairwise(turns))
+
+
+def test_multi_turn_budget_spans_open_loop_conversations_not_a_few_closed_loops() -> None:
+    workload = build_workload("multi-turn", WorkloadOptions(requests=400, seed=2))
+    assert len(workload) == 400
+    sessions: dict[str, list[BenchRequest]] = {}
+    for request in workload.requests:
+        sessions.setdefault(request.session, []).append(request)
+    # the first 400 turns in time, not the first ~32 conversations whole
+    assert len(sessions) > 60
+    for turns in sessions.values():
+        assert [t.turn for t in turns] == list(range(len(turns)))  # each a prefix
+        assert turns[0].after is None
+        assert all(t.after == p.index and t.extends for p, t in itertools.pairwise(turns))
+    # conversation starts are open loop at the rate: ~2/s, not all at once
+    starts = sorted(turns[0].arrival for turns in sessions.values())
+    span = starts[-1] - starts[0]
+    assert 0.5 < (len(starts) - 1) / span < 8.0
+    faster = build_workload("multi-turn", WorkloadOptions(requests=400, seed=2, rate=8.0))
+    assert len({r.session for r in faster.requests}) > len(sessions)
 
 
 def test_long_doc_shape() -> None:
