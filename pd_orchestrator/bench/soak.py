@@ -423,6 +423,26 @@ def verdict_table(checks: Sequence[tuple[str, bool, str]]) -> Table:
 
 
 # -- the fleet ------------------------------------------------------------------------------------
+REFERENCE_TRIES = 3
+"""Sends of a reference request: no fault touches the reference, but a keep-alive
+connection it closed while idle can break the next send (the soak's own client, not
+the system under test)."""
+
+
+async def _post_again(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> httpx.Response:
+    """POST ``body`` to ``url``, sent again on a transport error (at most
+    :data:`REFERENCE_TRIES` sends); a status of 400 or more raises."""
+    for attempt in range(1, REFERENCE_TRIES + 1):
+        try:
+            response = await http.post(url, json=body)
+        except httpx.TransportError:
+            if attempt == REFERENCE_TRIES:
+                raise
+            continue
+        return response.raise_for_status()
+    raise AssertionError("unreachable")
+
+
 class _Fleet:
     """The simulators on fixed ports (a restart reuses its port), the reference and the
     gateway; every child is stopped when the run's stack closes."""
@@ -583,8 +603,7 @@ class _Run:
         body = _reference_body(job)
         key = json.dumps(body, sort_keys=True)
         if key not in self.references:
-            response = await http.post(self.fleet.reference.url + job.path, json=body)
-            response.raise_for_status()
+            response = await _post_again(http, self.fleet.reference.url + job.path, body)
             self.references[key] = list(response.json()["choices"][0]["token_ids"])
         return self.references[key]
 
