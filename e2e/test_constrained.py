@@ -186,11 +186,13 @@ def test_a_cold_constrained_request_goes_pd_and_a_warm_one_decode(
         assert cold["decision"] == "pd"
         assert metric(prefiller, "vllm:prompt_tokens_total") > prefilled
         # an answer whose first token ends it is the prefiller's whole answer: no decode
-        # leg, no KV moved (a choice of one token can end there)
-        if len(cold["ids"]) > 1:
+        # leg, no KV moved (a choice of one token can end there); a document cut at
+        # max_tokens cannot be validated (the tiny model's greedy required-tool call may
+        # run on in whitespace the grammar allows): another prompt is drawn for either
+        if len(cold["ids"]) > 1 and cold["finish"] != "length":
             break
     else:
-        pytest.fail("eight cold prompts in a row were answered by their first token")
+        pytest.fail("eight cold prompts in a row ended at their first token or at max_tokens")
     assert metric(decoder, "vllm:external_prefix_cache_hits_total") > hits
     _honours(constraint, cold)
     reference = _chat(target.reference, body | {"cache_hit_threshold": 0, "stream": False})
