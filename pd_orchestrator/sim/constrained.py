@@ -13,8 +13,8 @@ The document is a pure function of the seed: the engine seeds it with its genera
 state after the prompt that precedes the output, so a request continued after ``k``
 tokens (a hand-back's ``cache_hit_resume_tokens``) regenerates the same document and
 carries on at token ``k``, as vLLM's grammar advanced over the ``k`` tokens would. JSON
-is compact and ASCII (``\\uXXXX`` escapes), so every token decodes on its own and the
-text re-tokenizes to the same tokens. What the generator cannot honour is refused
+is compact and ASCII (``\\u`` escapes of four hex digits), so every token decodes on
+its own and the text re-tokenizes to the same tokens. What the generator cannot honour is refused
 with :class:`UnsupportedConstraint` naming it (the server's 400).
 """
 
