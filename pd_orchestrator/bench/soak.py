@@ -69,6 +69,8 @@ from pd_orchestrator.children import Child, RunDirectory, python_command, start_
 
 __all__ = [
     "FAULTS",
+    "MODEL",
+    "NIXL",
     "Reading",
     "SoakOptions",
     "SoakResult",
@@ -85,12 +87,13 @@ __all__ = [
 ]
 
 MODEL = "sim-model"
-_NIXL = ("--kv-connector", "nixl", "--model", MODEL)
-DECODER = ("--profile", "h200-llama3-8b", "--time-scale", "2", *_NIXL)
+NIXL = ("--kv-connector", "nixl", "--model", MODEL)
+"""The simulators' model and KV connector (the chaos harness runs the same)."""
+DECODER = ("--profile", "h200-llama3-8b", "--time-scale", "2", *NIXL)
 """A decoder at about 13 ms per token: streams are caught mid-answer by the faults."""
 PRESSURED = (*DECODER, "--num-kv-blocks", "64", "--max-num-seqs", "8")
 """A decoder that cannot hold many answers at once: it preempts, the gateway hands back."""
-PREFILLER = ("--profile", "instant", *_NIXL)
+PREFILLER = ("--profile", "instant", *NIXL)
 BOUND = 60.0
 """Seconds a request may take before it counts as hung."""
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}

@@ -28,6 +28,7 @@ import anyio
 import httpx
 
 from pd_orchestrator.bench import verdicts
+from pd_orchestrator.bench.soak import MODEL, NIXL
 from pd_orchestrator.bench.verdicts import (
     CLEAN_ERROR,
     DUPLICATED,
@@ -63,8 +64,6 @@ __all__ = [
     "until",
 ]
 
-MODEL = "sim-model"
-NIXL = ("--kv-connector", "nixl", "--model", MODEL)
 DECODER = ("--profile", "h200-llama3-8b", "--time-scale", "4", *NIXL)
 """A decoder at about 26 ms per token: long enough to be caught mid-answer."""
 PREFILLER = ("--profile", "instant", *NIXL)
