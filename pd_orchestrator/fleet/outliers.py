@@ -21,9 +21,12 @@ the endpoint (:func:`may_eject`) and ejects it: out of routing for
 ``base_ejection_time`` times the number of times it was ejected, at most
 ``max_ejection_time``. The counters start over at each ejection. After its time, the
 endpoint comes back once it answers again (an active health check passes, or a
-request -- panic routing still sends some -- succeeds). An endpoint that stayed in
-routing for ``max_ejection_time`` since it came back starts counting ejections
-afresh.
+request -- panic routing still sends some -- succeeds). The count of ejections
+decays as in newer Envoy: each ``base_ejection_time`` an endpoint stays in routing
+after it came back takes one off, so an endpoint that fails now and then (a restart a
+minute) is ejected for the base time each time, while one that fails again as soon as
+it is back is ejected for longer and longer; one that stayed in routing for
+``max_ejection_time`` starts afresh.
 """
 
 from __future__ import annotations
@@ -46,6 +49,16 @@ def failure_kind(exc: UpstreamError) -> str | None:
     if not exc.endpoint_at_fault:
         return None
     return CONSECUTIVE_5XX if isinstance(exc, UpstreamStatusError) else CONSECUTIVE_FAILURES
+
+
+def _decayed(ejections: int, in_routing: float, config: OutlierConfig) -> int:
+    """The count of ejections after ``in_routing`` seconds back in routing: one less per
+    ``base_ejection_time``, none left after ``max_ejection_time``."""
+    if in_routing >= config.max_ejection_time:
+        return 0
+    if config.base_ejection_time <= 0.0:
+        return ejections
+    return max(0, ejections - int(in_routing // config.base_ejection_time))
 
 
 def may_eject(config: OutlierConfig, members: int, ejected: int, in_routing: int) -> bool:
@@ -98,8 +111,7 @@ class Outlier:
 
     def eject(self, reason: str, now: float, config: OutlierConfig) -> float:
         """Take the endpoint out of routing; returns the seconds it stays out."""
-        if now - self.returned_at >= config.max_ejection_time:
-            self.ejections = 0  # it stayed in long enough: start over
+        self.ejections = _decayed(self.ejections, now - self.returned_at, config)
         self.ejections += 1
         seconds = min(config.base_ejection_time * self.ejections, config.max_ejection_time)
         self.ejected_until = now + seconds

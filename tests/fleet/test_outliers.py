@@ -137,6 +137,37 @@ def test_the_count_of_ejections_starts_over_after_a_long_stay() -> None:
     assert outlier is not None and outlier.ejections == 1
 
 
+def test_each_interval_back_in_routing_takes_one_ejection_off() -> None:
+    # A decoder restarted once a minute: 2 s base, back in routing 50 s of each minute.
+    fleet, clock, _ = _fleet(base_ejection_time=2.0, max_ejection_time=300.0)
+    seconds = []
+    for _ in range(5):
+        _fail(fleet, "d0", 5)
+        outlier = fleet.outlier_of("d0")
+        assert outlier is not None and outlier.ejected_until is not None
+        seconds.append(outlier.ejected_until - clock.now)
+        clock.now = outlier.ejected_until
+        fleet.record_check("d0", True)
+        clock.now += 50.0
+    assert seconds == [2.0] * 5  # not 2, 4, 6, 8, 10: each minute's stay took them off
+
+
+def test_an_endpoint_failing_again_soon_after_its_return_stays_out_longer() -> None:
+    fleet, clock, _ = _fleet(base_ejection_time=10.0, max_ejection_time=300.0)
+    _fail(fleet, "d0", 5)  # out 10 s
+    clock.now += 10.0
+    fleet.record_check("d0", True)
+    clock.now += 25.0  # two intervals in routing: 1 - 2 leaves none
+    _fail(fleet, "d0", 5)
+    outlier = fleet.outlier_of("d0")
+    assert outlier is not None and outlier.ejections == 1
+    clock.now += 10.0
+    fleet.record_check("d0", True)
+    clock.now += 5.0  # less than one interval
+    _fail(fleet, "d0", 5)
+    assert outlier.ejections == 2 and outlier.ejected_until == clock.now + 20.0
+
+
 def test_never_more_than_the_share_of_a_role_and_never_the_last_one() -> None:
     fleet, _, ejected = _fleet(count=4, max_ejection_percent=50.0)
     for name in ("d0", "d1", "d2"):
