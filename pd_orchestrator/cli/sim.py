@@ -30,7 +30,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     add("--host", default="127.0.0.1")
     add("--port", type=int, default=8100, help="0 picks a free port (announced on stdout)")
     add("--model", default=None, help="served model name (default: the profile's model)")
-    add("--profile", default="h200-llama3-8b", choices=sorted(PROFILES))
+    add(
+        "--profile",
+        default="h200-llama3-8b",
+        help=f"a built-in latency profile ({', '.join(sorted(PROFILES))}) or a profile file "
+        "`pd-orchestrator profile` wrote (default h200-llama3-8b)",
+    )
     add("--time-scale", type=float, default=1.0, help="1 is real time, 0 removes delays")
     add("--block-size", type=int, default=16)
     add("--num-kv-blocks", type=int, default=None, help="default: profile capacity")

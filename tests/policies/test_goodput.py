@@ -15,6 +15,7 @@ from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.flows.transcript import Transcript
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.load import Candidate, LoadSnapshot
+from pd_orchestrator.model.measured import knowledge_for
 from pd_orchestrator.model.route import Decline, GoPD, Local, Route, Whole, threshold_of
 from pd_orchestrator.openai.protocol import CompletionRequest, parse_request
 from pd_orchestrator.policies import LatencyObservation, ThresholdContext
@@ -33,6 +34,9 @@ RATE = 10_000.0  # tokens/s, local and remote
 PARAMS = GoodputParams(
     ttft=1.0, tpot=0.03, slack=0.8, transfer_tokens_per_s=100_000.0, hop=0.0, tpot_goal=0.5
 )
+
+H200 = knowledge_for("h200-llama3-8b")
+"""The simulator's H200 profile, known as a simulated endpoint's."""
 
 
 def _policy(**params: float) -> GoodputPolicy:
@@ -419,13 +423,21 @@ def test_a_remote_sample_faster_than_the_pool_could_prefill_is_a_cached_prompt()
     assert model.rate_remote == pytest.approx(22_500.0)
 
 
-def test_seeds_come_from_the_hardware_profile_else_the_parameter() -> None:
+def test_seeds_come_from_the_known_profile_else_the_parameter() -> None:
     h200 = Endpoint(
-        "d", "http://d:1", Role.DECODE, "h200", model="meta-llama/Llama-3.1-8B-Instruct"
+        "d",
+        "http://d:1",
+        Role.DECODE,
+        "h200",
+        model="meta-llama/Llama-3.1-8B-Instruct",
+        knowledge=H200,
     )
     assert seed_rate(h200, 1.0) == pytest.approx(1 / 29.5e-6)
     other = Endpoint("d", "http://d:1", Role.DECODE, "h200", model="some/other-model")
     assert seed_rate(other, 1234.0) == 1234.0
+    # a bare hardware label, even one the simulator's table has, picks no constants
+    bare = Endpoint("d", "http://d:1", Role.DECODE, "h200", model=h200.model)
+    assert profile_of(bare) is None and seed_rate(bare, 1234.0) == 1234.0
     policy = build({"type": "goodput", "params": {"ttft": 2.0}})
     assert isinstance(policy, GoodputPolicy) and policy.model.params.ttft == 2.0
     _decided(policy, context(dec=Candidate(h200, True, 0, None)))
@@ -478,7 +490,12 @@ def test_a_long_prefill_at_the_engine_s_speed_leaves_the_learnt_rates_where_they
     # a linear model learns 25,000 tokens in 1.04 s as 24,100 tokens/s, and pulls the
     # rates down for every long prompt (long-doc: 10-15% below short prompts')
     h200 = Endpoint(
-        "d", "http://d:1", Role.DECODE, "h200", model="meta-llama/Llama-3.1-8B-Instruct"
+        "d",
+        "http://d:1",
+        Role.DECODE,
+        "h200",
+        model="meta-llama/Llama-3.1-8B-Instruct",
+        knowledge=H200,
     )
     policy = GoodputPolicy(PARAMS)
     _decided(policy, context(dec=Candidate(h200, True, 0, None)))
@@ -507,7 +524,12 @@ def test_a_long_prefill_at_the_engine_s_speed_leaves_the_learnt_rates_where_they
 
 def test_before_any_itl_the_bare_step_is_the_hardware_profile_s() -> None:
     h200 = Endpoint(
-        "d", "http://d:1", Role.DECODE, "h200", model="meta-llama/Llama-3.1-8B-Instruct"
+        "d",
+        "http://d:1",
+        Role.DECODE,
+        "h200",
+        model="meta-llama/Llama-3.1-8B-Instruct",
+        knowledge=H200,
     )
     policy = GoodputPolicy(PARAMS)
     policy.model.out_mean = 100
@@ -527,7 +549,12 @@ def test_before_any_itl_the_bare_step_is_the_hardware_profile_s() -> None:
 
 def test_a_crowded_decoder_steps_as_its_profile_says_whatever_the_pool_s_itl() -> None:
     h200 = Endpoint(
-        "d", "http://d:1", Role.DECODE, "h200", model="meta-llama/Llama-3.1-8B-Instruct"
+        "d",
+        "http://d:1",
+        Role.DECODE,
+        "h200",
+        model="meta-llama/Llama-3.1-8B-Instruct",
+        knowledge=H200,
     )
     policy = GoodputPolicy(PARAMS)
     policy.model.out_mean, policy.model.prompt_mean = 100, 4_000
@@ -561,7 +588,14 @@ LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 def _h200(name: str, role: Role = Role.DECODE, *, spill: bool = False, streams: int = 0,
           backlog: int = 0) -> Candidate:  # fmt: skip
     endpoint = Endpoint(
-        name, f"http://{name}:1", role, "h200", model=LLAMA, pool=role.value, spill=spill
+        name,
+        f"http://{name}:1",
+        role,
+        "h200",
+        model=LLAMA,
+        pool=role.value,
+        spill=spill,
+        knowledge=H200,
     )
     return Candidate(endpoint, True, streams, None, backlog)
 
