@@ -58,6 +58,7 @@ __all__ = [
     "fit_prefill",
     "knowledge_for",
     "load_measured",
+    "nonnegative_least_squares",
     "resolve_profile",
 ]
 
@@ -161,7 +162,7 @@ def _solve(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float] 
     return x
 
 
-def _nonnegative(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
+def nonnegative_least_squares(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
     """Least squares with every coefficient >= 0: the most negative term is dropped
     (set to 0) and the rest fitted again, until none is negative."""
     active = list(range(len(rows[0])))
@@ -196,7 +197,7 @@ def fit_prefill(points: Iterable[PrefillPoint]) -> tuple[float, float, float]:
     if not medians:
         return 0.0, 0.0, 0.0
     rows = [[1.0, float(n), n * (c + n / 2)] for n, c in medians]
-    a_pf, lin, attn = _nonnegative(rows, list(medians.values()))
+    a_pf, lin, attn = nonnegative_least_squares(rows, list(medians.values()))
     return a_pf, lin, attn
 
 
@@ -209,7 +210,7 @@ def fit_decode(
     if not medians:
         return 0.0, 0.0, 0.0
     rows = [[1.0, float(s)] for _, s in medians]
-    k0, ctx_read = _nonnegative(rows, list(medians.values()))
+    k0, ctx_read = nonnegative_least_squares(rows, list(medians.values()))
     splits = [
         m.seconds - (m.batch + m.chunk) * lin - ctx_read * m.context - attn * m.chunk**2 / 2
         for m in mixed
@@ -226,7 +227,7 @@ def fit_handover(points: Iterable[TransferPoint]) -> tuple[float, float]:
     if len(medians) == 1:
         return max(next(iter(medians.values())), 0.0), 0.0
     rows = [[1.0, float(tokens)] for tokens in medians]
-    fixed, per_token = _nonnegative(rows, list(medians.values()))
+    fixed, per_token = nonnegative_least_squares(rows, list(medians.values()))
     return fixed, per_token
 
 

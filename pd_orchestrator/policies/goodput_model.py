@@ -77,6 +77,7 @@ from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.model.hardware import LatencyProfile
 from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.policies.base import LatencyObservation, ThresholdContext
+from pd_orchestrator.policies.handover_costs import HandoverCosts
 from pd_orchestrator.routing.registry import NoParams
 
 __all__ = [
@@ -171,8 +172,8 @@ class PoolModel:
     of its steps (tokens a step carries at no cost), its hardware profile, the
     rate both estimates were seeded with (0: none), the attention term of its
     prefills (seconds a prefilled token spends on each token before it; 0: linear)
-    and the hand-over's cost: ``handover_fixed`` seconds and ``handover_per_token``
-    seconds a prompt token (:meth:`handover_seconds`)."""
+    and the hand-over's cost (:class:`HandoverCosts`, fixed and per token, learnt
+    apart)."""
 
     rate_local: float
     rate_remote: float
@@ -181,12 +182,9 @@ class PoolModel:
     profile: LatencyProfile | None = None
     seed: float = 0.0
     attn: float = 0.0
-    handover_fixed: float = 0.0
-    handover_per_token: float = 1.0 / _SEED_TRANSFER
-
-    def handover_seconds(self, tokens: float) -> float:
-        """Seconds the KV of a ``tokens``-token prompt takes from prefiller to decoder."""
-        return self.handover_fixed + tokens * self.handover_per_token
+    handover: HandoverCosts = field(
+        default_factory=lambda: HandoverCosts(0.0, 1.0 / _SEED_TRANSFER)
+    )
 
     def attention_seconds(self, new: float, held: float) -> float:
         """The attention term of a prefill of ``new`` tokens after ``held`` cached ones:
@@ -261,8 +259,9 @@ class GoodputModel:
                 attn = profile.attn if profile is not None else 0.0
             model = PoolModel(rate, rate, profile=profile, seed=rate, attn=attn)
             if profile is not None:
-                model.handover_fixed = profile.a_kv
-                model.handover_per_token = profile.transfer_seconds(1) - profile.a_kv
+                model.handover = HandoverCosts(
+                    profile.a_kv, profile.transfer_seconds(1) - profile.a_kv
+                )
             self.pools[endpoint.pool] = model
         return model
 
@@ -271,7 +270,7 @@ class GoodputModel:
         decoder: at ``transfer_tokens_per_s`` when set (no fixed cost), else the pool's
         (its profile's, else the seed's)."""
         rate = self.params.transfer_tokens_per_s
-        return tokens / rate if rate is not None else model.handover_seconds(tokens)
+        return tokens / rate if rate is not None else model.handover.seconds(tokens)
 
     def inherit(self, previous: GoodputModel) -> None:
         """Take ``previous``'s learnt state (a reload: the parameters stay these)."""
@@ -435,7 +434,11 @@ class GoodputModel:
             return
         p = self.params
         if observation.remote:
-            spent = ttft - self.handover(model, tokens) - 4 * p.hop
+            self._learn_handover(observation, model)
+            after = observation.after_prefill
+            if after is None:
+                after = self.handover(model, tokens) + 2 * p.hop
+            spent = ttft - after - 2 * p.hop
             spent -= model.attention_seconds(tokens, 0.0)
             if tokens >= _MIN_SAMPLE and spent > 0 and tokens / spent <= _plausible(model):
                 model.rate_remote = _learn_rate(model.rate_remote, tokens / spent, p.alpha)
@@ -446,6 +449,14 @@ class GoodputModel:
         spent = ttft - 2 * p.hop - model.attention_seconds(uncached, observation.cached_tokens)
         if uncached >= _MIN_SAMPLE and spent > 0:
             model.rate_local = _learn_rate(model.rate_local, uncached / spent, p.alpha)
+
+    def _learn_handover(self, observation: LatencyObservation, model: PoolModel) -> None:
+        """Learn the hand-over's costs from a P/D request whose prefill answer time is
+        known: the TTFT after it less the decode leg's two hops (module docstring)."""
+        after, tokens = observation.after_prefill, observation.prompt_tokens
+        if after is None or not tokens or self.params.transfer_tokens_per_s is not None:
+            return
+        model.handover.learn(tokens, after - 2 * self.params.hop, self.params.alpha)
 
 
 def _plausible(model: PoolModel) -> float:

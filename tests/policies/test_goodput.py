@@ -21,6 +21,7 @@ from pd_orchestrator.openai.protocol import CompletionRequest, parse_request
 from pd_orchestrator.policies import LatencyObservation, ThresholdContext
 from pd_orchestrator.policies.base import ContextReads
 from pd_orchestrator.policies.goodput import GoodputPolicy
+from pd_orchestrator.policies.handover_costs import HandoverCosts
 from pd_orchestrator.policies.goodput_model import (
     DutyCycle,
     GoodputParams,
@@ -836,3 +837,48 @@ def test_a_decoder_that_never_reports_cached_counts_is_named_with_the_flag(
     after = CacheReports(silent_after=3)
     after.inherit(reports)  # a reload keeps it
     assert after.state("decode-0") == "silent"
+
+
+def test_the_hand_over_s_fixed_and_per_token_costs_are_learnt_apart() -> None:
+    """A hand-over of 150 ms plus 2 us a token (orchestration dominates, as NIXL
+    traces show), learnt from a seed with no fixed cost and 3.3 us a token."""
+    costs = HandoverCosts(0.0, 1 / 300_000)
+    lengths = (512, 1_024, 2_048, 4_096, 8_192, 16_384)
+    for _ in range(200):
+        for tokens in lengths:
+            costs.learn(tokens, 0.150 + 2e-6 * tokens, alpha=0.1)
+    assert costs.fixed == pytest.approx(0.150, rel=0.1)
+    assert costs.per_token == pytest.approx(2e-6, rel=0.1)
+
+
+def test_one_far_hand_over_sample_moves_the_costs_by_a_bounded_step() -> None:
+    costs = HandoverCosts(0.010, 3e-6)
+    for tokens in (1_024, 8_192):
+        costs.learn(tokens, costs.seconds(tokens), alpha=0.1)
+    before = costs.seconds(8_192)
+    costs.learn(8_192, 100.0, alpha=0.1)  # a hand-over stalled behind something else
+    assert before < costs.seconds(8_192) <= before * (1 + 0.1 * 0.5) + 1e-12
+    costs.learn(8_192, float("nan"), alpha=0.1)  # ignored
+    costs.learn(0, 1.0, alpha=0.1)
+    assert costs.seconds(8_192) <= before * 1.05 + 1e-12
+
+
+def test_p_d_samples_teach_the_hand_over_apart_from_the_remote_rate() -> None:
+    """With the prefill answer's time known, the TTFT splits: before it, the remote
+    prefill (its rate); after it, the hand-over (its costs)."""
+    policy = GoodputPolicy(PARAMS.model_copy(update={"transfer_tokens_per_s": None}))
+    policy.model.params = policy.model.params.model_copy(update={"alpha": 0.2})
+    model = policy.model.pool(decoder("d0").endpoint)
+    rate = model.rate_remote
+    for _ in range(60):
+        for tokens in (2_000, 8_000):
+            after = 0.100 + 1e-6 * tokens  # the decode leg: 100 ms + 1 us a token
+            policy.observe(
+                LatencyObservation(
+                    "m", "decode", 0.0, ttft=tokens / rate + after, prompt_tokens=tokens,
+                    cached_tokens=0, remote=True, after_prefill=after,
+                )
+            )  # fmt: skip
+    assert model.handover.fixed == pytest.approx(0.100, rel=0.1)
+    assert model.handover.per_token == pytest.approx(1e-6, rel=0.15)
+    assert model.rate_remote == pytest.approx(rate, rel=0.01)  # the hand-over is not prefill
