@@ -21,7 +21,6 @@ from pd_orchestrator.openai.protocol import CompletionRequest, parse_request
 from pd_orchestrator.policies import LatencyObservation, ThresholdContext
 from pd_orchestrator.policies.base import ContextReads
 from pd_orchestrator.policies.goodput import GoodputPolicy
-from pd_orchestrator.policies.handover_costs import HandoverCosts
 from pd_orchestrator.policies.goodput_model import (
     DutyCycle,
     GoodputParams,
@@ -29,6 +28,7 @@ from pd_orchestrator.policies.goodput_model import (
     profile_of,
     seed_rate,
 )
+from pd_orchestrator.policies.handover_costs import HandoverCosts
 from tests.policies.helpers import build, context, decoder, load, prefiller
 
 RATE = 10_000.0  # tokens/s, local and remote
