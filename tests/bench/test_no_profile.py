@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 
-from pd_orchestrator.bench.fleet import preset_fleet
 from pd_orchestrator.bench.strategies import resolve_strategies
 from pd_orchestrator.bench.virtual import VirtualFleet
 from pd_orchestrator.bench.workloads import BenchRequest, Segment, Workload

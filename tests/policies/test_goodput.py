@@ -40,6 +40,14 @@ H200 = knowledge_for("h200-llama3-8b")
 """The simulator's H200 profile, known as a simulated endpoint's."""
 
 
+def _known_h200() -> Endpoint:
+    """A decoder known to run the simulator's H200 profile."""
+    return Endpoint(
+        "d", "http://d:1", Role.DECODE, "h200", model="meta-llama/Llama-3.1-8B-Instruct",
+        knowledge=H200,
+    )  # fmt: skip
+
+
 def _policy(**params: float) -> GoodputPolicy:
     policy = GoodputPolicy(PARAMS.model_copy(update=params))
     policy.model.pools["decode"] = PoolModel(RATE, RATE, itl=0.01, free_tokens=0.0)
@@ -425,14 +433,7 @@ def test_a_remote_sample_faster_than_the_pool_could_prefill_is_a_cached_prompt()
 
 
 def test_seeds_come_from_the_known_profile_else_the_parameter() -> None:
-    h200 = Endpoint(
-        "d",
-        "http://d:1",
-        Role.DECODE,
-        "h200",
-        model="meta-llama/Llama-3.1-8B-Instruct",
-        knowledge=H200,
-    )
+    h200 = _known_h200()
     assert seed_rate(h200, 1.0) == pytest.approx(1 / 29.5e-6)
     other = Endpoint("d", "http://d:1", Role.DECODE, "h200", model="some/other-model")
     assert seed_rate(other, 1234.0) == 1234.0
@@ -490,14 +491,7 @@ def test_attention_takes_a_long_local_prefill_past_the_target_and_it_goes_p_d() 
 def test_a_long_prefill_at_the_engine_s_speed_leaves_the_learnt_rates_where_they_are() -> None:
     # a linear model learns 25,000 tokens in 1.04 s as 24,100 tokens/s, and pulls the
     # rates down for every long prompt (long-doc: 10-15% below short prompts')
-    h200 = Endpoint(
-        "d",
-        "http://d:1",
-        Role.DECODE,
-        "h200",
-        model="meta-llama/Llama-3.1-8B-Instruct",
-        knowledge=H200,
-    )
+    h200 = _known_h200()
     policy = GoodputPolicy(PARAMS)
     _decided(policy, context(dec=Candidate(h200, True, 0, None)))
     model = policy.model.pools[h200.pool]
@@ -524,14 +518,7 @@ def test_a_long_prefill_at_the_engine_s_speed_leaves_the_learnt_rates_where_they
 
 
 def test_before_any_itl_the_bare_step_is_the_hardware_profile_s() -> None:
-    h200 = Endpoint(
-        "d",
-        "http://d:1",
-        Role.DECODE,
-        "h200",
-        model="meta-llama/Llama-3.1-8B-Instruct",
-        knowledge=H200,
-    )
+    h200 = _known_h200()
     policy = GoodputPolicy(PARAMS)
     policy.model.out_mean = 100
     busy = context(tokens=4_000, dec=Candidate(h200, True, 50, None))
@@ -549,14 +536,7 @@ def test_before_any_itl_the_bare_step_is_the_hardware_profile_s() -> None:
 
 
 def test_a_crowded_decoder_steps_as_its_profile_says_whatever_the_pool_s_itl() -> None:
-    h200 = Endpoint(
-        "d",
-        "http://d:1",
-        Role.DECODE,
-        "h200",
-        model="meta-llama/Llama-3.1-8B-Instruct",
-        knowledge=H200,
-    )
+    h200 = _known_h200()
     policy = GoodputPolicy(PARAMS)
     policy.model.out_mean, policy.model.prompt_mean = 100, 4_000
     model = policy.model.pool(h200)
