@@ -35,7 +35,7 @@ import statistics
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -80,9 +80,22 @@ class ProfileOptions:
     repeats: int = 3
     max_requests: int = 400
     max_seconds: float = 600.0
-    token_ids: tuple[int, int] = (100, 5000)
+    token_ids: tuple[int, int] = (100, 4000)
     block_size: int = 16
     seed: int = 0
+
+    def within(self, max_model_len: int | None) -> ProfileOptions:
+        """These options with every prompt short enough for a server of
+        ``max_model_len`` tokens (its output included; None: as they are)."""
+        if max_model_len is None:
+            return self
+        longest = max(max_model_len - max(64, 4 * self.output_tokens) - 1, 1)
+        return replace(
+            self,
+            lengths=tuple(n for n in self.lengths if n <= longest) or (longest,),
+            contexts=tuple(n for n in self.contexts if n <= longest) or (longest,),
+            mixed_chunk=min(self.mixed_chunk, longest),
+        )
 
     def planned(self) -> int:
         """Requests the full plan sends (the progress bar's total, before the bounds)."""
@@ -171,7 +184,9 @@ class Profiler:
     async def run(self) -> tuple[Points, Json]:
         """Every phase within the bounds: the points and what was measured (``source``)."""
         try:
-            self.model = self.options.model or await self._served_model()
+            model, max_len = await self._served_model()
+            self.model = self.options.model or model
+            self.options = self.options.within(max_len)
             capacity = await self._capacity()
             prefill = await self._cold() + await self._cached()
             decode = await self._decode()
@@ -188,19 +203,23 @@ class Profiler:
             "requests": self.budget.sent,
             "capacity_tokens": capacity,
             "reports_cached_tokens": self.reports_cached,
+            "lengths": list(o.lengths),
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         points = Points(tuple(prefill), tuple(decode), tuple(mixed), tuple(handover))
         return points, source
 
     # -- plumbing ---------------------------------------------------------------------------
-    async def _served_model(self) -> str:
+    async def _served_model(self) -> tuple[str, int | None]:
+        """The first model ``/v1/models`` names and its ``max_model_len`` (None: not
+        said)."""
         reply = await self.upstream.get(self.decoder, "/v1/models", limit=30.0)
         data = json.loads(reply.content) if reply.status_code == 200 else {}
         models = data.get("data") if isinstance(data, dict) else None
         if not models:
             raise RuntimeError(f"{self.options.url}/v1/models names no model (give --model)")
-        return str(models[0]["id"])
+        length = models[0].get("max_model_len")
+        return str(models[0]["id"]), length if isinstance(length, int) else None
 
     async def _capacity(self) -> int | None:
         reply = await self.upstream.get(self.decoder, "/metrics", limit=30.0)

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pd_orchestrator.bench.profiling import ProfileOptions, cache_capacity
 from pd_orchestrator.cli.main import main
 from pd_orchestrator.config.loader import parse_config
 from pd_orchestrator.fleet.endpoints import endpoints_from_config
@@ -164,3 +165,13 @@ def test_profile_measures_a_simulated_pair_and_the_simulator_runs_from_what_it_w
     replay = sim_factory("--profile", str(out), name="replay")
     models = httpx.get(f"{replay.url}/v1/models", timeout=30).json()
     assert [m["id"] for m in models["data"]] == ["sim-model"]
+
+
+def test_a_short_server_gets_prompts_it_can_take_and_the_capacity_is_read_from_metrics() -> None:
+    options = ProfileOptions(url="http://x", output_tokens=24).within(2048)  # the CPU pair's
+    assert max(options.lengths + options.contexts) <= 2048 - 96 and options.lengths
+    assert options.mixed_chunk <= 2048 - 96
+    assert ProfileOptions(url="http://x").within(None) == ProfileOptions(url="http://x")
+    line = 'vllm:cache_config_info{block_size="16",num_gpu_blocks="1000",x="y"} 1.0'
+    assert cache_capacity(f"# HELP ...\n{line}\n") == 16_000
+    assert cache_capacity("vllm:num_requests_running 0\n") is None
