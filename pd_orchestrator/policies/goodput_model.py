@@ -272,6 +272,19 @@ class GoodputModel:
         rate = self.params.transfer_tokens_per_s
         return tokens / rate if rate is not None else model.handover.seconds(tokens)
 
+    def learnt(self) -> dict[str, dict[str, float | None]]:
+        """Per pool, what the model holds now (rates in tokens/s, seconds otherwise)."""
+        return {
+            name: {
+                "rate_local": round(pool.rate_local, 1),
+                "rate_remote": round(pool.rate_remote, 1),
+                "itl": pool.itl,
+                "handover_fixed": pool.handover.fixed,
+                "handover_per_token": pool.handover.per_token,
+            }
+            for name, pool in sorted(self.pools.items())
+        }
+
     def inherit(self, previous: GoodputModel) -> None:
         """Take ``previous``'s learnt state (a reload: the parameters stay these)."""
         self.pools, self.duty, self.hits = previous.pools, previous.duty, previous.hits

@@ -102,6 +102,7 @@ def test_the_file_round_trips_and_names_what_it_is(tmp_path: Path) -> None:
 
 def _pool_config(profile: str | None, hardware: str = "h200") -> dict[str, object]:
     pool: dict[str, object] = {"name": "d", "role": "both", "hardware": hardware}
+    pool["model"] = H200.model  # the simulator's table has this hardware and model
     if profile is not None:
         pool["profile"] = profile
     pool["endpoints"] = [{"name": "d0", "url": "http://127.0.0.1:1"}]
