@@ -64,7 +64,9 @@ _PATH = "/v1/completions"
 class ProfileOptions:
     """What to measure and the bounds (module docstring). ``token_ids``: the range
     prompt ids are drawn from (within any model's vocabulary); ``block_size``: the
-    decoder's KV block (a cached count rounds down to it when not reported)."""
+    decoder's KV block (a cached count rounds down to it when not reported);
+    ``seed``: of the prompts (None: a fresh one, so that a second run's cold prompts
+    are not the first run's, cached on the server)."""
 
     url: str
     prefiller_url: str | None = None
@@ -82,7 +84,7 @@ class ProfileOptions:
     max_seconds: float = 600.0
     token_ids: tuple[int, int] = (100, 4000)
     block_size: int = 16
-    seed: int = 0
+    seed: int | None = None
 
     def within(self, max_model_len: int | None) -> ProfileOptions:
         """These options with every prompt short enough for a server of
@@ -239,6 +241,7 @@ class Profiler:
             "temperature": 0.0,
             "stream": True,
             "stream_options": {"include_usage": True},
+            "return_token_ids": True,
         }
 
     async def _times(
@@ -256,7 +259,7 @@ class Profiler:
             async for chunks in stream:
                 now = time.monotonic()
                 for chunk in chunks:
-                    if any(c.get("text") for c in chunk.get("choices") or ()):
+                    if _has_token(chunk):
                         times.append(now)
                     usage = chunk.get("usage")
                     if usage:
@@ -372,7 +375,7 @@ class Profiler:
             try:
                 async for chunks in stream:
                     now = time.monotonic()
-                    times.extend(now for c in chunks if any(x.get("text") for x in c["choices"]))
+                    times.extend(now for chunk in chunks if _has_token(chunk))
                     if len(streams) == batch and all(len(t) >= 3 for t in streams):
                         decoding.set()
             finally:
@@ -472,6 +475,12 @@ class Profiler:
             answered.append(time.monotonic())
         times = decoded[0][1] if decoded else []
         return (times[0] if times else time.monotonic()) - answered[0]
+
+
+def _has_token(chunk: Json) -> bool:
+    """Whether a streamed chunk carries a generated token: text, or token ids (a token
+    may decode to no text of its own, as part of a multi-byte character)."""
+    return any(c.get("text") or c.get("token_ids") for c in chunk.get("choices") or ())
 
 
 def _peer(url: str) -> PeerInfo:

@@ -73,7 +73,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="KV bytes a token (the unit of the fitted link speed; default 128 KiB)")  # fmt: skip
     add("--capacity-tokens", type=int, default=None,
         help="KV capacity (default: vllm:cache_config_info of /metrics, else 845000)")  # fmt: skip
-    add("--seed", type=int, default=0, help="seed of the prompts' token ids")
+    add("--seed", type=int, default=None,
+        help="seed of the prompts' token ids (default: a fresh one each run; a seed run "
+        "twice against one server finds its 'cold' prompts cached)")  # fmt: skip
     add("--no-progress", action="store_true", help="no progress bar")
     add_logging_arguments(parser)
     parser.set_defaults(handler=run)
