@@ -34,8 +34,11 @@ wait - h``), remote ``+3h``, whole ``+h`` (``whole_p + h <= T``). So a local pat
 ``u`` within ``remote - h`` (local and remote compared alike) and ``T*s - wait - h``. One
 test breaks the rule: a drain compares ``remote`` with ``wait + local``, one ``h`` short
 (2 ms by default; kept as it is). Learning subtracts the real hops: a local sample
-``ttft - 2h``, a P/D one ``ttft - H(L) - 4h`` (after a rejected attempt it also carries
-``2h`` and the decoder's wait: a slow sample, which the rate rule below mostly ignores).
+``ttft - 2h``, a P/D one ``ttft - A - 2h``, ``A`` the time from the prefill's answer
+to the first content when the gateway timed it (else ``H(L) + 2h``; after a rejected
+attempt the sample also carries ``2h`` and the decoder's wait: a slow sample, which the
+rate rule below mostly ignores); the hand-over learns ``H`` from ``A - 2h``, fixed and
+per-token parts apart (:mod:`~pd_orchestrator.policies.handover_costs`).
 
 The decision (:mod:`~pd_orchestrator.policies.goodput`) reads these: spill to
 ``argmin whole_p`` when ``d`` is crowded or queued; drain (P/D now, on the peer with the
@@ -105,8 +108,8 @@ class GoodputParams(NoParams):
     and no fixed cost);
     ``hop`` (one leg's one-way latency), ``out_mean`` (the seed of the mean output,
     tokens), ``alpha`` (learning rate); ``prefill_attention``: seconds a prefilled
-    token spends on each token before it (None: the hardware profile's when one
-    matches, else 0, a linear model). See the module docstring."""
+    token spends on each token before it (None: the known profile's when there is
+    one, else 0, a linear model). See the module docstring."""
 
     ttft: _Positive = 1.0
     tpot: _Positive = 0.03
