@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from pd_orchestrator.config.settings import GatewayConfig
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.hardware import LatencyProfile, get_profile
+from pd_orchestrator.model.measured import knowledge_for, resolve_profile
 
 __all__ = ["FLEETS", "FleetSpec", "InstanceSpec", "preset_fleet"]
 
@@ -38,18 +39,21 @@ _COUNTS = {"h200": (12, 4), "mixed": (12, 4), "h200-8x8": (8, 8), "tiny": (1, 1)
 
 @dataclass(frozen=True, slots=True)
 class InstanceSpec:
-    """One simulated instance: name, latency profile, role and compatibility group;
-    ``spill``: a prefiller that also serves whole requests (its pool's ``spill``)."""
+    """One simulated instance: name, latency profile (a built-in name or a profile
+    file), role and compatibility group; ``spill``: a prefiller that also serves whole
+    requests (its pool's ``spill``); ``known``: the router is told its profile (False:
+    a policy starts from seeds and learns, as on an unmeasured deployment)."""
 
     name: str
     profile: str
     role: Role
     group: str
     spill: bool = False
+    known: bool = True
 
     @property
     def latency(self) -> LatencyProfile:
-        return get_profile(self.profile)
+        return resolve_profile(self.profile)
 
     def endpoint(self, url: str | None = None) -> Endpoint:
         """The instance as the router sees it (``url`` defaults to a virtual one)."""
@@ -63,6 +67,7 @@ class InstanceSpec:
             pool=f"{latency.hardware}-{self.role.value}",
             group=self.group,
             spill=self.spill,
+            knowledge=knowledge_for(self.profile) if self.known else None,
         )
 
 
@@ -113,6 +118,11 @@ class FleetSpec:
         return min(
             profiles.values(), key=lambda latency: latency.prefill_seconds(reference_tokens, 0)
         )
+
+    def unprofiled(self) -> FleetSpec:
+        """The same instances, their profiles kept from the router (``--no-profile``)."""
+        instances = tuple(replace(i, known=False) for i in self.instances)
+        return replace(self, instances=instances)
 
     def aggregated(self) -> FleetSpec:
         """The same instances, every one a decoder (decode-only serving)."""

@@ -344,6 +344,7 @@ def _gateway_config(
                 "group": endpoint.group,
                 "model": fleet.model,
                 "spill": endpoint.spill,
+                "profile": instance.profile if instance.known else None,
                 "endpoints": [],
             },
         )

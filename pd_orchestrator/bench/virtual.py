@@ -84,7 +84,14 @@ from pd_orchestrator.flows.request import TOKEN_ID_CHARS
 from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.model.load import Candidate, LoadSnapshot
 from pd_orchestrator.model.route import Ask, Decline, GoPD, Local, Whole, threshold_of
-from pd_orchestrator.planner.plan import NoCandidateError, Plan, Planner, RequestFacts, Served
+from pd_orchestrator.planner.plan import (
+    NoCandidateError,
+    Plan,
+    Planner,
+    RequestFacts,
+    Served,
+    after_prefill,
+)
 from pd_orchestrator.prefix.pending import PendingBlocks
 from pd_orchestrator.routing import RoutingProfiles
 from pd_orchestrator.routing.types import RoutingRequest
@@ -508,6 +515,7 @@ class _Flow:
         self.hop = fleet.options.hop
         self.generated: list[int] = []
         self.first_at: float | None = None
+        self.prefilled_at: float | None = None
         self.last_at = 0.0
         self.legs = 0
         self.decoder: _Instance | None = None
@@ -601,6 +609,8 @@ class _Flow:
         self.record.prefiller = prefiller.name
 
         def on_prefill(when: float, output: RequestOutput) -> None:
+            if self.prefilled_at is None:
+                self.prefilled_at = when + self.hop  # the answer at the gateway
             if output.transfer is None:
                 self.on_tokens(when, output)  # finished without KV: its answer is the answer
             else:
@@ -671,6 +681,7 @@ class _Flow:
                 cached_tokens=record.cached_tokens,
                 output_tokens=record.output_tokens,
                 remote=record.decision == "pd",
+                after_prefill=after_prefill(record.arrival, record.ttft, self.prefilled_at),
             )
             self.fleet.planner.learn(plan, facts, served)
         self.fleet.complete(self, now)

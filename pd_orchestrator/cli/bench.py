@@ -163,6 +163,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     add("--slo-tpot", type=float, default=0.05, help="goodput SLO on mean ITL (seconds)")
     add("--hop", type=float, default=VirtualOptions().hop, help="virtual: one HTTP leg (s)")
     add(
+        "--no-profile",
+        action="store_true",
+        help="the policies are not told the instances' latency profiles: they start from "
+        "seeds and learn online, as on a deployment nobody measured",
+    )
+    add(
         "--no-prefix-index",
         action="store_true",
         help="policies learn no prompt's cached prefix (a gateway without prefix.precise)",
@@ -200,6 +206,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def _fleet(args: argparse.Namespace) -> FleetSpec:
+    fleet = _declared_fleet(args)
+    return fleet.unprofiled() if getattr(args, "no_profile", False) else fleet
+
+
+def _declared_fleet(args: argparse.Namespace) -> FleetSpec:
     if args.fleet in FLEETS:
         fleet = preset_fleet(args.fleet, args.decoders, args.prefillers)
         if args.prefill_role == "both":

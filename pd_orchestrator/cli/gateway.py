@@ -29,7 +29,7 @@ from pd_orchestrator.cli.logs import add_logging_arguments, logging_from_args
 from pd_orchestrator.cli.signals import exit_on_sigterm, sigterm_seen
 from pd_orchestrator.config import ConfigError, GatewayConfig, load_config
 from pd_orchestrator.config.settings import FleetEndpoint
-from pd_orchestrator.model.hardware import get_profile
+from pd_orchestrator.model.measured import resolve_profile
 from pd_orchestrator.sim.server import bind_socket
 
 if TYPE_CHECKING:
@@ -287,4 +287,4 @@ def endpoint_table(config: GatewayConfig, title: str) -> RenderableType:
 def _model_of(endpoint: FleetEndpoint) -> str:
     if endpoint.model:
         return endpoint.model
-    return get_profile(endpoint.sim.profile).model if endpoint.sim else "(any)"
+    return resolve_profile(endpoint.sim.profile).model if endpoint.sim else "(any)"

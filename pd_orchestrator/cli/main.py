@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from pd_orchestrator import __version__
-from pd_orchestrator.cli import bench, gateway, sidecar, sim, soak, top, up
+from pd_orchestrator.cli import bench, gateway, profile, sidecar, sim, soak, top, up
 
 __all__ = ["build_parser", "main"]
 
@@ -19,6 +19,7 @@ _COMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]],
     top.add_parser,
     bench.add_parser,
     soak.add_parser,
+    profile.add_parser,
 )
 
 

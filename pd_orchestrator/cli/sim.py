@@ -11,6 +11,7 @@ import anyio
 from pd_orchestrator.cli.logs import add_logging_arguments, setup_logging
 from pd_orchestrator.cli.signals import exit_on_sigterm
 from pd_orchestrator.model.hardware import PROFILES
+from pd_orchestrator.model.measured import resolve_profile
 from pd_orchestrator.prefix.hashing import HASH_ALGOS
 from pd_orchestrator.sim.faults import PROTOCOL_FAULTS
 from pd_orchestrator.sim.options import SimOptions
@@ -30,7 +31,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     add("--host", default="127.0.0.1")
     add("--port", type=int, default=8100, help="0 picks a free port (announced on stdout)")
     add("--model", default=None, help="served model name (default: the profile's model)")
-    add("--profile", default="h200-llama3-8b", choices=sorted(PROFILES))
+    add(
+        "--profile",
+        type=_profile,
+        default="h200-llama3-8b",
+        help=f"a built-in latency profile ({', '.join(sorted(PROFILES))}) or a profile file "
+        "`pd-orchestrator profile` wrote (default h200-llama3-8b)",
+    )
     add("--time-scale", type=float, default=1.0, help="1 is real time, 0 removes delays")
     add("--block-size", type=int, default=16)
     add("--num-kv-blocks", type=int, default=None, help="default: profile capacity")
@@ -112,6 +119,15 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     add_logging_arguments(parser)
     parser.set_defaults(handler=run)
+
+
+def _profile(value: str) -> str:
+    """``value`` when it names a built-in profile or a readable profile file."""
+    try:
+        resolve_profile(value)
+    except (KeyError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc.args[0])) from None
+    return value
 
 
 def options_from_args(args: argparse.Namespace) -> SimOptions:

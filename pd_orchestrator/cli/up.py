@@ -57,7 +57,7 @@ from pd_orchestrator.cli.logs import add_logging_arguments
 from pd_orchestrator.cli.signals import exit_on_sigterm
 from pd_orchestrator.config import ConfigError, EndpointConfig, GatewayConfig
 from pd_orchestrator.config.settings import FleetEndpoint, KvSettings, ListenConfig
-from pd_orchestrator.model.hardware import get_profile
+from pd_orchestrator.model.measured import resolve_profile
 from pd_orchestrator.sim.server import bind_socket
 
 if TYPE_CHECKING:
@@ -160,7 +160,7 @@ def _sim_argv(endpoint: FleetEndpoint, shared_dir: Path) -> list[str]:
         "--seed", str(spec.seed),
         "--kv-connector", endpoint.connector,
         "--engine-id", endpoint.name,
-        "--model", endpoint.model or get_profile(spec.profile).model,
+        "--model", endpoint.model or resolve_profile(spec.profile).model,
     )  # fmt: skip
     if spec.num_kv_blocks is not None:
         argv += ["--num-kv-blocks", str(spec.num_kv_blocks)]
@@ -200,7 +200,7 @@ def resolve_simulated(
         child = start_child(endpoint.name, argv, log_dir=run.logs, die_with_parent=True)
         stack.callback(stop_child, child)
         children.append(child)
-        model = fleet.model or get_profile(fleet.sim.profile).model
+        model = fleet.model or resolve_profile(fleet.sim.profile).model
         update: dict[str, object] = {"url": child.url, "model": model}
         if endpoint.kv is None:  # a simulator's side channels are on its own port
             update["kv"] = _sim_kv(endpoint.name, child.port)

@@ -113,13 +113,19 @@ class SimSpec(_Strict):
     @field_validator("profile")
     @classmethod
     def _known_profile(cls, value: str) -> str:
-        from pd_orchestrator.model.hardware import get_profile
+        return _profile_spec(value)
 
-        try:
-            get_profile(value)
-        except KeyError as exc:
-            raise ValueError(str(exc.args[0])) from None
-        return value
+
+def _profile_spec(value: str) -> str:
+    """``value`` when it names a built-in simulator profile or a readable profile file
+    (``pd-orchestrator profile``'s); else ``ValueError`` saying why."""
+    from pd_orchestrator.model.measured import resolve_profile
+
+    try:
+        resolve_profile(value)
+    except KeyError as exc:
+        raise ValueError(str(exc.args[0])) from None
+    return value
 
 
 Name = Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")]
@@ -224,6 +230,13 @@ class PoolConfig(_Strict):
         description="bearer key sent to this pool's endpoints instead of the client's "
         "Authorization (default: upstream.api_key)",
     )
+    profile: str | None = Field(
+        default=None,
+        description="the latency profile the goodput policy starts from: a profile file "
+        "`pd-orchestrator profile` measured on these endpoints, or the name of a built-in "
+        "simulator profile (for simulators only); default: the profile of the `sim` block an "
+        "endpoint is started from, else none (conservative seeds, learnt from traffic)",
+    )
     spill: bool = Field(
         default=False,
         description="a prefill pool whose instances also serve whole requests (their "
@@ -232,6 +245,11 @@ class PoolConfig(_Strict):
         "crowded or queued",
     )
     endpoints: Annotated[list[EndpointConfig], Field(min_length=1)]
+
+    @field_validator("profile")
+    @classmethod
+    def _known_pool_profile(cls, value: str | None) -> str | None:
+        return None if value is None else _profile_spec(value)
 
     @model_validator(mode="after")
     def _spill_prefills_only(self) -> Self:
@@ -312,6 +330,7 @@ class FleetEndpoint:
     kv: KvSettings = field(default_factory=KvSettings)
     api_key: SecretStr | None = field(default=None, repr=False)
     spill: bool = False
+    profile: str | None = None
 
     @property
     def peer(self) -> PeerInfo:
@@ -758,6 +777,7 @@ class GatewayConfig(BaseSettings):
                 kv=e.kv or pool.kv or KvSettings(),
                 api_key=pool.api_key or self.upstream.api_key,
                 spill=pool.spill,
+                profile=pool.profile,
             )
             for pool in self.pools
             for e in pool.endpoints

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from pd_orchestrator.config.settings import FleetEndpoint, GatewayConfig
 from pd_orchestrator.model.endpoints import Endpoint, Role
+from pd_orchestrator.model.measured import Knowledge, knowledge_for
 
-__all__ = ["endpoints_from_config"]
+__all__ = ["endpoints_from_config", "knowledge_of"]
 
 
 def _endpoint(config: FleetEndpoint) -> Endpoint:
@@ -26,7 +27,20 @@ def _endpoint(config: FleetEndpoint) -> Endpoint:
         if config.api_key is None
         else f"Bearer {config.api_key.get_secret_value()}",
         spill=config.spill,
+        knowledge=knowledge_of(config),
     )
+
+
+def knowledge_of(config: FleetEndpoint) -> Knowledge | None:
+    """The latency profile known for an endpoint: its pool's ``profile``, else the
+    profile of the ``sim`` block it was started from (``up``: a simulator whose
+    constants are exact), else None (a real engine nobody measured: a bare
+    ``hardware`` label picks no simulator constants)."""
+    if config.profile is not None:
+        return knowledge_for(config.profile)
+    if config.sim is not None:
+        return knowledge_for(config.sim.profile)
+    return None
 
 
 def endpoints_from_config(config: GatewayConfig) -> list[Endpoint]:

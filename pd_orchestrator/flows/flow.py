@@ -96,7 +96,7 @@ from pd_orchestrator.flows.transcript import Transcript
 from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.model.route import threshold_of
 from pd_orchestrator.openai.responses import Kind
-from pd_orchestrator.planner.plan import Plan
+from pd_orchestrator.planner.plan import Plan, after_prefill
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
 from pd_orchestrator.upstream.client import Phase
 from pd_orchestrator.upstream.errors import UpstreamError
@@ -138,8 +138,9 @@ class FlowSettings:
 class Outcome:
     """What a served request did: its decision, the decoder that served it last, the
     prefiller (if any), the time to first token, mean ITL, prompt tokens, the prompt
-    tokens the first decoder had cached (None: not reported), output tokens and the
-    decoders that rejected the original prompt at its threshold."""
+    tokens the first decoder had cached (None: not reported), output tokens, the
+    decoders that rejected the original prompt at its threshold and, of a P/D request,
+    seconds from its prefill answer to its first content (None: unknown)."""
 
     decision: str
     decoder: Endpoint
@@ -151,6 +152,7 @@ class Outcome:
     cached_tokens: int | None = None
     output_tokens: int = 0
     rejected: tuple[str, ...] = ()
+    after_prefill: float | None = None
 
 
 class Flow:
@@ -173,6 +175,7 @@ class Flow:
         self.decision = "decode"
         self.decoder: Endpoint = plan.decoder
         self.prefiller: Endpoint | None = None
+        self.answered: float | None = None
         self.recoveries = 0
         self.rejected: tuple[str, ...] = ()
         self.stream_legs = request.stream or attempt.streams
@@ -228,6 +231,7 @@ class Flow:
             transcript.cached_tokens,
             transcript.completion_tokens,
             self.rejected,
+            after_prefill(self.request.arrival, timing.ttft, self.answered),
         )
 
     # -- the leg that serves the original prompt ------------------------------------------------
@@ -317,6 +321,8 @@ class Flow:
             self.settings.metrics.count_upstream_error(exc.endpoint, "fell_back")
             return await self._alone(body, path, kind, original_prompt=original_prompt)
         self.prefiller = result.prefiller
+        if self.answered is None:  # the original prompt's hand-over
+            self.answered = handover.answered
         return result.leg
 
     def _falls_back(self, exc: UpstreamError, decoder: Endpoint) -> bool:

@@ -118,6 +118,8 @@ class Handover:
     clock: Callable[[], float]
     kv_source: PeerInfo | None = None
     prefiller: Endpoint | None = field(default=None, init=False)
+    answered: float | None = field(default=None, init=False)
+    """When the last prefill answer came (the clock's; None: none came)."""
     _deadline: float = field(default=0.0, init=False)
 
     async def run(
@@ -223,6 +225,7 @@ class Handover:
         self, prefiller: Endpoint, answer: Json, ctx: TransferContext
     ) -> PrefillOutcome:
         """What the prefill answer means for the decode leg (see :meth:`_checked`)."""
+        self.answered = self.clock()
         try:
             outcome = self.connector.read_prefill(answer, ctx)
         except ConnectorError as exc:

@@ -266,6 +266,7 @@ class CompletionPath:
             output_tokens=outcome.output_tokens,
             remote=outcome.decision == "pd",
             rejected=outcome.rejected,
+            after_prefill=outcome.after_prefill,
         )
         try:
             state.planner.learn(plan, admitted.facts, served)

@@ -103,6 +103,16 @@ def goodput_knowledge(config: GatewayConfig) -> dict[str, str]:
     return {pool: ", ".join(sorted(words)) for pool, words in sorted(known.items())}
 
 
+def _source(words: str) -> str:
+    """The ``source`` label of :func:`goodput_knowledge`'s words: ``measured``,
+    ``simulator`` or ``seeds``, the least known of a pool whose endpoints differ."""
+    kinds = {part.split(" ", 1)[0] for part in words.split(", ")}
+    for kind in ("seeds", "simulator", "measured"):
+        if kind in kinds:
+            return kind
+    return "seeds"
+
+
 def _names_goodput(value: object) -> bool:
     """Whether a dumped threshold configuration names the ``goodput`` type anywhere
     (its default policy, an override, a composed part)."""
@@ -177,8 +187,10 @@ def build_state(
     adaptive = _adaptive_width(config, prefix, previous)
     profiles = build_profiles(config.routing, registry)
     bridges = config.compatibility.connector_pairs()
-    for pool, knows in goodput_knowledge(config).items():
+    knowledge = goodput_knowledge(config)
+    for pool, knows in knowledge.items():
         logger.info("goodput: pool %s starts from %s", pool, knows)
+    metrics.set_knowledge({pool: _source(words) for pool, words in knowledge.items()})
     reports = CacheReports()
     if previous is not None:
         reports.inherit(previous.cache_reports)

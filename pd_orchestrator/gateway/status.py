@@ -35,7 +35,9 @@ def status_document(state: GatewayState, now: float) -> dict[str, Any]:
     ``resumes``: it takes ``cache_hit_resume_tokens``) and ``cached_counts``: whether it
     reports ``prompt_tokens_details`` (``reporting``, ``unknown`` or ``silent``: see
     :mod:`~pd_orchestrator.fleet.cache_reports`); with a ``goodput`` policy,
-    ``goodput_starts_from``: per pool, a built-in simulator profile or seeds."""
+    ``goodput_starts_from``: per pool, a measured profile, a simulator's or seeds, and
+    ``goodput_learnt``: per policy and pool, the rates, ITL and hand-over costs its
+    model holds now."""
     endpoints = []
     for status in state.fleet.snapshot():
         endpoint = status.endpoint
@@ -78,6 +80,9 @@ def status_document(state: GatewayState, now: float) -> dict[str, Any]:
     knowledge = goodput_knowledge(state.config)
     if knowledge:
         document["goodput_starts_from"] = knowledge
+        threshold = state.planner.threshold
+        if threshold is not None:
+            document["goodput_learnt"] = threshold.learnt()
     return document
 
 

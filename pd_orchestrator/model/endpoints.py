@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from connectors import PeerInfo
+
+if TYPE_CHECKING:
+    from pd_orchestrator.model.measured import Knowledge
 
 __all__ = ["Endpoint", "EndpointStatus", "Role"]
 
@@ -37,7 +41,9 @@ class Endpoint:
     ``authorization``: the ``Authorization`` value its legs carry instead of the
     client's (from the pool's ``api_key``), never printed. ``spill``: a prefiller that
     also serves whole requests (its pool's ``spill``): a threshold policy may send a
-    decode-first request there, at threshold 0, when its decoder is crowded or queued."""
+    decode-first request there, at threshold 0, when its decoder is crowded or queued.
+    ``knowledge``: the latency profile known for it (its pool's ``profile``, or the
+    one the simulator it was started as runs), None when nothing is known."""
 
     name: str
     url: str
@@ -50,6 +56,7 @@ class Endpoint:
     kv: PeerInfo | None = None
     authorization: str | None = field(default=None, repr=False, compare=False)
     spill: bool = False
+    knowledge: Knowledge | None = field(default=None, compare=False)
 
     @property
     def peer(self) -> PeerInfo:

@@ -78,6 +78,7 @@ __all__ = [
     "PrefillRanking",
     "RequestFacts",
     "Served",
+    "after_prefill",
     "compatibility_class",
 ]
 
@@ -347,7 +348,9 @@ class Served:
     ``itl`` in seconds; ``prompt_tokens``: what upstream counted for the prompt;
     ``cached_tokens``: of those, what the serving decoder had cached (None: unknown);
     ``output_tokens``: tokens generated; ``remote``: prefilled on a prefiller (None:
-    unknown); ``rejected``: the decoders that rejected it at its threshold.
+    unknown); ``rejected``: the decoders that rejected it at its threshold;
+    ``after_prefill``: of a P/D request, seconds from the prefill leg's answer to the
+    first content (:func:`after_prefill`; None: unknown).
     """
 
     decoder: Endpoint | None
@@ -359,6 +362,16 @@ class Served:
     output_tokens: int = 0
     remote: bool | None = None
     rejected: tuple[str, ...] = ()
+    after_prefill: float | None = None
+
+
+def after_prefill(arrival: float, ttft: float | None, answered: float | None) -> float | None:
+    """Seconds from a prefill answer at ``answered`` to the first content of a request
+    that arrived at ``arrival`` (``ttft`` after it); None when either is unknown or the
+    answer came after the first content (a continuation's prefill)."""
+    if ttft is None or answered is None or arrival + ttft < answered:
+        return None
+    return arrival + ttft - answered
 
 
 class CachedPrefix(Protocol):
@@ -592,6 +605,7 @@ class Planner:
                 cached_tokens=served.cached_tokens,
                 output_tokens=served.output_tokens,
                 remote=served.remote,
+                after_prefill=served.after_prefill,
             )
         )
         if served.prompt_tokens and facts.prompt_tokens is None:

@@ -190,7 +190,9 @@ class LatencyObservation:
     ``now``: when it was observed, on the clock of :attr:`ThresholdContext.now`.
     ``prompt_tokens`` and ``cached_tokens`` (of those, what the serving decoder had
     cached), ``output_tokens`` and ``remote`` (prefilled on a prefiller): what a cost
-    model learns rates from (None: unknown).
+    model learns rates from (None: unknown). ``after_prefill``: of a P/D request,
+    seconds from the prefill leg's answer to the first content sent (the hand-over,
+    the decoder's first step and the decode leg's two hops; None: unknown).
     """
 
     model: str
@@ -202,9 +204,11 @@ class LatencyObservation:
     cached_tokens: int | None = None
     output_tokens: int = 0
     remote: bool | None = None
+    after_prefill: float | None = None
 
     def __post_init__(self) -> None:
-        for name, value in (("ttft", self.ttft), ("itl", self.itl)):
+        timed = (("ttft", self.ttft), ("itl", self.itl), ("after_prefill", self.after_prefill))
+        for name, value in timed:
             if value is not None and not (math.isfinite(value) and value >= 0.0):
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value}")
 

@@ -3,7 +3,8 @@
 Notation, for the chosen decoder ``d`` and a prompt of ``L`` tokens: ``c`` the tokens
 ``d`` holds (the prefix index's count, else ``L * hit_d``) and ``u = L - c``; ``r_d``,
 ``r_p`` its pool's local and remote prefill rates (tokens/s); ``a`` the attention
-term (s per token pair); ``X`` the KV transfer rate; ``h`` one leg's one-way latency
+term (s per token pair); ``H(L) = f + L * x`` the KV hand-over's cost (fixed and
+per token); ``h`` one leg's one-way latency
 (``hop``); ``T``, ``s`` the TTFT target and its ``slack``; ``m``, ``o`` the mean prompt
 and output (learnt; before: this prompt, the ``out_mean`` seed); ``q`` the cached share
 of a queue (a reading's hit rate, else this prompt's own cached share, else 0).
@@ -15,7 +16,7 @@ Estimates, in seconds (:class:`GoodputModel`)::
     local    = prefill(r_d, u, c)                          beyond wait_d
     remote   = min over p of  max(backlog_p, n_p * m) * (1 - hit_p) / r_p
                               + prefill(r_p, u_p, L - u_p)
-               + L / X + 3h                                beyond wait_d
+               + H(L) + 3h                                 beyond wait_d
     whole_p  = max(backlog_p, n_p * m) / r_p + prefill(r_p, u_p, L - u_p)
     W = o * tpot,  share_d = kept_d / (W * r_d),  step_d = max(itl_d * (1 - share_d), profile)
     stall_d  = max(free, (1 - step_d / (tpot * tpot_goal) - share_d) * W * r_d)   tokens
@@ -33,8 +34,11 @@ wait - h``), remote ``+3h``, whole ``+h`` (``whole_p + h <= T``). So a local pat
 ``u`` within ``remote - h`` (local and remote compared alike) and ``T*s - wait - h``. One
 test breaks the rule: a drain compares ``remote`` with ``wait + local``, one ``h`` short
 (2 ms by default; kept as it is). Learning subtracts the real hops: a local sample
-``ttft - 2h``, a P/D one ``ttft - L / X - 4h`` (after a rejected attempt it also carries
-``2h`` and the decoder's wait: a slow sample, which the rate rule below mostly ignores).
+``ttft - 2h``, a P/D one ``ttft - A - 2h``, ``A`` the time from the prefill's answer
+to the first content when the gateway timed it (else ``H(L) + 2h``; after a rejected
+attempt the sample also carries ``2h`` and the decoder's wait: a slow sample, which the
+rate rule below mostly ignores); the hand-over learns ``H`` from ``A - 2h``, fixed and
+per-token parts apart (:mod:`~pd_orchestrator.policies.handover_costs`).
 
 The decision (:mod:`~pd_orchestrator.policies.goodput`) reads these: spill to
 ``argmin whole_p`` when ``d`` is crowded or queued; drain (P/D now, on the peer with the
@@ -54,9 +58,12 @@ above twice the best known rate is a prompt the prefiller held, not learnt. ``m`
 ``o`` are EWMAs. ``kept_d`` grows by the uncached tokens of each request the final
 route keeps at ``d`` (told after composition); the hit rates the decision read from
 readings are remembered until a reading gives another.
-Seeds: the hardware profile's rate, step and attention term when one matches the
-endpoint, else ``prefill_tokens_per_s`` and a linear model; :func:`knowledge_of` says
-which, and the gateway logs it per pool at start-up and shows it in ``/status``.
+Seeds: the known profile's (:attr:`Endpoint.knowledge`: the pool's measured profile
+file, or the profile a simulator runs) rate, step, attention term and hand-over, else
+``prefill_tokens_per_s``, a linear model and a hand-over at ``transfer_tokens_per_s``;
+a hardware label alone picks no profile. :func:`knowledge_of` says which, and the
+gateway logs it per pool at start-up, shows it in ``/status`` and in the
+``pd_orchestrator_policy_knowledge`` gauge.
 Measurements behind these choices: benchmarks/README.md.
 """
 
@@ -70,9 +77,10 @@ from typing import Annotated
 from pydantic import Field
 
 from pd_orchestrator.model.endpoints import Endpoint
-from pd_orchestrator.model.hardware import PROFILES, LatencyProfile
+from pd_orchestrator.model.hardware import LatencyProfile
 from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.policies.base import LatencyObservation, ThresholdContext
+from pd_orchestrator.policies.handover_costs import HandoverCosts
 from pd_orchestrator.routing.registry import NoParams
 
 __all__ = [
@@ -94,18 +102,20 @@ class GoodputParams(NoParams):
     target a local prefill may use when remote would be faster, the decoder wait
     from which it drains, and the share the remote path must fit in for the stall
     bound to apply; ``tpot_goal``: the share of ``tpot`` the mean stream is held to;
-    the seeds ``prefill_tokens_per_s`` (when no hardware profile is known) and
-    ``transfer_tokens_per_s`` (KV moved per second: 40 GB/s at 128 KiB a token);
+    the seeds ``prefill_tokens_per_s`` (when no profile is known) and
+    ``transfer_tokens_per_s`` (KV moved per second; None: the known profile's
+    hand-over, its fixed and per-token costs, else 300,000, 40 GB/s at 128 KiB a token,
+    and no fixed cost);
     ``hop`` (one leg's one-way latency), ``out_mean`` (the seed of the mean output,
     tokens), ``alpha`` (learning rate); ``prefill_attention``: seconds a prefilled
-    token spends on each token before it (None: the hardware profile's when one
-    matches, else 0, a linear model). See the module docstring."""
+    token spends on each token before it (None: the known profile's when there is
+    one, else 0, a linear model). See the module docstring."""
 
     ttft: _Positive = 1.0
     tpot: _Positive = 0.03
     slack: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5
     prefill_tokens_per_s: _Positive = 20_000.0
-    transfer_tokens_per_s: _Positive = 300_000.0
+    transfer_tokens_per_s: _Positive | None = None
     hop: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.002
     out_mean: _Positive = 256.0
     alpha: Annotated[float, Field(gt=0.0, le=1.0)] = 0.05
@@ -114,22 +124,19 @@ class GoodputParams(NoParams):
 
 
 def profile_of(endpoint: Endpoint) -> LatencyProfile | None:
-    """The hardware profile (the simulator's calibration) matching ``endpoint``'s
-    hardware and model, if any."""
-    for profile in PROFILES.values():
-        if (profile.hardware, profile.model) == (endpoint.hardware, endpoint.model):
-            return profile
-    return None
+    """The latency profile known for ``endpoint`` (:attr:`Endpoint.knowledge`: its
+    pool's measured profile, or the simulator's it runs), if any. A hardware label
+    alone picks none: the simulator's constants are no measurement of a real engine."""
+    return None if endpoint.knowledge is None else endpoint.knowledge.profile
 
 
 def knowledge_of(endpoint: Endpoint) -> str:
-    """What the model of ``endpoint``'s pool starts from, in words: ``simulator profile
-    NAME`` (a built-in simulator profile matches its hardware and model: the
-    simulator's constants, starting points rather than measurements of this
-    deployment) or ``seeds`` (``prefill_tokens_per_s``, a linear model; learnt from
+    """What the model of ``endpoint``'s pool starts from, in words: ``measured profile
+    FILE``, ``simulator profile NAME`` (:attr:`Endpoint.knowledge`) or ``seeds``
+    (``prefill_tokens_per_s``, a linear model, the seed hand-over; learnt from
     traffic)."""
-    profile = profile_of(endpoint)
-    return "seeds" if profile is None else f"simulator profile {profile.name}"
+    known = endpoint.knowledge
+    return "seeds" if known is None else known.source
 
 
 def seed_rate(endpoint: Endpoint, default: float) -> float:
@@ -157,13 +164,19 @@ _MAX_STEP = 1.5
 :func:`_learn_rate`."""
 
 
+_SEED_TRANSFER = 300_000.0
+"""The seed of the transfer rate (tokens/s) with no profile known and none set."""
+
+
 @dataclass(slots=True)
 class PoolModel:
     """What the model knows of one decoder pool: the local and remote prefill rates
     (tokens/s), the ITL observed there (seconds, None before any), the free chunk
     of its steps (tokens a step carries at no cost), its hardware profile, the
-    rate both estimates were seeded with (0: none) and the attention term of its
-    prefills (seconds a prefilled token spends on each token before it; 0: linear)."""
+    rate both estimates were seeded with (0: none), the attention term of its
+    prefills (seconds a prefilled token spends on each token before it; 0: linear)
+    and the hand-over's cost (:class:`HandoverCosts`, fixed and per token, learnt
+    apart)."""
 
     rate_local: float
     rate_remote: float
@@ -172,6 +185,9 @@ class PoolModel:
     profile: LatencyProfile | None = None
     seed: float = 0.0
     attn: float = 0.0
+    handover: HandoverCosts = field(
+        default_factory=lambda: HandoverCosts(0.0, 1.0 / _SEED_TRANSFER)
+    )
 
     def attention_seconds(self, new: float, held: float) -> float:
         """The attention term of a prefill of ``new`` tokens after ``held`` cached ones:
@@ -245,8 +261,32 @@ class GoodputModel:
             if attn is None:
                 attn = profile.attn if profile is not None else 0.0
             model = PoolModel(rate, rate, profile=profile, seed=rate, attn=attn)
+            if profile is not None:
+                model.handover = HandoverCosts(
+                    profile.a_kv, profile.transfer_seconds(1) - profile.a_kv
+                )
             self.pools[endpoint.pool] = model
         return model
+
+    def handover(self, model: PoolModel, tokens: float) -> float:
+        """``H(L)``: seconds the KV of a ``tokens``-token prompt takes to reach the
+        decoder: at ``transfer_tokens_per_s`` when set (no fixed cost), else the pool's
+        (its profile's, else the seed's)."""
+        rate = self.params.transfer_tokens_per_s
+        return tokens / rate if rate is not None else model.handover.seconds(tokens)
+
+    def learnt(self) -> dict[str, dict[str, float | None]]:
+        """Per pool, what the model holds now (rates in tokens/s, seconds otherwise)."""
+        return {
+            name: {
+                "rate_local": round(pool.rate_local, 1),
+                "rate_remote": round(pool.rate_remote, 1),
+                "itl": pool.itl,
+                "handover_fixed": pool.handover.fixed,
+                "handover_per_token": pool.handover.per_token,
+            }
+            for name, pool in sorted(self.pools.items())
+        }
 
     def inherit(self, previous: GoodputModel) -> None:
         """Take ``previous``'s learnt state (a reload: the parameters stay these)."""
@@ -272,7 +312,7 @@ class GoodputModel:
         tokens, p = context.prompt_tokens, self.params
         mean = self.prompt_mean or tokens
         prefill = min(self._remote_seconds(context, c, mean, model) for c in context.prefillers)
-        return prefill + tokens / p.transfer_tokens_per_s + 3 * p.hop
+        return prefill + self.handover(model, tokens) + 3 * p.hop
 
     def _remote_seconds(
         self, context: ThresholdContext, prefiller: Candidate, mean: float, model: PoolModel
@@ -410,7 +450,11 @@ class GoodputModel:
             return
         p = self.params
         if observation.remote:
-            spent = ttft - tokens / p.transfer_tokens_per_s - 4 * p.hop
+            self._learn_handover(observation, model)
+            after = observation.after_prefill
+            if after is None:
+                after = self.handover(model, tokens) + 2 * p.hop
+            spent = ttft - after - 2 * p.hop
             spent -= model.attention_seconds(tokens, 0.0)
             if tokens >= _MIN_SAMPLE and spent > 0 and tokens / spent <= _plausible(model):
                 model.rate_remote = _learn_rate(model.rate_remote, tokens / spent, p.alpha)
@@ -421,6 +465,14 @@ class GoodputModel:
         spent = ttft - 2 * p.hop - model.attention_seconds(uncached, observation.cached_tokens)
         if uncached >= _MIN_SAMPLE and spent > 0:
             model.rate_local = _learn_rate(model.rate_local, uncached / spent, p.alpha)
+
+    def _learn_handover(self, observation: LatencyObservation, model: PoolModel) -> None:
+        """Learn the hand-over's costs from a P/D request whose prefill answer time is
+        known: the TTFT after it less the decode leg's two hops (module docstring)."""
+        after, tokens = observation.after_prefill, observation.prompt_tokens
+        if after is None or not tokens or self.params.transfer_tokens_per_s is not None:
+            return
+        model.handover.learn(tokens, after - 2 * self.params.hop, self.params.alpha)
 
 
 def _plausible(model: PoolModel) -> float:

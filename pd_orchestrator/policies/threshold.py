@@ -90,6 +90,13 @@ class ThresholdResolver:
             if isinstance(policy, GoodputPolicy) and old is not None:
                 policy.model.inherit(old.model)
 
+    def learnt(self) -> dict[str, dict[str, dict[str, float | None]]]:
+        """Per ``goodput`` policy (by name), what its cost model holds per pool
+        (:meth:`~pd_orchestrator.policies.goodput_model.GoodputModel.learnt`)."""
+        return {
+            p.name: p.model.learnt() for p in _tree(self.policy) if isinstance(p, GoodputPolicy)
+        }
+
 
 def _tree(policy: ThresholdPolicy) -> list[ThresholdPolicy]:
     """``policy`` and every policy it composes (children, override rules, default)."""

@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Literal
 
 from connectors import parse_spec
-from pd_orchestrator.model.hardware import LatencyProfile, get_profile
+from pd_orchestrator.model.hardware import LatencyProfile
 from pd_orchestrator.model.hashing import HashAlgo
+from pd_orchestrator.model.measured import resolve_profile
 from pd_orchestrator.prefix.hashing import hash_function
 from pd_orchestrator.sim.faults import ProtocolFault
 
@@ -84,7 +85,7 @@ class SimOptions:
     api_keys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        get_profile(self.profile)
+        resolve_profile(self.profile)
         if not 0.0 <= self.global_cache_hit_threshold <= 1.0:
             raise ValueError("global cache hit threshold must be within [0, 1]")
         if not 0.0 <= self.failure_rate <= 1.0:
@@ -108,7 +109,7 @@ class SimOptions:
 
     @property
     def latency(self) -> LatencyProfile:
-        return get_profile(self.profile)
+        return resolve_profile(self.profile)
 
     @property
     def served_model(self) -> str:

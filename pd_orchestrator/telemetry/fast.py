@@ -93,6 +93,11 @@ class _Family(Generic[C]):
             child = self._children[key] = self._new()
         return child
 
+    def clear(self) -> None:
+        """Forget every labelled child (prometheus_client's ``clear``)."""
+        if self.labelnames:
+            self._children.clear()
+
     def describe(self) -> list[Metric]:
         return []
 

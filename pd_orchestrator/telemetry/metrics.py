@@ -177,6 +177,14 @@ class GatewayMetrics:
         self.in_flight = Gauge(
             "pd_orchestrator_in_flight_requests", "Client requests being served.", registry=r
         )
+        self.policy_knowledge = Gauge(
+            "pd_orchestrator_policy_knowledge",
+            "1 per pool a goodput policy runs on, labelled with what its cost model starts "
+            "from: measured (the pool's profile file), simulator (a simulator's own "
+            "profile) or seeds (conservative seeds, learnt from traffic).",
+            ["pool", "source"],
+            registry=r,
+        )
         self.fanout_legs = Counter(
             "pd_orchestrator_fanout_legs",
             "Ask-all legs by outcome (admitted, rejected, cancelled, failed).",
@@ -249,6 +257,13 @@ class GatewayMetrics:
         self._configured: frozenset[str] = frozenset()
         self._named: set[str] = set()
         self._max_named = 256
+
+    def set_knowledge(self, sources: dict[str, str]) -> None:
+        """Per pool, what its goodput model starts from (``pool -> source``; the gauge
+        holds these pools only, so a reload drops the pools it no longer has)."""
+        self.policy_knowledge.clear()
+        for pool, source in sources.items():
+            self.policy_knowledge.labels(pool, source).set(1)
 
     def label_upstreams(self, configured: set[str], max_named: int) -> None:
         """The endpoint names that are configured (each has its own ``upstream`` label),

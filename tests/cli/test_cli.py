@@ -54,7 +54,8 @@ def test_serve_refuses_endpoints_without_url() -> None:
 
 def test_sim_rejects_an_unknown_profile() -> None:
     result = _run("sim", "--profile", "tpu-v9")
-    assert result.returncode == 2 and "invalid choice" in result.stderr
+    assert result.returncode == 2 and "unknown profile 'tpu-v9'" in result.stderr
+    assert "or a profile file" in result.stderr
 
 
 def test_python_dash_m_entry_point() -> None:

@@ -27,7 +27,7 @@ from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.model.route import GoPD, Route, at, threshold_of
 from pd_orchestrator.openai.protocol import parse_for
-from pd_orchestrator.planner.plan import Plan, Planner, RequestFacts
+from pd_orchestrator.planner.plan import Plan, Planner, RequestFacts, after_prefill
 from pd_orchestrator.policies.base import Leaf, ThresholdContext
 from pd_orchestrator.policies.plugins import builtin_registry
 from pd_orchestrator.policies.threshold import ThresholdResolver
@@ -702,3 +702,21 @@ def test_a_tool_choice_that_names_no_defined_tool_is_not_resumable() -> None:
 def test_neutral_values_keep_a_request_continuable(field: dict[str, Any]) -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]} | field
     assert _request("chat", body).continuable
+
+
+async def test_a_p_d_flow_knows_when_its_prefill_answered_a_local_one_does_not() -> None:
+    """What the cost model learns the hand-over from: the prefill answer's time,
+    before the first content (:func:`~pd_orchestrator.planner.plan.after_prefill`)."""
+    params = {"remote_block_ids": [9], "remote_engine_id": "p0", "remote_host": "p0"}
+    prefill = {"id": "p", "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+               "kv_transfer_params": params}  # fmt: skip
+    rejected = _stream(_completion_chunk([], "cache_threshold", first=True))
+    served = _stream(_completion_chunk([5, 6], "length", first=True), _usage(4, 2))
+    pd = await _serve(Script({"d0": [rejected, served], "p0": [_whole(prefill)]}), STREAM)
+    assert pd.flow.decision == "pd" and pd.flow.answered is not None
+    assert pd.flow.answered <= anyio.current_time()
+    local = await _serve(Script({"d0": [served]}), STREAM)
+    assert local.flow.decision == "decode" and local.flow.answered is None
+    assert after_prefill(10.0, 0.5, 10.2) == pytest.approx(0.3)
+    assert after_prefill(10.0, 0.5, 10.7) is None  # a continuation's prefill, after the first
+    assert after_prefill(10.0, None, 10.2) is None

@@ -204,24 +204,33 @@ async def test_a_reload_keeps_what_the_goodput_model_learnt() -> None:
 async def test_the_gateway_says_per_pool_what_goodput_starts_from(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """No silent knowledge: a pool whose hardware a built-in simulator profile
-    matches is said to run on that profile; any other on the seeds."""
+    """No silent knowledge: a pool that names a built-in simulator profile is said to
+    run on it; a real endpoint whose pool names none starts from the seeds, even
+    with a hardware label the simulator's table has (``h200``). The start-up log,
+    ``/status`` and the ``pd_orchestrator_policy_knowledge`` gauge say which."""
     fleet = preset_fleet("tiny")
     urls = {i.name: f"http://127.0.0.1:{9000 + n}" for n, i in enumerate(fleet.instances)}
     data = _gateway_config(fleet, urls, {"policy": {"type": "goodput"}}, {})
-    data["pools"][0]["hardware"] = "some-new-gpu"
+    bare, named = data["pools"][0], data["pools"][1]
+    assert bare["hardware"] == "h200" and named["profile"] == "h200-llama3-8b"
+    bare["profile"] = None
     config = parse_config(data)
     upstream = Upstream(UpstreamConfig(), TimeoutConfig())
+    metrics = GatewayMetrics()
     try:
         with caplog.at_level(logging.INFO, logger="pd_orchestrator.gateway.state"):
-            state = build_state(config, upstream, GatewayMetrics(), lambda: 0.0)
+            state = build_state(config, upstream, metrics, lambda: 0.0)
         document = status_document(state, 0.0)
     finally:
         await upstream.aclose()
     known = document["goodput_starts_from"]
     assert set(known) == {e["pool"] for e in document["endpoints"]}
-    assert known[data["pools"][0]["name"]] == "seeds"
-    assert any(words.startswith("simulator profile ") for words in known.values())
+    assert known[bare["name"]] == "seeds"
+    assert known[named["name"]] == "simulator profile h200-llama3-8b"
+    gauge = metrics.registry.get_sample_value
+    assert gauge("pd_orchestrator_policy_knowledge", {"pool": bare["name"], "source": "seeds"}) == 1
+    labels = {"pool": named["name"], "source": "simulator"}
+    assert gauge("pd_orchestrator_policy_knowledge", labels) == 1
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("goodput:")]
     assert len(lines) == len(known)
     assert all(e["cached_counts"] == "unknown" for e in document["endpoints"])

@@ -90,6 +90,7 @@ def gateway_series() -> set[str]:
     metrics.ttft.observe(0.1)
     metrics.itl.observe(0.01)
     metrics.in_flight.set(1)
+    metrics.set_knowledge({"decode": "seeds"})
     metrics.prefill_retries.inc()
     metrics.fanout_legs.labels("admitted").inc()
     metrics.fanout_wasted_tokens.inc(3)
