@@ -46,8 +46,8 @@ next one.
 
 What the protocol writes in one turn of the event loop leaves in one write
 (:class:`CorkedTransport`): a whole answer's head and body, a stream's head and
-first events, go out in one system call instead of one each -- the calls, not the
-bytes, were the relay's largest cost.
+first events, go out in one system call instead of one each (two socket writes per
+relayed request, one upstream and one to the client: the least there can be).
 
 The two timeouts share one timer per connection, armed lazily: a request moves a
 deadline (a float), and the timer, when it fires early, re-arms itself for the
