@@ -11,16 +11,27 @@ target -- the backend straight ("direct") as the baseline -- at each concurrency
 whole and streamed (``/v1/completions``, a short prompt, ``max_tokens`` 16), in
 interleaved rounds (within a round, every case and every target; the target order
 rotates each round). Each figure is the median over the rounds; "added" is the
-target's figure minus the backend's. Everything started is stopped at the end, on
-errors and on Ctrl-C.
+target's figure minus the backend's. "CPU µs/req" is the CPU time (user and
+system, every process of the target's) each request cost the target during its
+wrk run: on a busy machine, where a relay shares its cores and its req/s say
+little, this is what one core's req/s would be bound by (1 s / CPU per request).
+Everything started is stopped at the end, on errors and on Ctrl-C.
 
     .venv/bin/python benchmarks/overhead_bench.py [--rounds 3] [--duration 5]
         [--targets direct,gateway,vllm-router,smg] [--concurrency 1,16]
-        [--gateway-config FILE] [--baseline DIR] [--json FILE]
+        [--gateway-config FILE] [--baseline DIR] [--pin CPU] [--workers 1,2]
+        [--json FILE]
 
 ``--baseline DIR`` adds the gateway of another checkout (built there with ``make``)
 as the target ``gateway-baseline``, with the same config, and the ratios table sets
 this gateway against it: a change's before and after in one invocation.
+``--pin CPU`` compares core for core: every relay (the gateways, vllm-router, SMG)
+runs on CPU alone (``taskset``), the backend and wrk on the other CPUs, so no relay
+gets more cores than another and none competes with the load it serves.
+``--workers 1,2`` adds, for each count above 1, the target ``gateway-wN``: this
+gateway served by ``serve --workers N`` (pinned, it gets N CPUs from CPU on), and
+the ratios table sets its req/s against one worker's. The load average is printed
+before and after: the figures of a busy machine are compared within one invocation.
 ``--gateway-config FILE`` replaces the generated gateway config; ``${BACKEND_URL}``
 and ``${MODEL}`` in it are replaced by the backend's URL and model name (the
 listen address always comes from the command line).
@@ -40,6 +51,7 @@ import time
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from string import Template
 from typing import Any
@@ -71,6 +83,8 @@ TARGETS = ("direct", "gateway", "vllm-router", "smg")
 BASELINE = "gateway-baseline"
 """The gateway of another checkout (``--baseline DIR``), measured like a peer."""
 PEERS = ("smg", "vllm-router")
+WORKERS_PREFIX = "gateway-w"
+"""``gateway-wN``: this gateway with ``serve --workers N`` (``--workers``)."""
 PROMPT = "Explain in one sentence what a reverse proxy adds to each request."
 READY_TIMEOUT = 90.0
 console = Console(width=160)
@@ -90,12 +104,18 @@ class Case:
 
 @dataclass(frozen=True, slots=True)
 class Run:
-    """One wrk run of one target and case in one round."""
+    """One wrk run of one target and case in one round; ``cpu``: the target's CPU
+    seconds during it."""
 
     target: str
     case: Case
     round: int
     result: WrkResult
+    cpu: float = 0.0
+
+    @property
+    def cpu_per_request(self) -> float:
+        return self.cpu / self.result.requests if self.result.requests else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +129,7 @@ class Figures:
     rps: float
     errors: int
     runs: int
+    cpu_per_request: float = 0.0
     added_p50: float | None = None
     added_p99: float | None = None
 
@@ -148,10 +169,57 @@ def request_body(stream: bool, prompt: str, model: str = MODEL) -> str:
     return json.dumps(body, separators=(",", ":"))
 
 
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def group_cpu_seconds(group: int) -> float:
+    """CPU seconds (user and system) used so far by the live processes of process
+    group ``group`` (a target and its workers: each starts in a session of its own)."""
+    total = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as stat:
+                fields = stat.read().rpartition(b")")[2].split()
+        except OSError:  # it ended meanwhile
+            continue
+        if int(fields[2]) == group:  # pgrp; utime and stime follow at 11 and 12
+            total += int(fields[11]) + int(fields[12])
+    return total / _TICK
+
+
+def pinned(argv: list[str], cpus: str | None) -> list[str]:
+    """``argv`` run on ``cpus`` only (``taskset -c``; threads and children inherit
+    it), or as it is when ``cpus`` is None."""
+    return argv if cpus is None else ["taskset", "-c", cpus, *argv]
+
+
+def cpu_sets(pin: int | None, workers: int = 1) -> tuple[str | None, str | None]:
+    """The CPUs of a relay of ``workers`` processes and those of the load (backend
+    and wrk) under ``--pin``: the relay's from ``pin`` on, the load's the rest (all
+    of this process's CPUs when the relay takes every one). (None, None) unpinned."""
+    if pin is None:
+        return None, None
+    cpus = sorted(os.sched_getaffinity(0))
+    if pin not in cpus:
+        raise SystemExit(f"--pin {pin}: this process may run on CPUs {cpus} only")
+    start = cpus.index(pin)
+    relay = [cpus[(start + i) % len(cpus)] for i in range(min(workers, len(cpus)))]
+    load = [c for c in cpus if c not in relay] or cpus
+    return ",".join(map(str, relay)), ",".join(map(str, load))
+
+
 def run_wrk(
-    wrk: str, url: str, script: Path, case: Case, duration: float, threads: int
+    wrk: str,
+    url: str,
+    script: Path,
+    case: Case,
+    duration: float,
+    threads: int,
+    cpus: str | None = None,
 ) -> WrkResult:
-    """One wrk run of ``case`` against ``url`` for ``duration`` seconds."""
+    """One wrk run of ``case`` against ``url`` for ``duration`` seconds (on ``cpus``)."""
     command = wrk_command(
         wrk,
         f"{url}/v1/completions",
@@ -161,7 +229,7 @@ def run_wrk(
         threads=threads,
     )
     done = subprocess.run(
-        command, capture_output=True, text=True, timeout=duration + 60, check=False
+        pinned(command, cpus), capture_output=True, text=True, timeout=duration + 60, check=False
     )
     if done.returncode != 0:
         raise RuntimeError(f"wrk failed ({done.returncode}):\n{done.stderr[-2000:]}")
@@ -174,9 +242,9 @@ def _stopped_with(stack: ExitStack, child: Child) -> Child:
     return child
 
 
-def start_backend(stack: ExitStack) -> Child:
+def start_backend(stack: ExitStack, cpus: str | None = None) -> Child:
     argv = [sys.executable, str(HERE / "minimal_backend.py"), "--port", "0", "--model", MODEL]
-    return _stopped_with(stack, start_child("backend", argv, timeout=30))
+    return _stopped_with(stack, start_child("backend", pinned(argv, cpus), timeout=30))
 
 
 def gateway_config(backend_url: str, model: str = MODEL) -> dict[str, Any]:
@@ -211,9 +279,12 @@ def start_gateway(
     source: Path | None,
     checkout: Path | None = None,
     name: str = "gateway",
+    workers: int = 1,
+    cpus: str | None = None,
 ) -> Child:
     """The gateway of this checkout, or of ``checkout`` (its own ``.venv``, as ``make``
-    builds it: ``--baseline``), serving ``source`` or the generated config."""
+    builds it: ``--baseline``), serving ``source`` or the generated config with
+    ``workers`` processes, on ``cpus``."""
     directory = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pdo-overhead-")))
     config = _gateway_config_file(backend_url, source, directory)
     if checkout is not None:
@@ -229,7 +300,9 @@ def start_gateway(
     )
     port = free_port()
     argv = [*command, "serve", "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
-    return _stopped_with(stack, start_process(name, argv, f"http://127.0.0.1:{port}"))
+    argv += ["--workers", str(workers)] if workers > 1 else []
+    child = start_process(name, pinned(argv, cpus), f"http://127.0.0.1:{port}")
+    return _stopped_with(stack, child)
 
 
 def _executable(peer: Peer) -> str:
@@ -239,22 +312,26 @@ def _executable(peer: Peer) -> str:
     return str(peer_executable(peer))
 
 
-def start_vllm_router(stack: ExitStack, backend_url: str, policy: str) -> Child:
+def start_vllm_router(
+    stack: ExitStack, backend_url: str, policy: str, cpus: str | None = None
+) -> Child:
     port, metrics = free_port(), free_port()
     argv = [_executable(VLLM_ROUTER), "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--worker-urls", backend_url, "--log-level", "warning"]
     argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics)]
     argv += ["--policy", policy] if policy != "default" else []
-    return _stopped_with(stack, start_process("vllm-router", argv, f"http://127.0.0.1:{port}"))
+    child = start_process("vllm-router", pinned(argv, cpus), f"http://127.0.0.1:{port}")
+    return _stopped_with(stack, child)
 
 
-def start_smg(stack: ExitStack, backend_url: str, policy: str) -> Child:
+def start_smg(stack: ExitStack, backend_url: str, policy: str, cpus: str | None = None) -> Child:
     port, metrics = free_port(), free_port()
     argv = [_executable(SMG), "launch", "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--worker-urls", backend_url, "--log-level", "warn", "--disable-tokenizer-autoload"]
     argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics)]
     argv += ["--policy", policy] if policy != "default" else []
-    return _stopped_with(stack, start_process("smg", argv, f"http://127.0.0.1:{port}"))
+    child = start_process("smg", pinned(argv, cpus), f"http://127.0.0.1:{port}")
+    return _stopped_with(stack, child)
 
 
 def wait_serving(child: Child, prompt: str, limit: float = READY_TIMEOUT) -> None:
@@ -315,53 +392,72 @@ def check_answer(response: httpx.Response, *, stream: bool) -> str | None:
     return None
 
 
-def start_targets(stack: ExitStack, args: argparse.Namespace) -> dict[str, str]:
-    """Start the backend and every selected relay; their URLs by target name."""
-    backend = start_backend(stack)
+def start_targets(stack: ExitStack, args: argparse.Namespace) -> dict[str, Child]:
+    """Start the backend and every selected relay (each on its CPUs under ``--pin``);
+    them by target name (``direct``: the backend)."""
+    relay, load = cpu_sets(args.pin)
+    backend = start_backend(stack, load)
     wait_serving(backend, args.prompt)
-    urls = {"direct": backend.url}
+    started = {"direct": backend}
+    config = args.gateway_config
     starters = {
-        "gateway": lambda: start_gateway(stack, backend.url, args.gateway_config),
-        "vllm-router": lambda: start_vllm_router(stack, backend.url, args.peer_policy),
-        "smg": lambda: start_smg(stack, backend.url, args.peer_policy),
+        "gateway": lambda: start_gateway(stack, backend.url, config, cpus=relay),
+        "vllm-router": lambda: start_vllm_router(stack, backend.url, args.peer_policy, relay),
+        "smg": lambda: start_smg(stack, backend.url, args.peer_policy, relay),
         BASELINE: lambda: start_gateway(
-            stack, backend.url, args.gateway_config, args.baseline, BASELINE
+            stack, backend.url, config, args.baseline, BASELINE, cpus=relay
         ),
     }
+    for count in args.workers:
+        if count > 1:
+            cpus = cpu_sets(args.pin, count)[0]
+            starters[f"{WORKERS_PREFIX}{count}"] = partial(
+                start_gateway, stack, backend.url, config, None, f"{WORKERS_PREFIX}{count}",
+                count, cpus,
+            )  # fmt: skip
     children = [starters[name]() for name in args.targets if name != "direct"]
     for child in children:
         wait_serving(child, args.prompt)
         console.print(f"{child.name} serves at {child.url} (log: {child.log_path})")
-        urls[child.name] = child.url
-    return {name: urls[name] for name in args.targets}
+        started[child.name] = child
+    return {name: started[name] for name in args.targets}
 
 
 # -- measurement -------------------------------------------------------------------------------
 def measure(
     wrk: str,
-    urls: dict[str, str],
+    targets: dict[str, Child],
     cases: list[Case],
     scripts: dict[bool, Path],
     args: argparse.Namespace,
 ) -> list[Run]:
     """Warm-up runs (discarded), then ``args.rounds`` interleaved rounds."""
-    names = list(urls)
+    names = list(targets)
+    urls = {name: child.url for name, child in targets.items()}
+    load = cpu_sets(args.pin)[1]
     if args.warmup > 0:
         for case in cases:
             for name in names:
-                run_wrk(wrk, urls[name], scripts[case.stream], case, args.warmup, args.wrk_threads)
+                script = scripts[case.stream]
+                run_wrk(wrk, urls[name], script, case, args.warmup, args.wrk_threads, load)
     runs: list[Run] = []
     for round_ in range(args.rounds):
         order = names[round_ % len(names) :] + names[: round_ % len(names)]
         for case in cases:
             for name in order:
                 script = scripts[case.stream]
-                result = run_wrk(wrk, urls[name], script, case, args.duration, args.wrk_threads)
-                runs.append(Run(name, case, round_, result))
+                group = targets[name].process.pid
+                before = group_cpu_seconds(group)
+                result = run_wrk(
+                    wrk, urls[name], script, case, args.duration, args.wrk_threads, load
+                )
+                run = Run(name, case, round_, result, group_cpu_seconds(group) - before)
+                runs.append(run)
                 console.print(
                     f"round {round_ + 1}/{args.rounds} {case.label:10} {name:12} "
                     f"p50 {result.p50 * 1e3:7.3f} ms  p99 {result.p99 * 1e3:7.3f} ms  "
-                    f"{result.rps:9.0f} req/s  errors {result.errors}",
+                    f"{result.rps:9.0f} req/s  cpu {run.cpu_per_request * 1e6:6.0f} us/req  "
+                    f"errors {result.errors}",
                     highlight=False,
                 )
     return runs
@@ -381,6 +477,9 @@ def summarize(runs: Sequence[Run]) -> list[Figures]:
             rps=statistics.median(r.rps for r in mine),
             errors=sum(r.errors for r in mine),
             runs=len(mine),
+            cpu_per_request=statistics.median(
+                run.cpu_per_request for run in runs if run.target == target and run.case == case
+            ),
         )
     for (target, case), figure in figures.items():
         direct = figures.get(("direct", case))
@@ -407,7 +506,9 @@ class Ratio:
 
 
 def ratios(figures: Sequence[Figures], cases: Sequence[Case]) -> list[Ratio]:
-    """Added p50 at the lowest concurrency and req/s at the highest, gateway vs peers."""
+    """Added p50 at the lowest concurrency and req/s at the highest, gateway vs peers
+    (goals: the Rust peers' figures on the same core); and each ``gateway-wN``'s req/s
+    at the highest against one worker's (goal: 0.9 N times)."""
     table = {(f.target, f.case): f for f in figures}
     low, high = min(c.concurrency for c in cases), max(c.concurrency for c in cases)
     found: list[Ratio] = []
@@ -421,7 +522,7 @@ def ratios(figures: Sequence[Figures], cases: Sequence[Case]) -> list[Ratio]:
                 and gateway.added_p50 is not None
                 and other.added_p50 is not None
             ):
-                goal = "<= 2x" if peer == "smg" else ""
+                goal = "<= 1x" if peer == "smg" else ""
                 found.append(
                     Ratio(
                         f"added p50 ms, {case.label}",
@@ -432,12 +533,33 @@ def ratios(figures: Sequence[Figures], cases: Sequence[Case]) -> list[Ratio]:
                     )
                 )
             if case.concurrency == high:
-                goal = ">= 0.5x" if peer == "smg" else ""
+                goal = ">= 1x" if peer == "smg" else ""
                 found.append(Ratio(f"req/s, {case.label}", peer, gateway.rps, other.rps, goal))
+                goal = "<= 1x" if peer == "smg" else ""
+                found.append(
+                    Ratio(
+                        f"CPU us/req, {case.label}",
+                        peer,
+                        gateway.cpu_per_request * 1e6,
+                        other.cpu_per_request * 1e6,
+                        goal,
+                    )
+                )
+    for (target, case), figure in table.items():
+        one = table.get(("gateway", case))
+        if not target.startswith(WORKERS_PREFIX) or case.concurrency != high or one is None:
+            continue
+        count = int(target.removeprefix(WORKERS_PREFIX))
+        metric = f"req/s, {case.label}, {count} workers"
+        found.append(Ratio(metric, "gateway", figure.rps, one.rps, f">= {0.9 * count:g}x"))
     return found
 
 
 # -- report ------------------------------------------------------------------------------------
+def _load(average: Sequence[float]) -> str:
+    return " ".join(f"{value:.2f}" for value in average) + f" (1, 5, 15 min; {os.cpu_count()} CPUs)"
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1e3:.3f}"
 
@@ -454,6 +576,7 @@ def figures_table(figures: Sequence[Figures], args: argparse.Namespace) -> Table
         "p50 ms",
         "p99 ms",
         "req/s",
+        "CPU us/req",
         "added p50 ms",
         "added p99 ms",
         "errors",
@@ -467,6 +590,7 @@ def figures_table(figures: Sequence[Figures], args: argparse.Namespace) -> Table
             _ms(figure.p50),
             _ms(figure.p99),
             f"{figure.rps:,.0f}",
+            f"{figure.cpu_per_request * 1e6:,.0f}",
             _ms(figure.added_p50),
             _ms(figure.added_p99),
             str(figure.errors),
@@ -500,6 +624,7 @@ def write_json(
     figures: Sequence[Figures],
     found: Sequence[Ratio],
     versions: dict[str, str],
+    load_average: dict[str, list[float]],
 ) -> None:
     def case(c: Case) -> dict[str, Any]:
         return {"concurrency": c.concurrency, "stream": c.stream, "label": c.label}
@@ -516,6 +641,9 @@ def write_json(
             "wrk_threads": args.wrk_threads,
             "peer_policy": args.peer_policy,
             "gateway_config": str(args.gateway_config) if args.gateway_config else None,
+            "pin": args.pin,
+            "workers": args.workers,
+            "load_average": load_average,
             "versions": versions,
         },
         "runs": [
@@ -524,6 +652,7 @@ def write_json(
                 "case": case(r.case),
                 "round": r.round,
                 "rps": r.result.rps,
+                "cpu_seconds": r.cpu,
                 **asdict(r.result),
             }
             for r in runs
@@ -594,13 +723,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="another checkout (with its .venv, as make builds it) whose gateway runs as the "
         "target gateway-baseline, with the same config: before and after in one invocation",
     )
+    parser.add_argument(
+        "--pin",
+        type=int,
+        default=None,
+        help="run every relay on this CPU alone, the backend and wrk on the others (core for core)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=_csv(int),
+        default=[1],
+        help="comma list of gateway worker counts: each above 1 adds the target gateway-wN "
+        "(serve --workers N; default 1)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.duration < 1 or args.warmup < 0 or args.wrk_threads < 1:
         parser.error("--rounds and --duration must be >= 1, --warmup >= 0, --wrk-threads >= 1")
-    if any(c < 1 for c in args.concurrency):
-        parser.error("--concurrency values must be >= 1")
+    if any(c < 1 for c in args.concurrency) or any(w < 1 for w in args.workers):
+        parser.error("--concurrency and --workers values must be >= 1")
     args.targets = [t for t in TARGETS if t in args.targets]
+    args.targets += [f"{WORKERS_PREFIX}{w}" for w in dict.fromkeys(args.workers) if w > 1]
     if args.baseline is not None:
         args.targets.append(BASELINE)
     return args
@@ -618,15 +761,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         for stream in (False, True):
             scripts[stream] = directory / f"{'stream' if stream else 'whole'}.lua"
             scripts[stream].write_text(lua_script(request_body(stream, args.prompt)))
-        urls = start_targets(stack, args)
-        runs = measure(wrk, urls, cases, scripts, args)
+        targets = start_targets(stack, args)
+        load_average = {"before": list(os.getloadavg())}
+        console.print(f"load average before: {_load(load_average['before'])}")
+        runs = measure(wrk, targets, cases, scripts, args)
+        load_average["after"] = list(os.getloadavg())
+        console.print(f"load average after: {_load(load_average['after'])}")
     figures = summarize(runs)
     found = ratios(figures, cases)
     console.print(figures_table(figures, args))
     if found:
         console.print(ratios_table(found))
     if args.json is not None:
-        write_json(args.json, args, runs, figures, found, versions)
+        write_json(args.json, args, runs, figures, found, versions, load_average)
         console.print(f"wrote {args.json}")
     return 0
 

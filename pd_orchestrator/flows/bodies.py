@@ -37,6 +37,8 @@ per request and shared by its legs (smaller ones are encoded with each leg)."""
 Encoded = tuple[bytes, ...]
 """A body encoded as JSON in pieces, to be sent one after the other."""
 _SHAREABLE = frozenset({str, list, dict})
+_JSON_CHAR_BYTES = 6
+"""The most bytes one character of a string takes in JSON (``\\u001f``)."""
 
 
 def _streaming(body: Json, stream: bool, client_options: Any) -> None:
@@ -193,6 +195,8 @@ class SharedEncoding:
         large."""
         if self._source.get(key) is not value:
             return None
+        if type(value) is str and _JSON_CHAR_BYTES * len(value) + 2 < self._least:
+            return None  # small however it encodes: not encoded twice to find out
         if key not in self._pieces:
             encoded = orjson.dumps(value)
             large = len(encoded) >= self._least

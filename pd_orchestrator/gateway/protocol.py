@@ -44,6 +44,11 @@ Each refusal closes the connection. A request the parser cannot read is answered
 connection opens and at the start of each request, so a reload applies them to the
 next one.
 
+What the protocol writes in one turn of the event loop leaves in one write
+(:class:`CorkedTransport`): a whole answer's head and body, a stream's head and
+first events, go out in one system call instead of one each (two socket writes per
+relayed request, one upstream and one to the client: the least there can be).
+
 The two timeouts share one timer per connection, armed lazily: a request moves a
 deadline (a float), and the timer, when it fires early, re-arms itself for the
 deadline it finds -- no timer is created or cancelled per request.
@@ -67,10 +72,12 @@ from pd_orchestrator.openai.errors import error_body
 from pd_orchestrator.upstream.transport import own_resource
 
 __all__ = [
+    "CORK_BYTES",
     "PROBE_CONNECTIONS",
     "PROBE_PATHS",
     "TOO_MANY_CONNECTIONS",
     "TOO_MANY_FROM_PEER",
+    "CorkedTransport",
     "count_accept_errors",
     "default_concurrent_choices",
     "default_max_connections",
@@ -87,6 +94,69 @@ PROBE_CONNECTIONS = 64
 _Waiting = Literal["request", "head", "body"]
 """What a connection's deadline waits for: a first request (nothing sent yet), the
 rest of a head, the rest of a body."""
+
+
+CORK_BYTES = 1 << 16
+"""Bytes held for one write at most: more are written at once."""
+
+
+class CorkedTransport:
+    """A transport whose writes within one turn of the event loop go out as one.
+
+    :meth:`write` holds the bytes and, once per turn, schedules a flush for the end
+    of it (``call_soon``); holding :data:`CORK_BYTES` or more flushes at once, and
+    :meth:`close` flushes first, so nothing written is lost or reordered and nothing
+    waits longer than the callbacks already due. Bytes written while the transport
+    is closing are dropped, as the transport drops them. Everything else is the
+    wrapped transport's.
+    """
+
+    __slots__ = ("_held", "_loop", "_size", "transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self.transport = transport
+        self._loop = loop
+        self._held: list[bytes] = []
+        self._size = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        held = self._held
+        if not held:
+            self._loop.call_soon(self.flush)
+        held.append(bytes(data))
+        self._size += len(data)
+        if self._size >= CORK_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write what is held (nothing when the transport is closing)."""
+        held = self._held
+        if not held:
+            return
+        data = held[0] if len(held) == 1 else b"".join(held)
+        held.clear()
+        self._size = 0
+        if not self.transport.is_closing():
+            self.transport.write(data)
+
+    def close(self) -> None:
+        self.flush()
+        self.transport.close()
+
+    def is_closing(self) -> bool:
+        return self.transport.is_closing()
+
+    def pause_reading(self) -> None:
+        self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self.transport.resume_reading()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self.transport.get_extra_info(name, default)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
 
 
 class _HeadRefused(Exception):
@@ -198,7 +268,8 @@ def limited_protocol(
             self._timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
+            corked = CorkedTransport(transport, self.loop)
+            super().connection_made(corked)  # type: ignore[arg-type]
             self.peer = str(self.client[0]) if self.client else ""
             probe = probe_port is not None and self.server is not None
             probe = probe and self.server[1] == probe_port  # type: ignore[index]

@@ -277,3 +277,64 @@ def test_the_answer_check_refuses_token_ids_and_unstreamed_streams(
     assert "content-type" in bench.check_answer(whole, stream=True)
     short = client.post("/v1/completions", json={**body, "max_tokens": 3, "stream": True})
     assert "3 token chunks" in bench.check_answer(short, stream=True)
+
+
+# -- per core, CPU per request, workers -----------------------------------------------------------
+def test_pinned_runs_through_taskset_only_when_pinned(bench: ModuleType) -> None:
+    assert bench.pinned(["wrk", "-c1"], None) == ["wrk", "-c1"]
+    assert bench.pinned(["wrk", "-c1"], "1") == ["taskset", "-c", "1", "wrk", "-c1"]
+
+
+def test_cpu_sets_give_the_relay_its_cores_and_the_load_the_rest(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert bench.cpu_sets(None) == (None, None)
+    assert bench.cpu_sets(0) == ("0", "1,2,3")
+    assert bench.cpu_sets(3, workers=2) == ("3,0", "1,2")
+    assert bench.cpu_sets(1, workers=8) == ("1,2,3,0", "0,1,2,3")  # every core: shared
+    with pytest.raises(SystemExit, match="--pin 7"):
+        bench.cpu_sets(7)
+
+
+def test_group_cpu_seconds_counts_a_busy_process_group(bench: ModuleType) -> None:
+    import os
+    import subprocess
+
+    busy = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass"
+    child = subprocess.Popen([sys.executable, "-c", busy], start_new_session=True)
+    try:
+        used = 0.0
+        while child.poll() is None:
+            used = max(used, bench.group_cpu_seconds(child.pid))
+        assert used >= 0.2
+        assert bench.group_cpu_seconds(os.getpid()) >= 0.0  # this group: some, never fails
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_ratios_set_workers_against_one_and_cpu_against_the_peers(bench: ModuleType) -> None:
+    low, high = bench.Case(1, False), bench.Case(16, False)
+
+    def figure(target: str, case: Any, rps: float, cpu: float, p50: float) -> Any:
+        return bench.Figures(target, case, p50, p50, rps, 0, 3, cpu, p50, p50)
+
+    figures = [
+        figure("gateway", low, 100, 4e-4, 2e-4),
+        figure("smg", low, 200, 2e-4, 1e-4),
+        figure("gateway", high, 1000, 3e-4, 1e-3),
+        figure("smg", high, 4000, 1e-4, 1e-3),
+        figure("gateway-w2", high, 1900, 3e-4, 1e-3),
+    ]
+    found = {(r.metric, r.peer): r for r in bench.ratios(figures, [low, high])}
+    assert found[("added p50 ms, c1 whole", "smg")].ratio == pytest.approx(2.0)
+    assert found[("req/s, c16 whole", "smg")].ratio == pytest.approx(0.25)
+    assert found[("CPU us/req, c16 whole", "smg")].ratio == pytest.approx(3.0)
+    workers = found[("req/s, c16 whole, 2 workers", "gateway")]
+    assert (workers.ratio, workers.goal) == (pytest.approx(1.9), ">= 1.8x")
+
+
+def test_workers_add_their_targets(bench: ModuleType) -> None:
+    args = bench.parse_args(["--targets", "direct,gateway", "--workers", "1,2,2,4"])
+    assert args.targets == ["direct", "gateway", "gateway-w2", "gateway-w4"]

@@ -46,6 +46,15 @@ def test_legs_encode_as_the_body_and_share_the_large_values() -> None:
     assert SharedEncoding(body).encode({"messages": messages})[0] == b"{"  # no own field
 
 
+def test_a_string_is_shared_by_its_encoded_size_not_its_length() -> None:
+    escaped, plain = "\x01" * 11, "a" * 11  # 68 and 13 bytes in JSON, 11 characters each
+    body = {"model": "m", "prompt": escaped, "suffix": plain}
+    pieces = SharedEncoding(body, least=64).encode(dict(body))
+    assert pieces[0] == b'{"model":"m","suffix":"aaaaaaaaaaa",'
+    assert pieces[1:] == (b'"prompt":', orjson.dumps(escaped), b"}")
+    assert orjson.loads(b"".join(pieces)) == body
+
+
 def test_the_transport_writes_a_shared_piece_as_it_is() -> None:
     shared = b'"prompt":"' + b"x" * 100_000 + b'"'
     request = Request("POST", Origin.of("http://d0"), "/v1/completions", (b'{"n":1,', shared, b"}"))
