@@ -75,16 +75,21 @@ class LiveOptions:
     the arrivals). ``concurrency``: requests in flight at most. ``timeout``: seconds
     one request may take (real time). ``prefix_index``: the simulators publish KV
     events and the gateway keeps a precise prefix index of them (``prefix.precise``),
-    which tells a policy that reads it how much of each prompt its decoder holds."""
+    which tells a policy that reads it how much of each prompt its decoder holds.
+    ``gateways``: gateway processes on one port (``listen.workers``: ``SO_REUSEPORT``,
+    the kernel spreads the client's connections over them), each with its own state."""
 
     sim_time_scale: float = 1.0
     concurrency: int = 256
     timeout: float = 600.0
     prefix_index: bool = True
+    gateways: int = 1
 
     def __post_init__(self) -> None:
         if self.sim_time_scale <= 0 or self.concurrency < 1 or self.timeout <= 0:
             raise ValueError("time scale and timeout must be > 0, concurrency >= 1")
+        if self.gateways < 1:
+            raise ValueError("gateways must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,7 +335,11 @@ def start_fleet(
 
 
 def _gateway_config(
-    fleet: FleetSpec, urls: dict[str, str], threshold: dict[str, Any], events: _Events
+    fleet: FleetSpec,
+    urls: dict[str, str],
+    threshold: dict[str, Any],
+    events: _Events,
+    gateways: int = 1,
 ) -> dict[str, Any]:
     pools: dict[str, dict[str, Any]] = {}
     for instance in fleet.instances:
@@ -350,7 +359,7 @@ def _gateway_config(
         pool["endpoints"].append({"name": instance.name, "url": endpoint.url})
     config: dict[str, Any] = {
         "version": 1,
-        "listen": {"host": "127.0.0.1", "port": 0},
+        "listen": {"host": "127.0.0.1", "port": 0, "workers": gateways},
         "connector": "nixl",
         "pools": list(pools.values()),
         "threshold": threshold,
@@ -428,7 +437,8 @@ def run_fleet_strategy(
         urls = {name: child.url for name, child in sims.items()}
         path = Path(tmp) / "gateway.yaml"
         threshold = live_threshold(strategy, options.sim_time_scale)
-        path.write_text(yaml.safe_dump(_gateway_config(served, urls, threshold, events)))
+        config = _gateway_config(served, urls, threshold, events, options.gateways)
+        path.write_text(yaml.safe_dump(config))
         gateway = start_child("gateway", python_command("serve", "--config", str(path)), timeout=60)
         stack.callback(stop_child, gateway)
         return anyio.run(
