@@ -25,6 +25,7 @@ in front of the simulators, built into a cached venv outside the clone.
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import tempfile
 import time
@@ -54,6 +55,7 @@ __all__ = [
     "LiveOptions",
     "live_threshold",
     "read_counters",
+    "read_decisions",
     "router_executable",
     "run_fleet_strategy",
     "run_target",
@@ -340,6 +342,7 @@ def _gateway_config(
     threshold: dict[str, Any],
     events: _Events,
     gateways: int = 1,
+    worker_port: int | None = None,
 ) -> dict[str, Any]:
     pools: dict[str, dict[str, Any]] = {}
     for instance in fleet.instances:
@@ -359,7 +362,12 @@ def _gateway_config(
         pool["endpoints"].append({"name": instance.name, "url": endpoint.url})
     config: dict[str, Any] = {
         "version": 1,
-        "listen": {"host": "127.0.0.1", "port": 0, "workers": gateways},
+        "listen": {
+            "host": "127.0.0.1",
+            "port": 0,
+            "workers": gateways,
+            "worker_metrics_port": worker_port,
+        },
         "connector": "nixl",
         "pools": list(pools.values()),
         "threshold": threshold,
@@ -437,10 +445,14 @@ def run_fleet_strategy(
         urls = {name: child.url for name, child in sims.items()}
         path = Path(tmp) / "gateway.yaml"
         threshold = live_threshold(strategy, options.sim_time_scale)
-        config = _gateway_config(served, urls, threshold, events, options.gateways)
+        worker_port = _free_ports(options.gateways) if options.gateways > 1 else None
+        config = _gateway_config(served, urls, threshold, events, options.gateways, worker_port)
         path.write_text(yaml.safe_dump(config))
         gateway = start_child("gateway", python_command("serve", "--config", str(path)), timeout=60)
         stack.callback(stop_child, gateway)
+        gateways = [gateway.url]
+        if worker_port is not None:
+            gateways = [f"http://127.0.0.1:{worker_port + i}" for i in range(options.gateways)]
         return anyio.run(
             _run_bound,
             gateway.url,
@@ -450,7 +462,43 @@ def run_fleet_strategy(
             strategy,
             list(urls.values()),
             progress,
+            gateways,
         )
+
+
+def _free_ports(count: int) -> int:
+    """The first of ``count`` consecutive ports free on loopback now (each worker of
+    a gateway serves its own ``/metrics`` on one)."""
+    for _ in range(100):
+        first = free_port()
+        try:
+            with ExitStack() as held:
+                for port in range(first, first + count):
+                    sock = held.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
+    raise RuntimeError(f"no {count} consecutive free ports on loopback")
+
+
+async def read_decisions(client: httpx.AsyncClient, urls: Sequence[str]) -> dict[str, int]:
+    """The threshold decisions by ``policy:reason`` that the gateways at ``urls`` made
+    (``pd_orchestrator_threshold_decisions_total``, summed; an unreadable one counts
+    none)."""
+    counts: dict[str, int] = {}
+    for url in urls:
+        response = await client.get(f"{url}/metrics")
+        if response.status_code != 200:
+            continue
+        for family in text_string_to_metric_families(response.text):
+            if family.name != "pd_orchestrator_threshold_decisions":
+                continue
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    key = f"{sample.labels['policy']}:{sample.labels['reason']}"
+                    counts[key] = counts.get(key, 0) + int(sample.value)
+    return counts
 
 
 async def _run_bound(
@@ -461,9 +509,10 @@ async def _run_bound(
     strategy: Strategy,
     metrics_urls: list[str],
     progress: Callable[[int], None] | None,
+    gateways: Sequence[str] = (),
 ) -> RunResult:
     await _wait_ready(url, "/ready")
-    return await run_target(
+    result = await run_target(
         url,
         workload,
         fleet.model,
@@ -474,6 +523,9 @@ async def _run_bound(
         metrics_urls=metrics_urls,
         progress=progress,
     )
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        result.reasons = await read_decisions(client, gateways)
+    return result
 
 
 async def _wait_ready(url: str, path: str, limit: float = 30.0) -> None:
