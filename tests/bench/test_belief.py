@@ -17,6 +17,7 @@ from pd_orchestrator.bench.strategies import resolve_strategies
 from pd_orchestrator.bench.virtual import VirtualFleet, VirtualOptions
 from pd_orchestrator.cli.bench import ROUTING_PRESETS
 from pd_orchestrator.model.hardware import get_profile
+from pd_orchestrator.policies.base import LatencyObservation
 from pd_orchestrator.policies.goodput import GoodputParams, GoodputPolicy
 from pd_orchestrator.policies.goodput_model import PoolModel
 from pd_orchestrator.policies.plugins import builtin_registry
@@ -112,3 +113,55 @@ def test_attainment_windows_split_requests_by_arrival() -> None:
     assert windows_rows([result], slo, 60.0)[0] == ["10-70s", "66.7% (3)"]
     with pytest.raises(ValueError):
         attainment_windows(result, slo, 0.0)
+
+
+def _served(policy: GoodputPolicy, pool: str, ttft: float, tokens: int, *, remote: bool) -> None:
+    cached = None if remote else 0
+    policy.observe(
+        LatencyObservation(
+            "m", pool, 0.0, ttft=ttft, prompt_tokens=tokens, cached_tokens=cached, remote=remote
+        )
+    )
+
+
+def test_prefill_rates_twice_too_optimistic_fall_to_the_truth_within_a_few_dozen_samples() -> None:
+    """A rate moves down by at most ``alpha * (1 - 1/1.5)`` a sample while it is more
+    than 1.5 times the sample, then by ``alpha`` of the gap: from x2, 80 cold prompts
+    served at the engine's speed bring both rates within 5% of it."""
+    right_fleet, right = _fleet_policy(None)
+    wrong_fleet, wrong = _fleet_policy(ProfileError(prefill=2.0))
+    truth, belief = _pool(right_fleet, right), _pool(wrong_fleet, wrong)
+    (decoder,) = wrong_fleet.decoders
+    tokens, hop = 4096, wrong.params.hop
+    local = truth.prefill_seconds(truth.rate_local, tokens, 0) + 2 * hop
+    remote = local - 2 * hop + tokens / wrong.params.transfer_tokens_per_s + 4 * hop
+    for _ in range(80):
+        _served(wrong, decoder.endpoint.pool, local, tokens, remote=False)
+        _served(wrong, decoder.endpoint.pool, remote, tokens, remote=True)
+    # what the wrong belief predicts for the prompt, against what it took
+    predicted = belief.prefill_seconds(belief.rate_local, tokens, 0)
+    assert predicted == pytest.approx(local - 2 * hop, rel=0.05)
+    assert belief.prefill_seconds(belief.rate_remote, tokens, 0) == pytest.approx(
+        local - 2 * hop, rel=0.05
+    )
+
+
+def test_a_link_five_times_slower_than_believed_is_absorbed_by_the_learnt_remote_rate() -> None:
+    """The transfer rate is a parameter, not learnt: a P/D sample's prefill is its
+    TTFT less the believed transfer, so a slower link shows as a slower remote rate,
+    and the remote path's estimate (prefill plus believed transfer) comes to what
+    the hand-over took."""
+    right_fleet, right = _fleet_policy(None)
+    wrong_fleet, wrong = _fleet_policy(ProfileError(transfer=5.0))
+    truth = _pool(right_fleet, right)
+    belief = _pool(wrong_fleet, wrong)
+    (decoder,) = wrong_fleet.decoders
+    tokens, hop = 8192, wrong.params.hop
+    link = right.params.transfer_tokens_per_s
+    took = truth.prefill_seconds(truth.rate_remote, tokens, 0) + tokens / link + 4 * hop
+    before = belief.prefill_seconds(belief.rate_remote, tokens, 0) + tokens / (5 * link)
+    assert took - 4 * hop - before == pytest.approx(0.8 * tokens / link)  # missed at first
+    for _ in range(80):
+        _served(wrong, decoder.endpoint.pool, took, tokens, remote=True)
+    after = belief.prefill_seconds(belief.rate_remote, tokens, 0) + tokens / (5 * link)
+    assert after == pytest.approx(took - 4 * hop, rel=0.01)
