@@ -407,7 +407,9 @@ def live_threshold(strategy: Strategy, time_scale: float = 1.0) -> dict[str, Any
     The gateway measures latencies on its own clock, on which a simulated second lasts
     ``time_scale`` seconds; the latency targets a policy block sets (``goodput``'s,
     ``slo-feedback``'s, at any depth) are stretched by it, so the policy holds the
-    simulated fleet to the targets the strategy names."""
+    simulated fleet to the targets the strategy names. ``goodput``'s knowledge (its
+    hardware profile, hop and seeded rates) is in simulated seconds: its block gets
+    ``time_scale``, which puts that knowledge on the gateway's clock."""
     if strategy.threshold is not None:
         block = strategy.threshold.model_dump(mode="json", exclude_unset=True)
         return cast(dict[str, Any], _stretched(block, time_scale))
@@ -427,6 +429,8 @@ def _stretched(block: Any, scale: float) -> Any:
         for name in _SLO_SECONDS.get(str(out.get("type")), ()):
             if isinstance(params.get(name), int | float):
                 params[name] = params[name] * scale
+        if out.get("type") == "goodput" and scale != 1.0:
+            params["time_scale"] = scale  # its knowledge is in simulated seconds
     return out
 
 
