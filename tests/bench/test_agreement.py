@@ -60,11 +60,15 @@ def test_virtual_and_live_agree_on_a_small_workload(name: str) -> None:
 
 def test_a_live_gateway_holds_the_simulated_fleet_to_the_strategy_s_targets() -> None:
     """At time scale 3 a simulated second lasts three on the gateway's clock: the
-    latency targets of the policy block (at any depth) are stretched by 3, nothing
-    else is."""
+    latency targets of the policy block (at any depth) are stretched by 3, and
+    ``goodput`` gets ``time_scale`` 3; nothing else changes."""
     (goodput, static) = resolve_strategies(["goodput", "static-0.5"], slo=Slo(0.5, 0.02))
     block = live_threshold(goodput, 3.0)
-    assert block["policy"]["params"] == {"ttft": pytest.approx(1.5), "tpot": pytest.approx(0.06)}
+    assert block["policy"]["params"] == {
+        "ttft": pytest.approx(1.5),
+        "tpot": pytest.approx(0.06),
+        "time_scale": 3.0,  # goodput's knowledge on the gateway's clock
+    }
     assert live_threshold(goodput) == goodput.threshold.model_dump(mode="json", exclude_unset=True)
     assert live_threshold(static, 3.0)["policy"] == {"type": "static", "value": 0.5}
     nested = {"type": "min", "children": [{"type": "slo-feedback", "params": {"itl_p99": 0.05}}]}
