@@ -25,6 +25,7 @@ in front of the simulators, built into a cached venv outside the clone.
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import tempfile
 import time
@@ -54,6 +55,7 @@ __all__ = [
     "LiveOptions",
     "live_threshold",
     "read_counters",
+    "read_decisions",
     "router_executable",
     "run_fleet_strategy",
     "run_target",
@@ -75,16 +77,21 @@ class LiveOptions:
     the arrivals). ``concurrency``: requests in flight at most. ``timeout``: seconds
     one request may take (real time). ``prefix_index``: the simulators publish KV
     events and the gateway keeps a precise prefix index of them (``prefix.precise``),
-    which tells a policy that reads it how much of each prompt its decoder holds."""
+    which tells a policy that reads it how much of each prompt its decoder holds.
+    ``gateways``: gateway processes on one port (``listen.workers``: ``SO_REUSEPORT``,
+    the kernel spreads the client's connections over them), each with its own state."""
 
     sim_time_scale: float = 1.0
     concurrency: int = 256
     timeout: float = 600.0
     prefix_index: bool = True
+    gateways: int = 1
 
     def __post_init__(self) -> None:
         if self.sim_time_scale <= 0 or self.concurrency < 1 or self.timeout <= 0:
             raise ValueError("time scale and timeout must be > 0, concurrency >= 1")
+        if self.gateways < 1:
+            raise ValueError("gateways must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,7 +337,12 @@ def start_fleet(
 
 
 def _gateway_config(
-    fleet: FleetSpec, urls: dict[str, str], threshold: dict[str, Any], events: _Events
+    fleet: FleetSpec,
+    urls: dict[str, str],
+    threshold: dict[str, Any],
+    events: _Events,
+    gateways: int = 1,
+    worker_port: int | None = None,
 ) -> dict[str, Any]:
     pools: dict[str, dict[str, Any]] = {}
     for instance in fleet.instances:
@@ -351,7 +363,12 @@ def _gateway_config(
         pool["endpoints"].append({"name": instance.name, "url": endpoint.url})
     config: dict[str, Any] = {
         "version": 1,
-        "listen": {"host": "127.0.0.1", "port": 0},
+        "listen": {
+            "host": "127.0.0.1",
+            "port": 0,
+            "workers": gateways,
+            "worker_metrics_port": worker_port,
+        },
         "connector": "nixl",
         "pools": list(pools.values()),
         "threshold": threshold,
@@ -391,7 +408,9 @@ def live_threshold(strategy: Strategy, time_scale: float = 1.0) -> dict[str, Any
     The gateway measures latencies on its own clock, on which a simulated second lasts
     ``time_scale`` seconds; the latency targets a policy block sets (``goodput``'s,
     ``slo-feedback``'s, at any depth) are stretched by it, so the policy holds the
-    simulated fleet to the targets the strategy names."""
+    simulated fleet to the targets the strategy names. ``goodput``'s knowledge (its
+    hardware profile, hop and seeded rates) is in simulated seconds: its block gets
+    ``time_scale``, which puts that knowledge on the gateway's clock."""
     if strategy.threshold is not None:
         block = strategy.threshold.model_dump(mode="json", exclude_unset=True)
         return cast(dict[str, Any], _stretched(block, time_scale))
@@ -411,6 +430,8 @@ def _stretched(block: Any, scale: float) -> Any:
         for name in _SLO_SECONDS.get(str(out.get("type")), ()):
             if isinstance(params.get(name), int | float):
                 params[name] = params[name] * scale
+        if out.get("type") == "goodput" and scale != 1.0:
+            params["time_scale"] = scale  # its knowledge is in simulated seconds
     return out
 
 
@@ -429,9 +450,14 @@ def run_fleet_strategy(
         urls = {name: child.url for name, child in sims.items()}
         path = Path(tmp) / "gateway.yaml"
         threshold = live_threshold(strategy, options.sim_time_scale)
-        path.write_text(yaml.safe_dump(_gateway_config(served, urls, threshold, events)))
+        worker_port = _free_ports(options.gateways) if options.gateways > 1 else None
+        config = _gateway_config(served, urls, threshold, events, options.gateways, worker_port)
+        path.write_text(yaml.safe_dump(config))
         gateway = start_child("gateway", python_command("serve", "--config", str(path)), timeout=60)
         stack.callback(stop_child, gateway)
+        gateways = [gateway.url]
+        if worker_port is not None:
+            gateways = [f"http://127.0.0.1:{worker_port + i}" for i in range(options.gateways)]
         return anyio.run(
             _run_bound,
             gateway.url,
@@ -441,7 +467,43 @@ def run_fleet_strategy(
             strategy,
             list(urls.values()),
             progress,
+            gateways,
         )
+
+
+def _free_ports(count: int) -> int:
+    """The first of ``count`` consecutive ports free on loopback now (each worker of
+    a gateway serves its own ``/metrics`` on one)."""
+    for _ in range(100):
+        first = free_port()
+        try:
+            with ExitStack() as held:
+                for port in range(first, first + count):
+                    sock = held.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
+    raise RuntimeError(f"no {count} consecutive free ports on loopback")
+
+
+async def read_decisions(client: httpx.AsyncClient, urls: Sequence[str]) -> dict[str, int]:
+    """The threshold decisions by ``policy:reason`` that the gateways at ``urls`` made
+    (``pd_orchestrator_threshold_decisions_total``, summed; an unreadable one counts
+    none)."""
+    counts: dict[str, int] = {}
+    for url in urls:
+        response = await client.get(f"{url}/metrics")
+        if response.status_code != 200:
+            continue
+        for family in text_string_to_metric_families(response.text):
+            if family.name != "pd_orchestrator_threshold_decisions":
+                continue
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    key = f"{sample.labels['policy']}:{sample.labels['reason']}"
+                    counts[key] = counts.get(key, 0) + int(sample.value)
+    return counts
 
 
 async def _run_bound(
@@ -452,9 +514,10 @@ async def _run_bound(
     strategy: Strategy,
     metrics_urls: list[str],
     progress: Callable[[int], None] | None,
+    gateways: Sequence[str] = (),
 ) -> RunResult:
     await _wait_ready(url, "/ready")
-    return await run_target(
+    result = await run_target(
         url,
         workload,
         fleet.model,
@@ -465,6 +528,9 @@ async def _run_bound(
         metrics_urls=metrics_urls,
         progress=progress,
     )
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        result.reasons = await read_decisions(client, gateways)
+    return result
 
 
 async def _wait_ready(url: str, path: str, limit: float = 30.0) -> None:

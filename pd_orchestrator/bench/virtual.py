@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import assert_never
 
+from pd_orchestrator.bench.belief import ProfileError
 from pd_orchestrator.bench.fleet import FleetSpec, InstanceSpec
 from pd_orchestrator.bench.prefill_picks import (
     PrefillLoad,
@@ -122,12 +123,14 @@ class VirtualOptions:
     between two load snapshots (the scraper's poll interval). ``handback``: the
     gateway's hand-back settings. ``prefix_index``: the planner knows each engine's
     cached prefix of a prompt, as a gateway with a precise prefix index does (off: as
-    a gateway without one)."""
+    a gateway without one). ``profile_error``: the ``goodput`` policy starts from a
+    belief this far off (:mod:`~pd_orchestrator.bench.belief`; None: right)."""
 
     hop: float = 0.002
     load_interval: float = LoadConfig().interval
     handback: HandbackConfig = field(default_factory=HandbackConfig)
     prefix_index: bool = True
+    profile_error: ProfileError | None = None
 
 
 class _KvIndex:
@@ -266,6 +269,9 @@ class VirtualFleet:
         self.kv_index = _KvIndex(self._by_name, pending)
         cache = self.kv_index if self.options.prefix_index else None
         self.planner = Planner(routing, strategy.resolver(), cache=cache)
+        error, resolver = self.options.profile_error, self.planner.threshold
+        if error is not None and resolver is not None:
+            error.apply(resolver.policy, [i.endpoint for i in self.instances])
         self.decoders = [i for i in self.instances if i.spec.role.decodes]
         self.prefillers = [i for i in self.instances if i.spec.role.prefills]
         self.itl_samples: array[float] = array("d")

@@ -34,7 +34,9 @@ import anyio
 import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
+from pd_orchestrator.bench.belief import ProfileError, misjudges, windows_rows
 from pd_orchestrator.bench.fleet import FLEETS, FleetSpec, preset_fleet
 from pd_orchestrator.bench.goodput import (
     GoodputSearch,
@@ -191,6 +193,22 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=1,
         help="virtual: pool each goodput probe over this many seeds of the workload",
     )
+    add(
+        "--profile-error",
+        type=ProfileError.parse,
+        action="append",
+        default=[],
+        metavar="prefill=F,transfer=G",
+        help="virtual: also run each goodput strategy from a belief this far off "
+        "(prefill rates x F, transfer rate x G; the simulated truth unchanged); repeatable",
+    )
+    add(
+        "--windows",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="also print each run's attainment per window of this many seconds of arrivals",
+    )
     add("--out", type=Path, default=None, help="output directory (default under bench-results/)")
     add("--no-plots", action="store_true")
     live = parser.add_argument_group("live runs")
@@ -200,6 +218,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     live.add_argument("--sim-time-scale", type=float, default=1.0, help="simulators' time scale")
     live.add_argument("--concurrency", type=int, default=256, help="requests in flight at most")
+    live.add_argument(
+        "--gateways",
+        default="1",
+        help="gateway processes on one port (serve --workers N, SO_REUSEPORT), each with "
+        "its own state; a comma-separated list runs each strategy once per count",
+    )
     live.add_argument("--vllm-router", action="store_true", help="also run vllm-router (P/D)")
     live.add_argument("--router-policy", default="round_robin", help="vllm-router's --policy")
     parser.set_defaults(handler=run)
@@ -271,6 +295,14 @@ def _run_virtual(
             results.append(VirtualFleet(fleet, strategy, routing, options).run(workload, advance))
             if not console.is_terminal:
                 console.print(f"{strategy.name}: {results[-1].wall_seconds:.1f}s", highlight=False)
+        for error in args.profile_error:
+            for strategy in filter(misjudges, strategies):
+                name = f"{strategy.name} ({error.describe()})"
+                advance = _tracked(progress, name, len(workload))
+                wrong = replace(options, profile_error=error)
+                result = VirtualFleet(fleet, strategy, routing, wrong).run(workload, advance)
+                result.strategy = name
+                results.append(result)
     return results
 
 
@@ -329,13 +361,30 @@ def _run_live(
                 _target, args.target, workload, fleet.model, options, args.metrics_url, advance
             )
             return [result]
+        counts = _gateway_counts(args.gateways)
         for strategy in strategies:
-            advance = _tracked(progress, strategy.name, len(workload))
-            results.append(run_fleet_strategy(fleet, strategy, workload, options, advance))
+            for count in counts:
+                name = strategy.name if len(counts) == 1 else f"{strategy.name} ({count} gw)"
+                advance = _tracked(progress, name, len(workload))
+                served = replace(options, gateways=count)
+                result = run_fleet_strategy(fleet, strategy, workload, served, advance)
+                result.strategy = name
+                results.append(result)
         if args.vllm_router:
             advance = _tracked(progress, "vllm-router", len(workload))
             results.append(run_vllm_router(fleet, workload, options, args.router_policy, advance))
     return results
+
+
+def _gateway_counts(text: str) -> list[int]:
+    """``--gateways``: counts of gateway processes, comma-separated, each >= 1."""
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--gateways {text!r}: expected counts like 1,2,4") from None
+    if not counts or min(counts) < 1:
+        raise ValueError(f"--gateways {text!r}: each count must be >= 1")
+    return counts
 
 
 async def _target(
@@ -430,8 +479,21 @@ def _report(
             plot_attainment(
                 out / "attainment.png", f"{workload.name}, {fleet.name}", searches, args.attainment
             )
+    if args.windows:
+        console.print(_windows_table(results, slo, args.windows))
     walls = ", ".join(f"{s.strategy} {s.wall_seconds:.1f}s" for s in summaries)
     console.print(f"wall time: {walls}\nresults in {out}/", highlight=False)
+
+
+def _windows_table(results: Sequence[RunResult], slo: Slo, length: float) -> Table:
+    """Each run's attainment (and request count) per window of arrivals."""
+    table = Table(title=f"attainment per {length:g} s of arrivals (requests)")
+    table.add_column("arrivals")
+    for result in results:
+        table.add_column(result.strategy, justify="right")
+    for row in windows_rows(results, slo, length):
+        table.add_row(*row)
+    return table
 
 
 def _seeded(
@@ -482,6 +544,7 @@ def run(args: argparse.Namespace) -> int:
         workload = build_workload(args.workload, options)
         workloads = _seeded(args, options, workload)
         _routing(args.routing)
+        _gateway_counts(args.gateways)
     except (ValueError, OSError, ConfigError) as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False)
         return 2

@@ -30,7 +30,7 @@ The ``instant`` profile has every constant at zero.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = ["PROFILES", "LatencyProfile", "get_profile"]
 
@@ -52,6 +52,24 @@ class LatencyProfile:
     capacity_tokens: int
     a_kv: float = 0.001
     link_bytes_per_s: float = 40e9
+
+    def on_clock(self, scale: float) -> LatencyProfile:
+        """This profile on a clock where one of its seconds lasts ``scale`` seconds (a
+        simulator run at ``--time-scale`` ``scale``, seen from outside): every time
+        constant times ``scale``, the link's bandwidth divided by it."""
+        if scale == 1.0:
+            return self
+        return replace(
+            self,
+            a_pf=self.a_pf * scale,
+            a_dec=self.a_dec * scale,
+            lin=self.lin * scale,
+            attn=self.attn * scale,
+            weights=self.weights * scale,
+            ctx_read=self.ctx_read * scale,
+            a_kv=self.a_kv * scale,
+            link_bytes_per_s=self.link_bytes_per_s / scale,
+        )
 
     def attention_seconds(self, new: int, cached: int) -> float:
         """Attention time of a prefill chunk of ``new`` tokens after ``cached`` ones."""

@@ -52,6 +52,7 @@ from pd_orchestrator.policies.goodput_model import (
     GoodputModel,
     GoodputParams,
     PoolModel,
+    on_clock,
     streams,
 )
 from pd_orchestrator.routing.interfaces import PluginContext
@@ -73,6 +74,7 @@ class GoodputPolicy:
     bounds: ClassVar[tuple[float, float]] = (0.0, 1.0)
 
     def __post_init__(self) -> None:
+        self.params = on_clock(self.params)
         self.model = GoodputModel(self.params)
 
     def decide(self, context: ThresholdContext) -> Route:

@@ -89,6 +89,7 @@ __all__ = [
     "GoodputParams",
     "PoolModel",
     "knowledge_of",
+    "on_clock",
     "profile_of",
     "seed_rate",
     "streams",
@@ -109,7 +110,9 @@ class GoodputParams(NoParams):
     ``hop`` (one leg's one-way latency), ``out_mean`` (the seed of the mean output,
     tokens), ``alpha`` (learning rate); ``prefill_attention``: seconds a prefilled
     token spends on each token before it (None: the known profile's when there is
-    one, else 0, a linear model). See the module docstring."""
+    one, else 0, a linear model). ``time_scale``: seconds of the gateway's clock
+    per second of the knowledge (a fleet of simulators run at ``--time-scale`` S: S;
+    see :func:`on_clock`). See the module docstring."""
 
     ttft: _Positive = 1.0
     tpot: _Positive = 0.03
@@ -121,6 +124,27 @@ class GoodputParams(NoParams):
     alpha: Annotated[float, Field(gt=0.0, le=1.0)] = 0.05
     tpot_goal: Annotated[float, Field(gt=0.0, le=1.0)] = 0.6
     prefill_attention: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] | None = None
+    time_scale: _Positive = 1.0
+
+
+def on_clock(params: GoodputParams) -> GoodputParams:
+    """``params`` with its prior knowledge on the gateway's clock: ``hop`` and
+    ``prefill_attention`` times ``time_scale``, the seeded rates divided by it (the
+    known profile and the seeded hand-over are scaled where they are read,
+    :meth:`GoodputModel.pool`); the
+    targets ``ttft`` and ``tpot`` are the gateway's own already."""
+    scale = params.time_scale
+    if scale == 1.0:
+        return params
+    attention, transfer = params.prefill_attention, params.transfer_tokens_per_s
+    return params.model_copy(
+        update={
+            "hop": params.hop * scale,
+            "prefill_tokens_per_s": params.prefill_tokens_per_s / scale,
+            "transfer_tokens_per_s": None if transfer is None else transfer / scale,
+            "prefill_attention": None if attention is None else attention * scale,
+        }
+    )
 
 
 def profile_of(endpoint: Endpoint) -> LatencyProfile | None:
@@ -144,6 +168,12 @@ def seed_rate(endpoint: Endpoint, default: float) -> float:
     matches its hardware and model, else ``default``."""
     profile = profile_of(endpoint)
     return 1.0 / profile.lin if profile is not None and profile.lin > 0 else default
+
+
+def _profile_on_clock(endpoint: Endpoint, scale: float) -> LatencyProfile | None:
+    """:func:`profile_of` ``endpoint`` on the gateway's clock (``time_scale`` ``scale``)."""
+    profile = profile_of(endpoint)
+    return None if profile is None else profile.on_clock(scale)
 
 
 def _mean(mean: float, sample: float, alpha: float) -> float:
@@ -255,8 +285,10 @@ class GoodputModel:
         """``endpoint``'s pool, seeded on first use (its seed depends on nothing learnt)."""
         model = self.pools.get(endpoint.pool)
         if model is None:
-            rate = seed_rate(endpoint, self.params.prefill_tokens_per_s)
-            profile = profile_of(endpoint)
+            profile = _profile_on_clock(endpoint, self.params.time_scale)
+            rate = self.params.prefill_tokens_per_s
+            if profile is not None and profile.lin > 0:
+                rate = 1.0 / profile.lin
             attn = self.params.prefill_attention
             if attn is None:
                 attn = profile.attn if profile is not None else 0.0
@@ -265,6 +297,8 @@ class GoodputModel:
                 model.handover = HandoverCosts(
                     profile.a_kv, profile.transfer_seconds(1) - profile.a_kv
                 )
+            else:
+                model.handover = HandoverCosts(0.0, self.params.time_scale / _SEED_TRANSFER)
             self.pools[endpoint.pool] = model
         return model
 

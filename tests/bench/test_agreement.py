@@ -60,12 +60,33 @@ def test_virtual_and_live_agree_on_a_small_workload(name: str) -> None:
 
 def test_a_live_gateway_holds_the_simulated_fleet_to_the_strategy_s_targets() -> None:
     """At time scale 3 a simulated second lasts three on the gateway's clock: the
-    latency targets of the policy block (at any depth) are stretched by 3, nothing
-    else is."""
+    latency targets of the policy block (at any depth) are stretched by 3, and
+    ``goodput`` gets ``time_scale`` 3; nothing else changes."""
     (goodput, static) = resolve_strategies(["goodput", "static-0.5"], slo=Slo(0.5, 0.02))
     block = live_threshold(goodput, 3.0)
-    assert block["policy"]["params"] == {"ttft": pytest.approx(1.5), "tpot": pytest.approx(0.06)}
+    assert block["policy"]["params"] == {
+        "ttft": pytest.approx(1.5),
+        "tpot": pytest.approx(0.06),
+        "time_scale": 3.0,  # goodput's knowledge on the gateway's clock
+    }
     assert live_threshold(goodput) == goodput.threshold.model_dump(mode="json", exclude_unset=True)
     assert live_threshold(static, 3.0)["policy"] == {"type": "static", "value": 0.5}
     nested = {"type": "min", "children": [{"type": "slo-feedback", "params": {"itl_p99": 0.05}}]}
     assert _stretched(nested, 2.0)["children"][0]["params"] == {"itl_p99": 0.1}
+
+
+@pytest.mark.timeout(120)
+def test_a_live_run_behind_two_gateway_processes_serves_every_request_once() -> None:
+    """``gateways=2``: two gateway processes on one port (``listen.workers``); every
+    request is served and each decision is counted once, summed over the workers'
+    own ``/metrics``."""
+    workload = build_workload(
+        "shared-prefix", WorkloadOptions(requests=12, rate=4.0, size_scale=0.5, seed=1)
+    )
+    (strategy,) = resolve_strategies(["goodput"])
+    options = LiveOptions(sim_time_scale=2.0, gateways=2)
+    result = run_fleet_strategy(preset_fleet("tiny"), strategy, workload, options)
+    summary = summarize(result, Slo())
+    assert summary.errors == 0 and summary.completed == len(workload)
+    goodput = {k: v for k, v in result.reasons.items() if k.startswith("goodput:")}
+    assert sum(goodput.values()) == len(workload), result.reasons
