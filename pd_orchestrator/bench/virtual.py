@@ -40,6 +40,12 @@ latency, the same for every leg):
   (:class:`~pd_orchestrator.prefix.pending.PendingBlocks`).
 * prefill-first (``always-pd``): a decoder and then a compatible prefiller are
   picked, then prefill and the decode leg as above (``pd``).
+* spill: on a fleet whose prefill pool spills, a strategy whose policy has no spill
+  rule of its own (every one but ``goodput``, whose policy sends :class:`Whole`)
+  takes the bench's plain rule (:mod:`~pd_orchestrator.bench.spill`) after planning:
+  when the plan's decoder is queued or crowded, the request is served whole, at
+  threshold 0, on the least-loaded compatible spilling prefiller (``decode``; reason
+  ``plain-spill:<why>``).
 * decode-only: every instance is a decoder and the threshold is 0 (``decode``).
 
 Not modelled: HTTP and gateway CPU time beyond the fixed ``hop`` (a real gateway
@@ -77,6 +83,7 @@ from pd_orchestrator.bench.prefill_picks import (
     llm_d_pick,
 )
 from pd_orchestrator.bench.results import RequestRecord, RunResult
+from pd_orchestrator.bench.spill import SpillLoad, plain_spill
 from pd_orchestrator.bench.strategies import Mode, Strategy
 from pd_orchestrator.bench.workloads import BenchRequest, Workload, digest_segments, materialize
 from pd_orchestrator.config.load import LoadConfig
@@ -220,6 +227,14 @@ class _Instance:
     def candidate(self) -> Candidate:
         return Candidate(self.endpoint, True, self.in_flight, self.load, self.backlog)
 
+    def spill_load(self) -> SpillLoad:
+        """What the plain spill rule reads of this instance
+        (:mod:`~pd_orchestrator.bench.spill`)."""
+        load = self.load
+        if load is None:
+            return SpillLoad(self.name, active_tokens=self.backlog, in_flight=self.in_flight)
+        return SpillLoad(self.name, load.waiting, load.kv_usage, self.backlog, self.in_flight)
+
     def enter(self, request: EngineRequest) -> None:
         """One more request in flight, its prompt in the backlog (and in ``routed``, all
         prompt tokens sent here) and its block hashes pending until its first output
@@ -274,6 +289,9 @@ class VirtualFleet:
             error.apply(resolver.policy, [i.endpoint for i in self.instances])
         self.decoders = [i for i in self.instances if i.spec.role.decodes]
         self.prefillers = [i for i in self.instances if i.spec.role.prefills]
+        resolver = self.planner.threshold
+        own_spill = resolver is not None and resolver.ranks_spill
+        self.spills_plainly = not own_spill and any(i.spec.spill for i in self.prefillers)
         self.itl_samples: array[float] = array("d")
         self.kv_bytes = 0
         self._events: list[tuple[float, int, Action]] = []
@@ -399,6 +417,22 @@ class VirtualFleet:
 
     def instance(self, name: str) -> _Instance:
         return self._by_name[name]
+
+    def spill_target(self, plan: Plan) -> _Instance | None:
+        """The spilling prefiller that serves the request whole by the bench's plain
+        spill rule (:mod:`~pd_orchestrator.bench.spill`), for a strategy whose policy
+        has no spill rule of its own on a fleet whose prefill pool spills; None
+        otherwise, or when the rule keeps the plan's decoder."""
+        if not self.spills_plainly or plan.decoder.spill:
+            return None
+        decoder = self.instance(plan.decoder.name)
+        spills = [self.instance(e.name) for e in plan.prefillers_for(plan.decoder) if e.spill]
+        picked = plain_spill(decoder.spill_load(), [i.spill_load() for i in spills])
+        if picked is None:
+            return None
+        name, why = picked
+        self.decisions[f"plain-spill:{why}"] += 1
+        return self.instance(name)
 
     def prefiller_for(self, ranked: Sequence[Endpoint], digest: PromptDigest) -> _Instance:
         """The prefiller of a P/D leg for ``digest`` among ``ranked`` (the prefill
@@ -535,6 +569,15 @@ class _Flow:
             self.fail(now, "no decoder")
             return
         plan = self.planned[0]
+        spill = fleet.spill_target(plan)
+        if spill is not None:  # the plain spill rule: whole on a spilling prefiller
+            self.decoder = spill
+            self.record.decoder = spill.name
+            self.record.decision = "decode"
+            self.record.threshold = 0.0
+            attempt = self.leg(self.digest, self.request.max_tokens, 0.0)
+            fleet.submit(spill, now + self.hop, attempt, self.on_attempt, self.fail)
+            return
         decoder = self.decoder = fleet.instance(plan.decoder.name)
         self.record.decoder = decoder.name
         if fleet.strategy.mode is Mode.PREFILL_FIRST:

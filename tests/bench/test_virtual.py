@@ -228,6 +228,32 @@ def test_a_spilling_fleet_serves_a_queued_decoder_s_prompts_whole_on_its_prefill
     assert {r.decoder for r in split.records} == {"h200-d0"}
 
 
+@pytest.mark.parametrize("strategy", ["llm-d", "static-0.0"])
+def test_every_strategy_spills_by_the_plain_rule_when_its_decoder_is_queued(strategy: str) -> None:
+    args = argparse.Namespace(fleet="tiny", decoders=None, prefillers=None, prefill_role="spill")
+    fleet = _fleet(args)
+    # 200 short prompts (kept local by both rules) in 2 s queue on the one decoder
+    burst = _workload(*((0.01 * k, (Segment(100 + k, 900),)) for k in range(200)))
+    spilled = _run(strategy, burst, fleet)
+    assert all(r.ok for r in spilled.records)
+    whole_on_p0 = [r for r in spilled.records if r.decoder == "h200-p0"]
+    assert whole_on_p0 and {r.decision for r in whole_on_p0} == {"decode"}
+    assert {r.prefiller for r in whole_on_p0} == {None}  # served whole, no P/D leg
+    assert spilled.reasons["plain-spill:queued"] == len(whole_on_p0)
+    # the same burst on the split fleet: every request on the decoder
+    split = _run(strategy, burst, preset_fleet("tiny"))
+    assert {r.decoder for r in split.records} == {"h200-d0"}
+    assert not any(k.startswith("plain-spill") for k in split.reasons)
+
+
+def test_goodput_spills_by_its_own_rule_not_the_plain_one() -> None:
+    args = argparse.Namespace(fleet="tiny", decoders=None, prefillers=None, prefill_role="spill")
+    burst = _workload(*((0.01 * k, (Segment(100 + k, 900),)) for k in range(200)))
+    result = _run("goodput", burst, _fleet(args))
+    assert result.reasons["goodput:spill"] > 0
+    assert not any(k.startswith("plain-spill") for k in result.reasons)
+
+
 @pytest.mark.parametrize("indexed", [True, False], ids=["prefix-index", "no-index"])
 def test_the_policy_sees_the_decoder_s_cached_prefix_as_a_precise_index_would(
     indexed: bool, monkeypatch: pytest.MonkeyPatch
