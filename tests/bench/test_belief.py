@@ -72,11 +72,16 @@ def test_a_prefill_error_multiplies_the_seeded_rates_and_divides_the_attention()
 def test_a_transfer_error_multiplies_the_believed_link_rate_only() -> None:
     right_fleet, right = _fleet_policy(None)
     wrong_fleet, wrong = _fleet_policy(ProfileError(transfer=5.0))
-    seed = GoodputParams().transfer_tokens_per_s
-    assert right.params.transfer_tokens_per_s == seed
-    assert wrong.params.transfer_tokens_per_s == pytest.approx(5 * seed)
-    assert wrong.model.params is wrong.params
-    assert _pool(wrong_fleet, wrong).rate_local == _pool(right_fleet, right).rate_local
+    truth, belief = _pool(right_fleet, right), _pool(wrong_fleet, wrong)
+    assert belief.handover.per_token == pytest.approx(truth.handover.per_token / 5)
+    assert belief.handover.fixed == truth.handover.fixed
+    assert belief.rate_local == truth.rate_local
+    # a link rate set in the parameters is the one multiplied
+    params = GoodputParams(transfer_tokens_per_s=100_000.0)
+    policy = GoodputPolicy(params)
+    ProfileError(transfer=5.0).apply(policy, [d.endpoint for d in right_fleet.decoders])
+    assert policy.params.transfer_tokens_per_s == pytest.approx(500_000.0)
+    assert policy.model.params is policy.params
 
 
 def test_only_strategies_with_a_goodput_policy_are_misjudged() -> None:
@@ -134,7 +139,7 @@ def test_prefill_rates_twice_too_optimistic_fall_to_the_truth_within_a_few_dozen
     (decoder,) = wrong_fleet.decoders
     tokens, hop = 4096, wrong.params.hop
     local = truth.prefill_seconds(truth.rate_local, tokens, 0) + 2 * hop
-    remote = local - 2 * hop + tokens / wrong.params.transfer_tokens_per_s + 4 * hop
+    remote = local - 2 * hop + wrong.model.handover(belief, tokens) + 4 * hop
     for _ in range(80):
         _served(wrong, decoder.endpoint.pool, local, tokens, remote=False)
         _served(wrong, decoder.endpoint.pool, remote, tokens, remote=True)
@@ -147,21 +152,21 @@ def test_prefill_rates_twice_too_optimistic_fall_to_the_truth_within_a_few_dozen
 
 
 def test_a_link_five_times_slower_than_believed_is_absorbed_by_the_learnt_remote_rate() -> None:
-    """The transfer rate is a parameter, not learnt: a P/D sample's prefill is its
-    TTFT less the believed transfer, so a slower link shows as a slower remote rate,
-    and the remote path's estimate (prefill plus believed transfer) comes to what
-    the hand-over took."""
+    """A P/D sample without the prefill answer's time: its prefill is its TTFT less
+    the believed hand-over, so a slower link shows as a slower remote rate, and the
+    remote path's estimate (prefill plus believed hand-over) comes to what it took."""
     right_fleet, right = _fleet_policy(None)
     wrong_fleet, wrong = _fleet_policy(ProfileError(transfer=5.0))
     truth = _pool(right_fleet, right)
     belief = _pool(wrong_fleet, wrong)
     (decoder,) = wrong_fleet.decoders
     tokens, hop = 8192, wrong.params.hop
-    link = right.params.transfer_tokens_per_s
-    took = truth.prefill_seconds(truth.rate_remote, tokens, 0) + tokens / link + 4 * hop
-    before = belief.prefill_seconds(belief.rate_remote, tokens, 0) + tokens / (5 * link)
-    assert took - 4 * hop - before == pytest.approx(0.8 * tokens / link)  # missed at first
+    link, believed = right.model.handover(truth, tokens), wrong.model.handover(belief, tokens)
+    took = truth.prefill_seconds(truth.rate_remote, tokens, 0) + link + 4 * hop
+    before = belief.prefill_seconds(belief.rate_remote, tokens, 0) + believed
+    assert took - 4 * hop - before == pytest.approx(link - believed)  # missed at first
+    assert believed < link
     for _ in range(80):
         _served(wrong, decoder.endpoint.pool, took, tokens, remote=True)
-    after = belief.prefill_seconds(belief.rate_remote, tokens, 0) + tokens / (5 * link)
+    after = belief.prefill_seconds(belief.rate_remote, tokens, 0) + believed
     assert after == pytest.approx(took - 4 * hop, rel=0.01)

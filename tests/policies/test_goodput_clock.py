@@ -10,9 +10,13 @@ from pd_orchestrator.bench.results import Slo
 from pd_orchestrator.bench.strategies import resolve_strategies
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.hardware import get_profile
+from pd_orchestrator.model.measured import knowledge_for
 from pd_orchestrator.policies.goodput import GoodputParams, GoodputPolicy
 
-H200 = Endpoint("d", "http://d:1", Role.DECODE, "h200", model="meta-llama/Llama-3.1-8B-Instruct")
+H200 = Endpoint(
+    "d", "http://d:1", Role.DECODE, "h200", model="meta-llama/Llama-3.1-8B-Instruct",
+    knowledge=knowledge_for("h200-llama3-8b"),
+)  # fmt: skip
 PROFILE = get_profile("h200-llama3-8b")
 
 
@@ -31,9 +35,7 @@ def test_a_profile_on_a_slower_clock_takes_that_much_longer_for_everything() -> 
 def test_time_scale_puts_the_seeds_and_the_profile_on_the_gateway_s_clock() -> None:
     plain, scaled = GoodputPolicy(GoodputParams()), GoodputPolicy(GoodputParams(time_scale=20.0))
     assert scaled.params.hop == pytest.approx(20 * plain.params.hop)
-    assert scaled.params.transfer_tokens_per_s == pytest.approx(
-        plain.params.transfer_tokens_per_s / 20
-    )
+    assert plain.params.transfer_tokens_per_s is scaled.params.transfer_tokens_per_s is None
     assert scaled.params.prefill_tokens_per_s == pytest.approx(
         plain.params.prefill_tokens_per_s / 20
     )
@@ -42,6 +44,11 @@ def test_time_scale_puts_the_seeds_and_the_profile_on_the_gateway_s_clock() -> N
     assert slow.local_seconds(4096, 4096) == pytest.approx(20 * fast.local_seconds(4096, 4096))
     assert scaled.model.stream_step(slow, 2048, 16) == pytest.approx(
         20 * plain.model.stream_step(fast, 2048, 16)
+    )
+    assert scaled.model.handover(slow, 8192) == pytest.approx(20 * plain.model.handover(fast, 8192))
+    bare = Endpoint("b", "http://b:1", Role.DECODE, "h200")  # seeds: the seeded hand-over too
+    assert scaled.model.handover(scaled.model.pool(bare), 8192) == pytest.approx(
+        20 * plain.model.handover(plain.model.pool(bare), 8192)
     )
 
 
