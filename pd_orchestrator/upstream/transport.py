@@ -212,7 +212,17 @@ class Transport(Protocol):
 
 # -- the socket transport ---------------------------------------------------------------------
 class _Connection(asyncio.Protocol):
-    """One keep-alive connection: the httptools parser fed from the socket."""
+    """One keep-alive connection: the httptools parser fed from the socket.
+
+    A lost connection is in no reference cycle, so it is freed as soon as the pool and
+    the response let go of it: the parser (which holds this protocol's callbacks) is
+    dropped when the connection is lost, and a failure is kept as its reason and raised
+    as a fresh :class:`ConnectionBroken` each time (a kept exception would hold, through
+    its traceback, the frames of the request that saw it). A pooled connection lives
+    long enough for the collector to count it old: were it cyclic garbage when it died,
+    it and the request it last served would wait for a full collection, which the
+    gateway's collector thresholds make rare (the soak saw its memory grow by the hour).
+    """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -232,7 +242,7 @@ class _Connection(asyncio.Protocol):
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
         self._paused = False
-        self._error: TransportError | None = None
+        self._broken: str | None = None
         self._waiter: asyncio.Future[None] | None = None
 
     # asyncio.Protocol
@@ -245,7 +255,7 @@ class _Connection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._fail(ConnectionBroken(f"invalid HTTP answer ({exc})"))
+            self._fail(f"invalid HTTP answer ({exc})")
             return
         if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
             self._paused = True
@@ -254,9 +264,10 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        del self._parser  # no data follows: the parser<->protocol cycle ends here
         if not self._complete:
             reason = "the connection closed before the answer ended"
-            self._fail(ConnectionBroken(reason if exc is None else f"{reason} ({exc})"))
+            self._fail(reason if exc is None else f"{reason} ({exc})")
 
     # httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -276,9 +287,9 @@ class _Connection(asyncio.Protocol):
         self._complete = True
 
     # used by the transport and the response
-    def _fail(self, error: TransportError) -> None:
-        if self._error is None:
-            self._error = error
+    def _fail(self, reason: str) -> None:
+        if self._broken is None:
+            self._broken = reason
         self._wake()
 
     def _wake(self) -> None:
@@ -316,8 +327,8 @@ class _Connection(asyncio.Protocol):
     async def head(self, seconds: float) -> None:
         """Wait for the status line and headers (``seconds`` between two reads)."""
         while not self._headers_done:
-            if self._error is not None:
-                raise self._error
+            if self._broken is not None:
+                raise ConnectionBroken(self._broken)
             await self._wait(seconds)
 
     @property
@@ -329,8 +340,8 @@ class _Connection(asyncio.Protocol):
         while not self._chunks:
             if self._complete:
                 return None
-            if self._error is not None:
-                raise self._error
+            if self._broken is not None:
+                raise ConnectionBroken(self._broken)
             await self._wait(seconds)
         piece = self._chunks.popleft()
         if len(self._chunks) > 1:  # coalesce what is already here into one piece
