@@ -215,8 +215,9 @@ class _Connection(asyncio.Protocol):
     """One keep-alive connection: the httptools parser fed from the socket.
 
     A lost connection is in no reference cycle, so it is freed as soon as the pool and
-    the response let go of it: the parser (which holds this protocol's callbacks) is
-    dropped when the connection is lost, and a failure is kept as its reason and raised
+    the response let go of it: the parser (which holds this protocol's callbacks) exists
+    only while connected (made with the connection, dropped when it is lost; a connect
+    that fails never makes one), and a failure is kept as its reason and raised
     as a fresh :class:`ConnectionBroken` each time (a kept exception would hold, through
     its traceback, the frames of the request that saw it). A pooled connection lives
     long enough for the collector to count it old: were it cyclic garbage when it died,
@@ -224,9 +225,10 @@ class _Connection(asyncio.Protocol):
     gateway's collector thresholds make rare (the soak saw its memory grow by the hour).
     """
 
+    _parser: httptools.HttpResponseParser  # while connected
+
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
@@ -249,6 +251,7 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it
         self.transport = cast(asyncio.Transport, transport)
+        self._parser = httptools.HttpResponseParser(self)
 
     def data_received(self, data: bytes) -> None:
         self._seen_bytes = True
