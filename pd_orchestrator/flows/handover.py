@@ -36,6 +36,7 @@ and for every continuation alike:
 
 from __future__ import annotations
 
+import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -125,10 +126,23 @@ class Handover:
     async def run(
         self, body: Json, path: str, kind: Kind, *, original_prompt: bool
     ) -> HandoverResult:
-        """Prefill ``body`` and decode it on the decoder with the threshold it carries."""
+        """Prefill ``body`` and decode it on the decoder with the threshold it carries.
+
+        When it ends, nothing of it is left in a reference cycle (tenacity's kept actions,
+        the last failure's traceback through tenacity's frame): the hand-over, its legs
+        and the request's body are freed then, not at a full collection, which the
+        gateway's collector thresholds make rare."""
         shape = _Shape(body, path, kind, original_prompt)
         deadline = self.clock() + self.config.prefill_budget + self.legs.allowance()
-        return await self._retrying(deadline)(self._attempt, shape, deadline, [])
+        retrying = self._retrying(deadline)
+        try:
+            return await retrying(self._attempt, shape, deadline, [])
+        except BaseException as exc:
+            # its traceback holds tenacity's finished frame, which holds it
+            traceback.clear_frames(exc.__traceback__)
+            raise
+        finally:
+            retrying.iter_state.reset()  # its last actions: methods of itself
 
     async def _attempt(self, shape: _Shape, deadline: float, tried: list[str]) -> HandoverResult:
         """One prefill attempt, on the next prefiller (:meth:`_next`)."""

@@ -212,11 +212,23 @@ class Transport(Protocol):
 
 # -- the socket transport ---------------------------------------------------------------------
 class _Connection(asyncio.Protocol):
-    """One keep-alive connection: the httptools parser fed from the socket."""
+    """One keep-alive connection: the httptools parser fed from the socket.
+
+    A lost connection is in no reference cycle, so it is freed as soon as the pool and
+    the response let go of it: the parser (which holds this protocol's callbacks) exists
+    only while connected (made with the connection, dropped when it is lost; a connect
+    that fails never makes one), and a failure is kept as its reason and raised
+    as a fresh :class:`ConnectionBroken` each time (a kept exception would hold, through
+    its traceback, the frames of the request that saw it). A pooled connection lives
+    long enough for the collector to count it old: were it cyclic garbage when it died,
+    it and the request it last served would wait for a full collection, which the
+    gateway's collector thresholds make rare (the soak saw its memory grow by the hour).
+    """
+
+    _parser: httptools.HttpResponseParser  # while connected
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
@@ -232,20 +244,21 @@ class _Connection(asyncio.Protocol):
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
         self._paused = False
-        self._error: TransportError | None = None
+        self._broken: str | None = None
         self._waiter: asyncio.Future[None] | None = None
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it
         self.transport = cast(asyncio.Transport, transport)
+        self._parser = httptools.HttpResponseParser(self)
 
     def data_received(self, data: bytes) -> None:
         self._seen_bytes = True
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._fail(ConnectionBroken(f"invalid HTTP answer ({exc})"))
+            self._fail(f"invalid HTTP answer ({exc})")
             return
         if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
             self._paused = True
@@ -254,9 +267,10 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        del self._parser  # no data follows: the parser<->protocol cycle ends here
         if not self._complete:
             reason = "the connection closed before the answer ended"
-            self._fail(ConnectionBroken(reason if exc is None else f"{reason} ({exc})"))
+            self._fail(reason if exc is None else f"{reason} ({exc})")
 
     # httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -276,9 +290,9 @@ class _Connection(asyncio.Protocol):
         self._complete = True
 
     # used by the transport and the response
-    def _fail(self, error: TransportError) -> None:
-        if self._error is None:
-            self._error = error
+    def _fail(self, reason: str) -> None:
+        if self._broken is None:
+            self._broken = reason
         self._wake()
 
     def _wake(self) -> None:
@@ -316,8 +330,8 @@ class _Connection(asyncio.Protocol):
     async def head(self, seconds: float) -> None:
         """Wait for the status line and headers (``seconds`` between two reads)."""
         while not self._headers_done:
-            if self._error is not None:
-                raise self._error
+            if self._broken is not None:
+                raise ConnectionBroken(self._broken)
             await self._wait(seconds)
 
     @property
@@ -329,8 +343,8 @@ class _Connection(asyncio.Protocol):
         while not self._chunks:
             if self._complete:
                 return None
-            if self._error is not None:
-                raise self._error
+            if self._broken is not None:
+                raise ConnectionBroken(self._broken)
             await self._wait(seconds)
         piece = self._chunks.popleft()
         if len(self._chunks) > 1:  # coalesce what is already here into one piece

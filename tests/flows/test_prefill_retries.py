@@ -3,10 +3,12 @@ it waits, and that the budget's deadline ends it."""
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import anyio
 import pytest
+from tenacity import AsyncRetrying
 
 from connectors import get_connector
 from pd_orchestrator.config.settings import UpstreamConfig
@@ -113,3 +115,57 @@ async def test_the_backoff_is_full_jitter_exponential_capped_at_two_seconds() ->
         waits = [wait(state) for _ in range(200)]
         assert all(0.0 <= w <= bound for w in waits)
         assert max(waits) > bound * 0.8  # the window is used, not a fixed pause
+
+
+class _Legs:
+    def allowance(self) -> float:
+        return 0.0
+
+
+class _Scripted(Handover):
+    """A hand-over whose attempts fail ``failures`` times (the prefiller's retryable
+    failure), then succeed."""
+
+    failures = 0
+
+    async def _attempt(self, shape: Any, deadline: float, tried: list[str]) -> HandoverResult:
+        self.prefiller = PREFILLER
+        tried.append(PREFILLER.name)
+        if len(tried) <= self.failures:
+            raise _unavailable()
+        return HandoverResult(leg=None, prefiller=PREFILLER)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("failures", [0, 1, 3], ids=["first", "retried", "all-failed"])
+async def test_a_finished_handover_leaves_no_reference_cycle(failures: int) -> None:
+    """The retrying object, the hand-over and its legs are freed by reference counting
+    when the hand-over ends, succeeded or failed: tenacity's kept actions and the last
+    failure's traceback (through tenacity's frame) would otherwise hold them until a
+    full collection, which the gateway's collector thresholds make rare."""
+    config = UpstreamConfig(prefill_attempts=3, retry_backoff=0.001)
+    gc.collect()
+    before = {id(o) for o in gc.get_objects()}
+    gc.disable()  # what is left must be freed by reference counting alone
+    try:
+        for _ in range(20):
+            handover = _Scripted(
+                _Legs(), get_connector("nixl"), DECODER, (PREFILLER,), config, Clock()
+            )  # type: ignore[arg-type]
+            handover.failures = failures
+            try:
+                result = await handover.run(
+                    {}, "/v1/completions", "completion", original_prompt=True
+                )  # type: ignore[arg-type]
+            except UpstreamUnavailable:
+                assert failures == 3
+            else:
+                assert result.prefiller is PREFILLER and failures < 3
+        del handover
+        left = [
+            o
+            for o in gc.get_objects()
+            if isinstance(o, AsyncRetrying | Handover) and id(o) not in before
+        ]
+    finally:
+        gc.enable()
+    assert left == []

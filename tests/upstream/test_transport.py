@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -19,6 +20,7 @@ from pd_orchestrator.upstream.transport import (
     ReadTimedOut,
     Request,
     Timeouts,
+    _Connection,
 )
 
 pytestmark = pytest.mark.anyio
@@ -227,3 +229,47 @@ async def test_closing_an_answer_early_closes_its_connection() -> None:
         with anyio.fail_after(3):
             await closed.wait()
         await transport.aclose()
+
+
+def _connections() -> int:
+    return sum(1 for o in gc.get_objects() if isinstance(o, _Connection))
+
+
+async def test_finished_connections_are_freed_without_the_cycle_collector() -> None:
+    """A connection that broke, or that its server closed after the answer, is in no
+    reference cycle: it is freed (with the answer and the failure it last held) as soon
+    as the pool lets go of it, not at a full collection, which the gateway's collector
+    thresholds make rare (the soak's gateway grew by the hour)."""
+
+    async def cut_or_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        body = await _request_body(reader)
+        if body == b"cut":
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly a part")
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
+        await writer.drain()
+
+    requests, broken = 40, 0
+    gc.collect()
+    before = _connections()
+    gc.disable()  # what is left must be freed by reference counting alone
+    try:
+        async with server(cut_or_close) as (origin, accepted):
+            transport = HttpTransport()
+            for i in range(requests):
+                response = await transport.send(_post(origin, b"cut" if i % 2 else b"{}"), TIMEOUTS)
+                try:
+                    assert await response.read() == b"ok"
+                except ConnectionBroken:
+                    broken += 1
+                finally:
+                    await response.aclose()
+            del response
+            await transport.aclose()
+        for _ in range(10):  # every loss delivered
+            await asyncio.sleep(0)
+        left = _connections() - before
+    finally:
+        gc.enable()
+    assert len(accepted) == requests and broken == requests // 2
+    assert left == 0
