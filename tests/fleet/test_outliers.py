@@ -113,17 +113,24 @@ def test_a_request_answered_brings_it_back_too() -> None:
     assert fleet.is_healthy("d0")
 
 
-def test_ejection_time_grows_with_each_ejection_up_to_the_maximum() -> None:
-    fleet, clock, ejected = _fleet(base_ejection_time=10.0, max_ejection_time=25.0)
+def _ejections(fleet: FleetState, clock: Clock, times: int, stay: float) -> list[float]:
+    """Eject d0 ``times`` times, each time back in routing for ``stay`` seconds after
+    its ejection ends; the seconds of each ejection."""
     seconds = []
-    for _ in range(3):
+    for _ in range(times):
         _fail(fleet, "d0", 5)
         outlier = fleet.outlier_of("d0")
         assert outlier is not None and outlier.ejected_until is not None
         seconds.append(outlier.ejected_until - clock.now)
         clock.now = outlier.ejected_until
         fleet.record_check("d0", True)
-    assert seconds == [10.0, 20.0, 25.0] and len(ejected) == 3
+        clock.now += stay
+    return seconds
+
+
+def test_ejection_time_grows_with_each_ejection_up_to_the_maximum() -> None:
+    fleet, clock, ejected = _fleet(base_ejection_time=10.0, max_ejection_time=25.0)
+    assert _ejections(fleet, clock, 3, stay=0.0) == [10.0, 20.0, 25.0] and len(ejected) == 3
 
 
 def test_the_count_of_ejections_starts_over_after_a_long_stay() -> None:
@@ -140,16 +147,8 @@ def test_the_count_of_ejections_starts_over_after_a_long_stay() -> None:
 def test_each_interval_back_in_routing_takes_one_ejection_off() -> None:
     # A decoder restarted once a minute: 2 s base, back in routing 50 s of each minute.
     fleet, clock, _ = _fleet(base_ejection_time=2.0, max_ejection_time=300.0)
-    seconds = []
-    for _ in range(5):
-        _fail(fleet, "d0", 5)
-        outlier = fleet.outlier_of("d0")
-        assert outlier is not None and outlier.ejected_until is not None
-        seconds.append(outlier.ejected_until - clock.now)
-        clock.now = outlier.ejected_until
-        fleet.record_check("d0", True)
-        clock.now += 50.0
-    assert seconds == [2.0] * 5  # not 2, 4, 6, 8, 10: each minute's stay took them off
+    # not 2, 4, 6, 8, 10: each minute's stay took them off
+    assert _ejections(fleet, clock, 5, stay=50.0) == [2.0] * 5
 
 
 def test_an_endpoint_failing_again_soon_after_its_return_stays_out_longer() -> None:
