@@ -164,16 +164,13 @@ def knowledge_of(endpoint: Endpoint) -> str:
 
 
 def seed_rate(endpoint: Endpoint, default: float) -> float:
-    """Prefill tokens per second of ``endpoint`` by its hardware profile when one
-    matches its hardware and model, else ``default``."""
-    profile = profile_of(endpoint)
+    """Prefill tokens per second of ``endpoint`` by its known profile, else
+    ``default``."""
+    return _rate_of(profile_of(endpoint), default)
+
+
+def _rate_of(profile: LatencyProfile | None, default: float) -> float:
     return 1.0 / profile.lin if profile is not None and profile.lin > 0 else default
-
-
-def _profile_on_clock(endpoint: Endpoint, scale: float) -> LatencyProfile | None:
-    """:func:`profile_of` ``endpoint`` on the gateway's clock (``time_scale`` ``scale``)."""
-    profile = profile_of(endpoint)
-    return None if profile is None else profile.on_clock(scale)
 
 
 def _mean(mean: float, sample: float, alpha: float) -> float:
@@ -265,6 +262,20 @@ class DutyCycle:
         self.at = max(self.at, now)
 
 
+def _seeded_pool(profile: LatencyProfile | None, params: GoodputParams) -> PoolModel:
+    """A pool's model before anything is learnt: from ``profile`` (already on the
+    gateway's clock) when known, else from the seeds in ``params``."""
+    rate = _rate_of(profile, params.prefill_tokens_per_s)
+    attn = params.prefill_attention
+    if attn is None:
+        attn = profile.attn if profile is not None else 0.0
+    if profile is not None:
+        handover = HandoverCosts(profile.a_kv, profile.transfer_seconds(1) - profile.a_kv)
+    else:
+        handover = HandoverCosts(0.0, params.time_scale / _SEED_TRANSFER)
+    return PoolModel(rate, rate, profile=profile, seed=rate, attn=attn, handover=handover)
+
+
 @dataclass(slots=True)
 class GoodputModel:
     """The cost model of the module docstring: the learnt state (``pools``, ``duty``,
@@ -285,21 +296,10 @@ class GoodputModel:
         """``endpoint``'s pool, seeded on first use (its seed depends on nothing learnt)."""
         model = self.pools.get(endpoint.pool)
         if model is None:
-            profile = _profile_on_clock(endpoint, self.params.time_scale)
-            rate = self.params.prefill_tokens_per_s
-            if profile is not None and profile.lin > 0:
-                rate = 1.0 / profile.lin
-            attn = self.params.prefill_attention
-            if attn is None:
-                attn = profile.attn if profile is not None else 0.0
-            model = PoolModel(rate, rate, profile=profile, seed=rate, attn=attn)
+            profile = profile_of(endpoint)
             if profile is not None:
-                model.handover = HandoverCosts(
-                    profile.a_kv, profile.transfer_seconds(1) - profile.a_kv
-                )
-            else:
-                model.handover = HandoverCosts(0.0, self.params.time_scale / _SEED_TRANSFER)
-            self.pools[endpoint.pool] = model
+                profile = profile.on_clock(self.params.time_scale)
+            model = self.pools[endpoint.pool] = _seeded_pool(profile, self.params)
         return model
 
     def handover(self, model: PoolModel, tokens: float) -> float:

@@ -37,19 +37,11 @@ H200 = PROFILES["h200-llama3-8b"]
 def _slow(factor: float, link_factor: float) -> LatencyProfile:
     """The H200 profile ``factor`` times slower (its link ``link_factor`` times): long
     enough steps that a busy machine's overheads stay small beside them."""
-    p = H200
     return dataclasses.replace(
-        p,
+        H200.on_clock(factor),
         name="slow",
         model="sim-model",
-        a_pf=p.a_pf * factor,
-        a_dec=p.a_dec * factor,
-        lin=p.lin * factor,
-        attn=p.attn * factor,
-        weights=p.weights * factor,
-        ctx_read=p.ctx_read * factor,
-        a_kv=p.a_kv * factor,
-        link_bytes_per_s=p.link_bytes_per_s / link_factor,
+        link_bytes_per_s=H200.link_bytes_per_s / link_factor,
     )
 
 
