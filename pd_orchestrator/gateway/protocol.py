@@ -51,7 +51,11 @@ relayed request, one upstream and one to the client: the least there can be).
 
 The two timeouts share one timer per connection, armed lazily: a request moves a
 deadline (a float), and the timer, when it fires early, re-arms itself for the
-deadline it finds -- no timer is created or cancelled per request.
+deadline it finds -- no timer is created or cancelled per request. A timer that
+finds its wait over, and uvicorn's keep-alive timer, close the connection only after
+one more read of its socket (:data:`LAST_LOOK`): an event loop held up for longer than
+a timeout runs its due timers before it reads, and a request a client sent in time
+would otherwise be cut by a reset.
 """
 
 from __future__ import annotations
@@ -90,6 +94,11 @@ TOO_MANY_FROM_PEER = "this client has too many connections open to the gateway; 
 PROBE_PATHS = frozenset({b"/health", b"/ready", b"/metrics"})
 """What the probe port answers."""
 PROBE_CONNECTIONS = 64
+LAST_LOOK = 0.001
+"""Seconds a timed-out connection is kept for one more read of its socket before it is
+closed: an event loop that was held up runs its due timers before it reads what
+arrived meanwhile (uvloop's does), and would close a connection over a request sent
+in time."""
 """Connections the probe port holds at once (apart from the main port's cap)."""
 _Waiting = Literal["request", "head", "body"]
 """What a connection's deadline waits for: a first request (nothing sent yet), the
@@ -386,16 +395,27 @@ def limited_protocol(
             if self._timer is None:
                 self._timer = self.loop.call_at(self._deadline, self._check)
 
-        def _check(self) -> None:
-            """The timer: re-armed for a deadline that moved, else the wait timed out."""
+        def _check(self, last: bool = False) -> None:
+            """The timer: re-armed for a deadline that moved; past it, one last look
+            (:data:`LAST_LOOK`) for bytes that arrived while the loop was held up, then
+            the wait timed out."""
             self._timer = None
             deadline = self._deadline
             if deadline is None or self.transport.is_closing():
                 return
             if self.loop.time() < deadline:
                 self._timer = self.loop.call_at(deadline, self._check)
-                return
-            self._timed_out()
+            elif not last:
+                self._timer = self.loop.call_later(LAST_LOOK, self._check, True)
+            else:
+                self._timed_out()
+
+        def timeout_keep_alive_handler(self) -> None:
+            """uvicorn's keep-alive timer: the idle connection is closed after one last
+            look (:data:`LAST_LOOK`) for a request that arrived while the loop was held
+            up (reading it cancels the close, as it cancels this timer)."""
+            close = super().timeout_keep_alive_handler
+            self.timeout_keep_alive_task = self.loop.call_later(LAST_LOOK, close)
 
         def _timed_out(self) -> None:
             """408 for a request begun and not answered yet; otherwise close quietly
