@@ -526,15 +526,17 @@ class Legs:
                     leg.backlog, leg.blocks = 0, ()
                     self._closed(leg, stream.done)
                 return
-        if leg.error is not None:  # an answer in hand (its leg was accounted) found faulty
-            self._failure(leg.endpoint, leg.error, leg.phase)
+        error, leg.error = leg.error, None  # its traceback holds the leg: a cycle
+        if error is not None:  # an answer in hand (its leg was accounted) found faulty
+            self._failure(leg.endpoint, error, leg.phase)
 
     def _closed(self, leg: Leg, done: bool) -> None:
         """Account for a leg that ended: read to its end (``done``: a stream's
         ``[DONE]``, or a whole answer), closed before it, or broken."""
         name = leg.endpoint.name
-        if leg.error is not None:
-            self._failed_leg(leg.endpoint, leg.error, leg.phase, leg.span)
+        error, leg.error = leg.error, None  # its traceback holds the leg: a cycle
+        if error is not None:
+            self._failed_leg(leg.endpoint, error, leg.phase, leg.span)
             return
         ended = done or leg.ended
         if leg.phase == "decode_attempt" and (ended or leg.decisive) and _rejects(leg.decisive):

@@ -366,6 +366,19 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
+def _untraced(exc: BaseException) -> None:
+    """Drop the tracebacks of ``exc`` and of the exceptions it chains: a failed connect's
+    traceback holds ``asyncio.wait_for``'s frame, which holds the future that holds
+    ``exc`` -- a cycle that would keep them until a full collection. What is kept of a
+    failed connect is its message."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # a chain is short; bounded all the same
+        if seen is None:
+            return
+        seen.__traceback__ = None
+        seen = seen.__cause__ or seen.__context__
+
+
 def _expire(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_exception(ReadTimedOut("no answer within the read timeout"))
@@ -474,8 +487,10 @@ class _Pool:
                 seconds,
             )
         except TimeoutError as exc:
+            _untraced(exc)
             raise ConnectFailed(f"connect timed out after {seconds:g} s") from exc
         except OSError as exc:
+            _untraced(exc)
             message = exc.strerror or type(exc).__name__
             resource = own_resource(exc)
             if resource is not None:

@@ -3,6 +3,7 @@ it, the prefill side's retries and fallback, and what the fleet learns from them
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import anyio
@@ -326,3 +327,58 @@ async def test_a_request_that_sent_its_budget_is_answered_502_without_another_le
     with pytest.raises(GatewayError) as raised:
         await flow.run(renderer_for(request, flow.transcript, Sink(), anyio.current_time))
     assert raised.value.status == 502 and script.seen == []
+
+
+def _broken_mid_stream() -> Script:
+    broken = _stream(_completion_chunk([5], first=True), done=False, error=ConnectionBroken("x"))
+    return Script(
+        {
+            "d0": [broken],
+            "d1": [_stream(_completion_chunk([6, 7, 8], "length"))],
+            "p0": [_prefilled],
+        }
+    )
+
+
+def _error_event_mid_stream() -> Script:
+    error = {"error": {"message": "boom", "type": "InternalServerError", "code": 500}}
+    return Script(
+        {
+            "d0": [_stream(_completion_chunk([5], first=True), error, done=False)],
+            "d1": [_stream(_completion_chunk([6, 7, 8], "length"))],
+            "p0": [_prefilled],
+        }
+    )
+
+
+def _cut_then_whole() -> Script:
+    return Script({"d0": [_cut_whole], "d1": [_whole(_answer([5, 6, 7, 8]))]})
+
+
+@pytest.mark.parametrize(
+    ("script", "body"),
+    [(_broken_mid_stream, STREAM), (_error_event_mid_stream, STREAM), (_cut_then_whole, WHOLE)],
+    ids=["broken-stream", "error-event", "cut-whole"],
+)
+async def test_a_recovered_request_leaves_no_reference_cycle(script: Any, body: Any) -> None:
+    """A request whose leg failed and was recovered is freed by reference counting
+    when it ends: a failed leg keeps its error for its accounting, and the error's
+    traceback holds the leg's own frame, so the leg, the flow and the request would
+    otherwise wait for a full collection, which the gateway's collector thresholds
+    make rare (the soak's memory grew so, +5.9% in 40 minutes)."""
+    gc.collect()
+    before = {id(o) for o in gc.get_objects()}
+    gc.disable()  # what is left must be freed by reference counting alone
+    try:
+        for _ in range(5):
+            run = await _serve(script(), body)
+            assert run.flow.recoveries + (run.flow.decoder == D1) >= 1
+            del run
+        left = [
+            type(o).__name__
+            for o in gc.get_objects()
+            if isinstance(o, Flow | Legs | BaseException) and id(o) not in before
+        ]
+    finally:
+        gc.enable()
+    assert left == []

@@ -99,7 +99,10 @@ async def _pieces(pieces: list[bytes], error: Exception | None = None) -> AsyncI
         yield piece
         await anyio.lowlevel.checkpoint()
     if error is not None:
-        raise error
+        try:
+            raise error
+        finally:
+            del error  # this frame, in the error's traceback, would hold it: a cycle
 
 
 @dataclass
