@@ -155,6 +155,13 @@ class Leg:
         except MalformedChunk as exc:
             raise self.fault(str(exc)) from None
 
+    def take_error(self) -> UpstreamError | None:
+        """The leg's error, if it failed, which the leg then lets go of: the error's
+        traceback holds the leg's frames, a cycle that would keep the leg and its whole
+        request until a full collection."""
+        error, self.error = self.error, None
+        return error
+
     def fault(self, message: str) -> UpstreamProtocolError:
         """The leg's answer is not what vLLM sends: a protocol error of its endpoint,
         which the leg keeps (reported when it is closed) and returns to be raised."""
@@ -526,7 +533,7 @@ class Legs:
                     leg.backlog, leg.blocks = 0, ()
                     self._closed(leg, stream.done)
                 return
-        error, leg.error = leg.error, None  # its traceback holds the leg: a cycle
+        error = leg.take_error()
         if error is not None:  # an answer in hand (its leg was accounted) found faulty
             self._failure(leg.endpoint, error, leg.phase)
 
@@ -534,7 +541,7 @@ class Legs:
         """Account for a leg that ended: read to its end (``done``: a stream's
         ``[DONE]``, or a whole answer), closed before it, or broken."""
         name = leg.endpoint.name
-        error, leg.error = leg.error, None  # its traceback holds the leg: a cycle
+        error = leg.take_error()
         if error is not None:
             self._failed_leg(leg.endpoint, error, leg.phase, leg.span)
             return

@@ -94,12 +94,12 @@ TOO_MANY_FROM_PEER = "this client has too many connections open to the gateway; 
 PROBE_PATHS = frozenset({b"/health", b"/ready", b"/metrics"})
 """What the probe port answers."""
 PROBE_CONNECTIONS = 64
+"""Connections the probe port holds at once (apart from the main port's cap)."""
 LAST_LOOK = 0.001
 """Seconds a timed-out connection is kept for one more read of its socket before it is
 closed: an event loop that was held up runs its due timers before it reads what
 arrived meanwhile (uvloop's does), and would close a connection over a request sent
 in time."""
-"""Connections the probe port holds at once (apart from the main port's cap)."""
 _Waiting = Literal["request", "head", "body"]
 """What a connection's deadline waits for: a first request (nothing sent yet), the
 rest of a head, the rest of a body."""
