@@ -8,7 +8,11 @@ outputs are delivered ``duration`` later, and the next step starts then; request
 added meanwhile wait for that next step.
 
 Flows (what the gateway does, in virtual time; ``hop`` is one HTTP leg's one-way
-latency, the same for every leg):
+latency, the same for every leg). Every request is driven through the gateway's own
+flow machine (:class:`~pd_orchestrator.flows.machine.FlowMachine`): what follows the
+attempt, P/D or the decoder alone, each hand-back and what continues it are its
+decisions, as in :class:`~pd_orchestrator.flows.flow.Flow`; this module only carries
+them out on the engines (``_Flow``), so a change to the flow is made once:
 
 * decode-first: the gateway's own planner
   (:class:`~pd_orchestrator.planner.plan.Planner`) plans each request -- decoder,
@@ -29,7 +33,8 @@ latency, the same for every leg):
   after it produced tokens is handed back: prompt + generated tokens are prefilled
   and decoded again with the remaining ``max_tokens`` on the plan's decoder, as the
   gateway does (after ``handback.max_handbacks`` hand-backs, straight on the decoder
-  with threshold 0). A finished request is fed back to the planner
+  with threshold 0). A decoder no prefiller can reach serves the request alone, as the
+  gateway's ``upstream.prefill_fallback: local`` does. A finished request is fed back to the planner
   (:meth:`~pd_orchestrator.planner.plan.Planner.learn`), as the gateway does. With
   ``prefix_index`` on (the default), the planner's
   :class:`~pd_orchestrator.planner.plan.CachedPrefix` is what a gateway's precise
@@ -69,7 +74,7 @@ import time
 from array import array
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import assert_never
 
@@ -87,11 +92,22 @@ from pd_orchestrator.bench.spill import SpillLoad, plain_spill
 from pd_orchestrator.bench.strategies import Mode, Strategy
 from pd_orchestrator.bench.workloads import BenchRequest, Workload, digest_segments, materialize
 from pd_orchestrator.config.load import LoadConfig
-from pd_orchestrator.config.settings import HandbackConfig
+from pd_orchestrator.config.settings import HandbackConfig, UpstreamConfig
+from pd_orchestrator.flows.machine import (
+    Alone,
+    AtLimit,
+    Done,
+    FlowMachine,
+    Serve,
+    Step,
+    ThroughPD,
+    skips_attempt,
+)
 from pd_orchestrator.flows.request import TOKEN_ID_CHARS
+from pd_orchestrator.flows.sink import GatewayError
 from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.model.load import Candidate, LoadSnapshot
-from pd_orchestrator.model.route import Ask, Decline, GoPD, Local, Whole, threshold_of
+from pd_orchestrator.model.route import Whole, threshold_of
 from pd_orchestrator.planner.plan import (
     NoCandidateError,
     Plan,
@@ -128,7 +144,8 @@ AFFINITY_TOKENS = 1024
 class VirtualOptions:
     """``hop``: one-way latency of one HTTP leg (seconds). ``load_interval``: seconds
     between two load snapshots (the scraper's poll interval). ``handback``: the
-    gateway's hand-back settings. ``prefix_index``: the planner knows each engine's
+    gateway's hand-back settings, ``upstream`` its upstream settings (what the flow
+    machine reads of them: ``prefill_fallback``). ``prefix_index``: the planner knows each engine's
     cached prefix of a prompt, as a gateway with a precise prefix index does (off: as
     a gateway without one). ``profile_error``: the ``goodput`` policy starts from a
     belief this far off (:mod:`~pd_orchestrator.bench.belief`; None: right)."""
@@ -136,6 +153,7 @@ class VirtualOptions:
     hop: float = 0.002
     load_interval: float = LoadConfig().interval
     handback: HandbackConfig = field(default_factory=HandbackConfig)
+    upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
     prefix_index: bool = True
     profile_error: ProfileError | None = None
 
@@ -418,21 +436,25 @@ class VirtualFleet:
     def instance(self, name: str) -> _Instance:
         return self._by_name[name]
 
-    def spill_target(self, plan: Plan) -> _Instance | None:
-        """The spilling prefiller that serves the request whole by the bench's plain
-        spill rule (:mod:`~pd_orchestrator.bench.spill`), for a strategy whose policy
-        has no spill rule of its own on a fleet whose prefill pool spills; None
-        otherwise, or when the rule keeps the plan's decoder."""
+    def spilled(self, plan: Plan) -> Plan:
+        """``plan``, or the plan that serves the request whole on a spilling prefiller
+        by the bench's plain spill rule (:mod:`~pd_orchestrator.bench.spill`): for a
+        strategy whose policy has no spill rule of its own, on a fleet whose prefill
+        pool spills, when the rule does not keep the plan's decoder. The spilled plan
+        is the one a policy's :class:`~pd_orchestrator.model.route.Whole` makes: the
+        prefiller its only decoder, at threshold 0."""
         if not self.spills_plainly or plan.decoder.spill:
-            return None
+            return plan
         decoder = self.instance(plan.decoder.name)
         spills = [self.instance(e.name) for e in plan.prefillers_for(plan.decoder) if e.spill]
         picked = plain_spill(decoder.spill_load(), [i.spill_load() for i in spills])
         if picked is None:
-            return None
+            return plan
         name, why = picked
         self.decisions[f"plain-spill:{why}"] += 1
-        return self.instance(name)
+        target = self.instance(name).endpoint
+        route = Whole("plain-spill", why, name)
+        return replace(plan, decoders=(target,), asked=(target,), route=route, width=None)
 
     def prefiller_for(self, ranked: Sequence[Endpoint], digest: PromptDigest) -> _Instance:
         """The prefiller of a P/D leg for ``digest`` among ``ranked`` (the prefill
@@ -539,7 +561,10 @@ class VirtualFleet:
 
 
 class _Flow:
-    """One client request through the strategy's legs; see the module docstring."""
+    """One client request, driven through the gateway's own flow machine
+    (:class:`~pd_orchestrator.flows.machine.FlowMachine`) in virtual time: the
+    machine decides every step (P/D or not, hand-backs, the decoder alone), this
+    driver carries it out on the engines."""
 
     def __init__(
         self,
@@ -560,43 +585,38 @@ class _Flow:
         self.legs = 0
         self.decoder: _Instance | None = None
         self.planned: tuple[Plan, RequestFacts] | None = None
+        self.machine: FlowMachine | None = None
+        self.attempting = True
 
     # -- start ------------------------------------------------------------------------------
     def start(self, now: float) -> None:
+        """Plan the request and send its attempt (or, with no attempt to send, what
+        the machine says a rejected one leads to)."""
         fleet = self.fleet
         self.planned = fleet.plan(now, self.digest)
         if self.planned is None:
             self.fail(now, "no decoder")
             return
-        plan = self.planned[0]
-        spill = fleet.spill_target(plan)
-        if spill is not None:  # the plain spill rule: whole on a spilling prefiller
-            self.decoder = spill
-            self.record.decoder = spill.name
-            self.record.decision = "decode"
-            self.record.threshold = 0.0
-            attempt = self.leg(self.digest, self.request.max_tokens, 0.0)
-            fleet.submit(spill, now + self.hop, attempt, self.on_attempt, self.fail)
-            return
+        plan = fleet.spilled(self.planned[0])
+        machine = self.machine = FlowMachine(plan, fleet.options.handback, fleet.options.upstream)
         decoder = self.decoder = fleet.instance(plan.decoder.name)
         self.record.decoder = decoder.name
-        if fleet.strategy.mode is Mode.PREFILL_FIRST:
-            self.record.decision = "pd"
-            self.prefill(now + self.hop, self.digest, self.request.max_tokens, 0.0)
+        if fleet.strategy.mode is Mode.PREFILL_FIRST:  # vllm-router's P/D mode: no attempt
+            self.start_pd(now)
             return
         threshold = self.record.threshold = threshold_of(plan.route)
-        match plan.route:
-            case GoPD() | Decline():  # no prompt meets it: straight to P/D, as the gateway does
-                self.record.decision = "pd"
-                self.prefill(now + self.hop, self.digest, self.request.max_tokens, 0.0)
-                return
-            case Ask() | Local() | Whole():
-                pass
-            case _:
-                assert_never(plan.route)
-        self.record.decision = "decode"
+        if skips_attempt(plan.route):  # nothing admits it: P/D at once, as the gateway does
+            self.start_pd(now)
+            return
         attempt = self.leg(self.digest, self.request.max_tokens, threshold)
-        fleet.submit(decoder, now + self.hop, attempt, self.on_attempt, self.fail)
+        fleet.submit(decoder, now + self.hop, attempt, self.on_output, self.fail)
+
+    def start_pd(self, now: float) -> None:
+        """No attempt: the machine hears of a rejection at once."""
+        assert self.machine is not None
+        self.attempting = False
+        step = self.machine.attempted(self.machine.decoder, admitted=False)
+        self.carry(now, step, self.digest, 0)
 
     def leg(
         self,
@@ -618,41 +638,90 @@ class _Flow:
             digest=digest,
         )
 
+    # -- the machine's steps ----------------------------------------------------------------
+    def carry(self, now: float, step: Step, digest: PromptDigest, generated: int) -> None:
+        """Carry out ``step`` for ``digest`` (the prompt, plus the ``generated`` tokens
+        it continues after), the gateway having learnt what led to it at ``now``."""
+        assert self.machine is not None
+        self.record.decision = self.machine.decision
+        left = self.request.max_tokens - generated
+        match step:
+            case ThroughPD(decoder=decoder, threshold=threshold):
+                self.decoder = self.fleet.instance(decoder.name)
+                self.prefill(now + self.hop, digest, left, threshold, original=not generated)
+            case Alone(decoder=decoder):
+                instance = self.decoder = self.fleet.instance(decoder.name)
+                request = self.leg(digest, left, 0.0)
+                self.fleet.submit(instance, now + self.hop, request, self.on_output, self.fail)
+            case Done() | AtLimit():
+                self.finish(now)
+            case Serve():
+                pass
+            case _:
+                assert_never(step)
+
     # -- outputs ----------------------------------------------------------------------------
-    def on_attempt(self, now: float, output: RequestOutput) -> None:
-        if output.finish_reason is FinishReason.CACHE_THRESHOLD and not self.generated:
-            self.record.decision = "pd"
-            self.prefill(now + 2 * self.hop, self.digest, self.request.max_tokens, 0.0)
+    def on_output(self, now: float, output: RequestOutput) -> None:
+        """An output of a leg that answers the client (the attempt, a decode leg, the
+        decoder alone); the first decisive one of the attempt is the machine's
+        ``attempted``, a finish its ``leg_ended``."""
+        machine = self.machine
+        assert machine is not None and self.decoder is not None
+        handed_back = output.finish_reason is FinishReason.CACHE_THRESHOLD
+        if self.attempting and (output.new_token_ids or output.finish_reason is not None):
+            self.attempting = False
+            admitted = not (handed_back and not output.new_token_ids)
+            step = machine.attempted(self.decoder.endpoint, admitted=admitted)
+            if not isinstance(step, Serve):
+                self.carry(now + self.hop, step, self.digest, 0)
+                return
+        if not handed_back:
+            self.take(now, output)
+        if output.finish_reason is None:
             return
-        self.on_decode(now, output)
-
-    def on_decode(self, now: float, output: RequestOutput) -> None:
-        if output.finish_reason is FinishReason.CACHE_THRESHOLD:
-            self.hand_back(now)
+        ended = machine.leg_ended(
+            handed_back=handed_back,
+            remaining=self.request.max_tokens - len(self.generated),
+            next_decoder=None,
+        )
+        self.record.handbacks = machine.handbacks
+        if not handed_back:
+            self.carry(now + self.hop, ended, self.digest, 0)
             return
-        self.on_tokens(now, output)
+        continuation = self.digest.extend(self.generated, self.fleet.hasher)
+        self.carry(now + self.hop, ended, continuation, len(self.generated))
 
-    def on_tokens(self, now: float, output: RequestOutput) -> None:
-        if output.new_token_ids:
-            seen = now + self.hop
-            if self.first_at is None:
-                self.first_at = seen
-                self.record.ttft = seen - self.record.arrival
-                self.record.cached_tokens = output.num_cached_tokens
-            else:
-                self.fleet.itl_samples.append(seen - self.last_at)
-            self.last_at = seen
-            self.generated += output.new_token_ids
-        if output.finish_reason is not None:
-            self.finish(now + self.hop)
+    def take(self, now: float, output: RequestOutput) -> None:
+        """The client gets ``output``'s tokens ``hop`` later."""
+        if not output.new_token_ids:
+            return
+        seen = now + self.hop
+        if self.first_at is None:
+            self.first_at = seen
+            self.record.ttft = seen - self.record.arrival
+            self.record.cached_tokens = output.num_cached_tokens
+        else:
+            self.fleet.itl_samples.append(seen - self.last_at)
+        self.last_at = seen
+        self.generated += output.new_token_ids
 
     # -- P/D --------------------------------------------------------------------------------
-    def prefill(self, now: float, digest: PromptDigest, max_tokens: int, threshold: float) -> None:
-        """Prefill ``digest`` on a prefiller, then decode ``max_tokens`` with ``threshold``."""
-        assert self.decoder is not None and self.planned is not None
-        prefillers = self.planned[0].prefillers_for(self.decoder.endpoint)
+    def prefill(
+        self, now: float, digest: PromptDigest, max_tokens: int, threshold: float, *,
+        original: bool,
+    ) -> None:  # fmt: skip
+        """Prefill ``digest`` on a prefiller, then decode ``max_tokens`` with
+        ``threshold``; with no prefiller that can reach the decoder, what the machine
+        says (the decoder alone)."""
+        assert self.decoder is not None and self.machine is not None
+        prefillers = self.machine.plan.prefillers_for(self.decoder.endpoint)
         if not prefillers:
-            self.fail(now, f"no prefiller can reach {self.decoder.name}")
+            try:
+                step = self.machine.without_prefiller(original_prompt=original)
+            except GatewayError as exc:
+                self.fail(now, exc.message)
+                return
+            self.carry(now - self.hop, step, digest, self.request.max_tokens - max_tokens)
             return
         prefiller = self.fleet.prefiller_for(prefillers, digest)
         self.record.prefiller = prefiller.name
@@ -661,7 +730,7 @@ class _Flow:
             if self.prefilled_at is None:
                 self.prefilled_at = when + self.hop  # the answer at the gateway
             if output.transfer is None:
-                self.on_tokens(when, output)  # finished without KV: its answer is the answer
+                self.on_output(when, output)  # finished without KV: its answer is the answer
             else:
                 pulled = when + 2 * self.hop
                 self.fleet.at(
@@ -693,24 +762,7 @@ class _Flow:
         self.fleet.kv_bytes += kv_bytes
         request = self.leg(digest, max_tokens, threshold, external=digest.num_tokens)
         ready = now + decoder.profile.transfer_seconds(moved)
-        self.fleet.submit(decoder, ready, request, self.on_decode, self.fail)
-
-    def hand_back(self, now: float) -> None:
-        """Continue a preempted request elsewhere: prompt + generated tokens."""
-        record, handback = self.record, self.fleet.options.handback
-        record.handbacks += 1
-        left = self.request.max_tokens - len(self.generated)
-        if left <= 0:
-            self.finish(now + self.hop)
-            return
-        continuation = self.digest.extend(self.generated, self.fleet.hasher)
-        decoder = self.decoder
-        assert decoder is not None
-        if record.handbacks > handback.max_handbacks or not self.fleet.prefillers:
-            request = self.leg(continuation, left, 0.0)
-            self.fleet.submit(decoder, now + 2 * self.hop, request, self.on_decode, self.fail)
-            return
-        self.prefill(now + 2 * self.hop, continuation, left, handback.leg_threshold)
+        self.fleet.submit(decoder, ready, request, self.on_output, self.fail)
 
     # -- end --------------------------------------------------------------------------------
     def finish(self, now: float) -> None:

@@ -32,6 +32,10 @@ One client request, from its plan to the last byte the client gets:
 6. **Outcome**: :meth:`Flow.run` returns what happened (:class:`Outcome`); the
    gateway learns from it. Nothing here calls back into the gateway or the planner.
 
+Every decision above and below is the sans-I/O :class:`~pd_orchestrator.flows.machine.FlowMachine`'s
+(the virtual bench drives the same machine); :class:`Flow` carries its steps out with
+real legs.
+
 Faults (a failure is *retryable* when the connection was refused or broke, a
 timeout elapsed, or the endpoint answered 5xx; a 4xx is the request's own and is
 answered as such):
@@ -89,6 +93,7 @@ from pd_orchestrator.flows.bodies import COMPLETIONS, Route, continuation_body, 
 from pd_orchestrator.flows.chunks import ChunkView
 from pd_orchestrator.flows.handover import Handover, retryable
 from pd_orchestrator.flows.legs import Leg, Legs
+from pd_orchestrator.flows.machine import Alone, Done, FlowMachine, Serve, Step, ThroughPD
 from pd_orchestrator.flows.render import Renderer
 from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.flows.sink import GatewayError
@@ -167,22 +172,43 @@ class Flow:
         settings: FlowSettings,
     ) -> None:
         self.request = request
-        self.plan = plan
         self.legs = legs
         self.attempt = attempt
         self.settings = settings
         self.transcript = Transcript(request)
-        self.decision = "decode"
-        self.decoder: Endpoint = plan.decoder
+        self.machine = FlowMachine(plan, settings.handback, settings.upstream)
         self.prefiller: Endpoint | None = None
         self.answered: float | None = None
-        self.recoveries = 0
         self.rejected: tuple[str, ...] = ()
         self.stream_legs = request.stream or attempt.streams
         self.route: Route | None = None
         """How the original prompt's legs go (known at the first attempt)."""
         self.budget = leg_budget(settings.upstream, settings.handback, len(plan.asked))
         legs.prompt_tokens, legs.blocks = plan.prompt_tokens, plan.blocks
+
+    @property
+    def plan(self) -> Plan:
+        """The request's plan (after any start-over on other decoders)."""
+        return self.machine.plan
+
+    @plan.setter
+    def plan(self, plan: Plan) -> None:
+        self.machine.plan = plan
+
+    @property
+    def decoder(self) -> Endpoint:
+        """The decoder that serves (or continues) the request."""
+        return self.machine.decoder
+
+    @property
+    def decision(self) -> str:
+        """``decode`` or ``pd``: how the original prompt was served."""
+        return self.machine.decision
+
+    @property
+    def recoveries(self) -> int:
+        """Continuations after a leg failed mid-answer."""
+        return self.machine.recoveries
 
     def follow(self, first: Flow) -> None:
         """Make this flow one of the other choices of ``first``'s request (choice 0,
@@ -191,7 +217,7 @@ class Flow:
         admitted warm, not prefilled again, whatever the mode), the prompt on the
         route ``first`` sent it (the same token ids, no second ``/tokenize``)."""
         self.plan = self.plan.following(first.decoder)
-        self.decoder = first.decoder
+        self.machine.decoder = first.decoder
         self.attempt = Single()
         self.route = first.route
 
@@ -238,22 +264,19 @@ class Flow:
     async def _first_leg(self) -> Leg:
         """The leg that serves the original prompt, read to its first decisive chunk; on
         the plan's next decoder when one fails before the client got anything."""
-        plan = self.plan
-        tried = 1
         while True:
             try:
-                return await self._serve_original(plan)
+                return await self._serve_original(self.plan)
             except UpstreamError as exc:
                 await self.legs.aclose()  # nothing of it reached the client
-                plan = self._retry_plan(plan, exc, tried)
-                tried += 1
+                self._start_over(exc)
 
     async def _serve_original(self, plan: Plan) -> Leg:
         """Steps 1-3 on ``plan``: the attempt, then P/D (or the decoder alone)."""
         self._within_budget()
         request = self.request
         started = self.settings.clock()
-        self.decision, self.prefiller = "decode", None
+        self.prefiller = None
         route = self.route
         if route is None:
             ids = await self.attempt.prompt_ids(request, plan, self.legs)
@@ -264,44 +287,51 @@ class Flow:
         )  # fmt: skip
         attempted = await self.attempt.run(route, plan, self.legs, body)
         self._phase("decode_attempt", started)
-        self.decoder = attempted.decoder
         self.rejected = attempted.rejected
-        if attempted.leg is not None:
+        step = self.machine.attempted(
+            attempted.decoder, admitted=attempted.leg is not None, local=attempted.local
+        )
+        if isinstance(step, Serve):
+            assert attempted.leg is not None
             return attempted.leg
         base = route.body(request, 0.0, stream=self.stream_legs, admission_only=False)
-        if attempted.local:
-            leg = await self._local(base, route.path, route.kind, original_prompt=True)
-        else:
-            self.decision = "pd"
-            leg = await self._pd(base, route.path, route.kind, original_prompt=True)
+        leg = await self._step(step, base, route.path, route.kind, original_prompt=True)
         await leg.read_until_decisive()
         return leg
 
-    def _retry_plan(self, plan: Plan, exc: UpstreamError, tried: int) -> Plan:
-        """``plan`` without the decoders seen failing, to start over on; raises ``exc``
-        unless a decoder failed retryably and another may be tried."""
-        if not retryable(exc) or exc.phase not in _DECODER_PHASES:
+    def _start_over(self, exc: UpstreamError) -> None:
+        """Start over on the plan without the decoders seen failing; raises ``exc``
+        unless the machine says another decoder may be tried."""
+        legs, machine = self.legs, self.machine
+        if not machine.may_start_over(
+            retryable=retryable(exc), on_decoder=exc.phase in _DECODER_PHASES
+        ):
             raise exc
-        legs = self.legs
         if self.prefiller is not None:
             legs.exclude(self.prefiller.name)  # its KV may be what the decode leg lacked
-        retried = plan.retried(legs.failed, legs.fleet)
-        if tried >= self.settings.upstream.decode_attempts or retried is None:
+        if not machine.start_over(self.plan.retried(legs.failed, legs.fleet)):
             raise exc
         self.settings.metrics.count_upstream_error(exc.endpoint, "retried")
-        return retried
+
+    async def _step(
+        self, step: ThroughPD | Alone, body: Json, path: str, kind: Kind, *, original_prompt: bool
+    ) -> Leg:
+        """Carry out the machine's ``step``: the P/D leg, or the decoder alone."""
+        if isinstance(step, ThroughPD):
+            return await self._pd(body, path, kind, original_prompt=original_prompt)
+        return await self._local(body, path, kind, original_prompt=original_prompt)
 
     async def _pd(self, body: Json, path: str, kind: Kind, *, original_prompt: bool) -> Leg:
         """The P/D leg to :attr:`decoder` (one leg, however reached; see
-        :mod:`~pd_orchestrator.flows.handover`). No prefiller can reach the decoder: the
-        decoder alone (``prefill_fallback: local``), else 503."""
+        :mod:`~pd_orchestrator.flows.handover`); when no prefiller can reach the decoder
+        or the prefill side fails, what the machine says (the decoder alone, or the
+        error)."""
         decoder = self.decoder
         prefillers = self.plan.prefillers_for(decoder)
         settings = self.settings
         if not prefillers:  # e.g. a `both` decoder alone in its group: it prefills itself
-            if settings.upstream.prefill_fallback != "local":
-                raise GatewayError(503, f"no prefiller can hand KV over to decoder {decoder.name}")
-            return await self._alone(body, path, kind, original_prompt=original_prompt)
+            self.machine.without_prefiller(original_prompt=original_prompt)
+            return await self._local(body, path, kind, original_prompt=original_prompt)
         handover = Handover(
             self.legs,
             settings.connectors[decoder.connector],
@@ -315,27 +345,18 @@ class Flow:
             result = await handover.run(body, path, kind, original_prompt=original_prompt)
         except UpstreamError as exc:
             self.prefiller = handover.prefiller  # the last one tried
-            if not self._falls_back(exc, decoder):
+            fallback = self.machine.prefill_failed(
+                retryable=retryable(exc), endpoint=exc.endpoint, original_prompt=original_prompt
+            )
+            if fallback is None:
                 raise
             self.prefiller = None
             self.settings.metrics.count_upstream_error(exc.endpoint, "fell_back")
-            return await self._alone(body, path, kind, original_prompt=original_prompt)
+            return await self._local(body, path, kind, original_prompt=original_prompt)
         self.prefiller = result.prefiller
         if self.answered is None:  # the original prompt's hand-over
             self.answered = handover.answered
         return result.leg
-
-    def _falls_back(self, exc: UpstreamError, decoder: Endpoint) -> bool:
-        """Whether a hand-over that failed on the prefill side goes to the decoder alone."""
-        fallback = self.settings.upstream.prefill_fallback == "local"
-        return fallback and retryable(exc) and exc.endpoint != decoder.name
-
-    async def _alone(self, body: Json, path: str, kind: Kind, *, original_prompt: bool) -> Leg:
-        """:meth:`_local` in place of the P/D path (``prefill_fallback: local``): the
-        original prompt's decision becomes ``decode``."""
-        if original_prompt:
-            self.decision = "decode"
-        return await self._local(body, path, kind, original_prompt=original_prompt)
 
     async def _local(self, body: Json, path: str, kind: Kind, *, original_prompt: bool) -> Leg:
         """The decoder alone, with threshold 0: it prefills the prompt itself."""
@@ -349,10 +370,17 @@ class Flow:
         """Relay ``leg`` and every continuation (hand-backs, recoveries) until finished."""
         while True:
             try:
-                if await self._relay(leg, renderer):
+                handed_back = not await self._relay(leg, renderer)
+                step = self.machine.leg_ended(
+                    handed_back=handed_back,
+                    remaining=self.transcript.remaining,
+                    next_decoder=self._next_decoder(),  # a hand-back is no failure
+                )
+                if isinstance(step, Done):
                     return
-                decoder = self._next_decoder() or self.decoder  # a hand-back is no failure
-                leg = await self._continue(decoder, recovering=False)
+                self.transcript.handbacks = self.machine.handbacks
+                self.settings.metrics.handbacks.inc()
+                leg = await self._continue(step)
             except UpstreamError as exc:
                 leg = await self._recover(exc)
 
@@ -427,54 +455,37 @@ class Flow:
         """Continue elsewhere after a leg failed mid-answer (or a continuation could not
         start), within ``handback.max_recoveries``; else raise ``exc``."""
         while True:
-            if (
-                not retryable(exc)
-                or self.recoveries >= self.settings.handback.max_recoveries
-                or self.transcript.prompt_ids is None
-                or not self.plan.continuable
+            machine = self.machine
+            if not machine.may_recover(
+                retryable=retryable(exc), has_prompt_ids=self.transcript.prompt_ids is not None
             ):
                 raise exc
             if exc.phase in _DECODER_PHASES:
                 self.legs.broken(exc.endpoint)
-            decoder = self._next_decoder()
-            if decoder is None:
+            step = machine.recover(self._next_decoder(), self.transcript.remaining)
+            if step is None:
                 raise exc
-            self.recoveries += 1
             self.settings.metrics.count_upstream_error(exc.endpoint, "recovered")
             try:
-                return await self._continue(decoder, recovering=True)
+                return await self._continue(step)
             except UpstreamError as again:
                 exc = again
 
-    async def _continue(self, decoder: Endpoint, *, recovering: bool) -> Leg:
-        """The leg that continues the request on ``decoder`` after ``len(generated)``
-        tokens (a hand-back, or a recovery when ``recovering``)."""
+    async def _continue(self, step: Step) -> Leg:
+        """The leg that carries out the machine's continuation ``step`` after
+        ``len(generated)`` tokens (a hand-back or a recovery): P/D, the decoder alone,
+        or an empty ``length`` answer when the request is at its limit."""
         self._within_budget()
-        transcript = self.transcript
-        handback = self.settings.handback
-        if not self.plan.continuable:
-            raise GatewayError(
-                502,
-                "the decoder handed back a request a continuation cannot honour "
-                "(tools, structured output or logprobs)",
-            )  # its threshold is 0: only a client's own threshold gets here
-        if not recovering:
-            transcript.handbacks += 1
-            self.settings.metrics.handbacks.inc()
-        remaining = transcript.remaining
-        if remaining is not None and remaining <= 0:
+        if not isinstance(step, ThroughPD | Alone):
             return self.legs.answer(self.decoder, self._length_answer(), "completion", False)
-        self.decoder = decoder
-        local = not recovering and transcript.handbacks > handback.max_handbacks
-        threshold = 0.0 if local else handback.leg_threshold
+        transcript = self.transcript
         prompt = transcript.continuation_prompt()
         self.legs.prompt_tokens = len(prompt)
+        threshold = step.threshold if isinstance(step, ThroughPD) else 0.0
         body = continuation_body(
             self.request, prompt, len(transcript.generated), threshold, stream=self.stream_legs
         )
-        if local:
-            return await self._local(body, COMPLETIONS, "completion", original_prompt=False)
-        return await self._pd(body, COMPLETIONS, "completion", original_prompt=False)
+        return await self._step(step, body, COMPLETIONS, "completion", original_prompt=False)
 
     def _next_decoder(self) -> Endpoint | None:
         """The plan's choice after this request's failures (:meth:`Plan.next_decoder`)."""

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
 
+from pd_orchestrator.bench import virtual
 from pd_orchestrator.bench.fleet import FleetSpec, preset_fleet
 from pd_orchestrator.bench.results import RunResult, Slo
 from pd_orchestrator.bench.strategies import (
@@ -24,6 +26,7 @@ from pd_orchestrator.bench.workloads import (
     build_workload,
 )
 from pd_orchestrator.cli.bench import ROUTING_PRESETS, _fleet
+from pd_orchestrator.flows.machine import Alone, Done, FlowMachine, Serve, Step, ThroughPD
 from pd_orchestrator.model.endpoints import Role
 from pd_orchestrator.model.hardware import get_profile
 from pd_orchestrator.model.route import Route
@@ -298,3 +301,58 @@ def test_a_prompt_in_flight_counts_as_held_where_it_was_sent(
     (first, cold), (second, pending) = seen
     assert first == second  # affinity: the same decoder
     assert (cold, pending) == (0, 1984)
+
+
+class _Recording(FlowMachine):
+    """The gateway's flow machine, keeping every instance made (one per request)."""
+
+    made: ClassVar[list[_Recording]] = []
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.steps: list[object] = []
+        _Recording.made.append(self)
+
+    def attempted(self, *args: Any, **kwargs: Any) -> Serve | ThroughPD | Alone:
+        step = super().attempted(*args, **kwargs)
+        self.steps.append(step)
+        return step
+
+    def leg_ended(self, *args: Any, **kwargs: Any) -> Step:
+        step = super().leg_ended(*args, **kwargs)
+        self.steps.append(step)
+        return step
+
+
+def test_the_bench_s_requests_take_the_flow_machine_s_decisions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _Recording.made = []
+    monkeypatch.setattr(virtual, "FlowMachine", _Recording)
+    warm_up = [(float(i), (Segment(50 + i, 400),), 4) for i in range(4)]
+    burst = [(100.0 + 0.01 * i, (Segment(50 + i, 400),), 400) for i in range(4)]
+    requests = tuple(
+        BenchRequest(i, f"s{i}", 0, segments, max_tokens, arrival=at)
+        for i, (at, segments, max_tokens) in enumerate(warm_up + burst)
+    )
+    fleet = replace(preset_fleet("tiny"), kv_capacity_tokens=2048)
+    result = _run("static-0.9", Workload("burst", "", requests), fleet)
+    machines = _Recording.made
+    assert len(machines) == len(result.records)
+    for record, machine in zip(result.records, machines, strict=True):
+        assert record.decision == machine.decision
+        assert record.handbacks == machine.handbacks
+        assert isinstance(machine.steps[0], Serve | ThroughPD)  # the attempt, first
+        assert machine.steps[-1] == Done()  # and the answer's end, last
+    handed = [m for m in machines if m.handbacks]
+    assert handed  # each hand-back is the machine's: P/D at the leg threshold (0 here)
+    assert all(m.steps[1 : 1 + m.handbacks] == [ThroughPD(m.decoder, 0.0)] * m.handbacks
+               for m in handed)  # fmt: skip
+
+
+def test_with_no_prefiller_to_hand_over_to_the_decoder_serves_alone_as_the_gateway_does() -> None:
+    tiny = preset_fleet("tiny")
+    alone = replace(tiny, instances=tuple(i for i in tiny.instances if i.role.decodes))
+    result = _run("static-0.5", COLD_THEN_WARM, alone)
+    assert all(r.ok and r.decision == "decode" and r.prefiller is None for r in result.records)
+    assert result.records[0].kv_bytes == 0
