@@ -4,7 +4,7 @@ A prefiller whose pool spills (``--prefill-role spill``) may also serve a reques
 whole. ``goodput`` decides that with its cost model (its own rule, part of the
 product under test); the other strategies' systems have no such rule, so on a
 spilling fleet the bench gives every one of them the same plain rule, in the
-virtual fleet's flow (:meth:`~pd_orchestrator.bench.virtual.VirtualFleet.spill_target`):
+virtual fleet's flow (:meth:`~pd_orchestrator.bench.virtual.VirtualFleet.spilled`):
 
 * the request's decoder is **queued** (its latest scraped waiting queue is not
   empty) or **crowded** (its latest scraped KV usage is at least

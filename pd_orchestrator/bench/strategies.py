@@ -157,6 +157,7 @@ def _static(name: str) -> Strategy:
 def _fixed(slo: Slo) -> dict[str, Strategy]:
     """The built-in strategies with fixed names."""
     slo_params = {"ttft_p90": slo.ttft, "itl_p99": slo.tpot}
+    goodput_params = {"ttft": slo.ttft, "tpot": slo.tpot, "ttft_scale": slo.ttft_scale}
     return {
         "always-pd": Strategy(
             "always-pd",
@@ -209,8 +210,8 @@ def _fixed(slo: Slo) -> dict[str, Strategy]:
         "goodput": Strategy(
             "goodput",
             Mode.DECODE_FIRST,
-            _threshold({"type": "goodput", "params": {"ttft": slo.ttft, "tpot": slo.tpot}}),
-            f"decode-first, goodput cost model (TTFT {slo.ttft:g}s, TPOT {slo.tpot:g}s)",
+            _threshold({"type": "goodput", "params": goodput_params}),
+            f"decode-first, goodput cost model ({slo.describe()})",
         ),
         "slo-feedback": Strategy(
             "slo-feedback",

@@ -598,7 +598,7 @@ class _Flow:
             self.fail(now, "no decoder")
             return
         plan = fleet.spilled(self.planned[0])
-        machine = self.machine = FlowMachine(plan, fleet.options.handback, fleet.options.upstream)
+        self.machine = FlowMachine(plan, fleet.options.handback, fleet.options.upstream)
         decoder = self.decoder = fleet.instance(plan.decoder.name)
         self.record.decoder = decoder.name
         if fleet.strategy.mode is Mode.PREFILL_FIRST:  # vllm-router's P/D mode: no attempt

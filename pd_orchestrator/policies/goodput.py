@@ -136,15 +136,24 @@ class GoodputPolicy:
         return best
 
     def spill_target(
-        self, context: ThresholdContext, model: PoolModel, wait: float, *, queued: bool
+        self,
+        context: ThresholdContext,
+        model: PoolModel,
+        wait: float,
+        *,
+        queued: bool,
+        target: float | None = None,
     ) -> str | None:
         """The prefiller that serves the request whole (module docstring, **spill**), or
         None: no healthy compatible prefiller spills, the decoder is neither crowded nor
-        ``queued``, or none takes it sooner or with a shorter step within the target."""
+        ``queued``, or none takes it sooner or with a shorter step within the target
+        (``target``: the prompt's TTFT target ``T``; None: worked out here)."""
         spills = [c for c in context.prefillers if c.endpoint.spill and c.healthy]
         if not spills:
             return None
         m, p, tokens = self.model, self.params, context.prompt_tokens
+        if target is None:
+            target = m.ttft_target(context, model)
         step = m.stream_step(model, tokens, streams(context.decoder) + 1)
         if not queued and step <= p.tpot * p.tpot_goal:
             return None
@@ -152,7 +161,7 @@ class GoodputPolicy:
         for candidate in spills:
             pool = m.pool(candidate.endpoint)
             ttft = m.whole_seconds(context, candidate, pool)
-            if ttft + p.hop > p.ttft:
+            if ttft + p.hop > target:
                 continue
             own = m.stream_step(pool, tokens, streams(candidate) + 1)
             if own < step or (queued and ttft < wait):
@@ -187,21 +196,22 @@ class GoodputPolicy:
         cached = context.cached_tokens
         uncached = m.uncached(context)
         wait = m.queued(context.decoder, tokens, model, m.queue_share(context))
-        room = p.ttft * p.slack - wait - p.hop
-        spill = self.spill_target(context, model, wait, queued=room <= 0.0)
+        target = m.ttft_target(context, model)
+        room = target * p.slack - wait - p.hop
+        spill = self.spill_target(context, model, wait, queued=room <= 0.0, target=target)
         if spill is not None:
             return Whole(self.name, "spill", spill), None
         dedicated = any(not c.endpoint.role.decodes for c in context.prefillers)
         if room <= 0.0:
             local = wait + model.local_seconds(uncached, tokens)
             known = hit is not None or cached is not None
-            if dedicated and self._drains(local, remote, known=known):
+            if dedicated and self._drains(local, remote, target, known=known):
                 return GoPD(self.name, "drain", self.soonest(context, wait)), None
-            late = context.decoder.endpoint.spill and local + p.hop > p.ttft  # keeps none
+            late = context.decoder.endpoint.spill and local + p.hop > target  # keeps none
             return Local(self.name, "queued"), None if late else uncached
-        by_ttft = self._ttft_limit(model, tokens, wait, remote, dedicated)
+        by_ttft = self._ttft_limit(model, tokens, wait, remote, target, dedicated=dedicated)
         # a real alternative to a stall: a prefiller that does not decode, in time
-        sure = dedicated and wait + remote <= p.ttft * p.slack
+        sure = dedicated and wait + remote <= target * p.slack
         by_stall = m.stall_limit(context, model) if sure else math.inf
         keep = min(by_ttft, by_stall)
         kept = uncached if uncached <= keep else None
@@ -211,25 +221,27 @@ class GoodputPolicy:
         return at(clamp_ratio(1.0 - (keep + 0.5) / tokens), self.name, reason), kept
 
     def _ttft_limit(
-        self, model: PoolModel, tokens: int, wait: float, remote: float, dedicated: bool
-    ) -> float:
-        """The most uncached tokens the decoder keeps for the TTFT target (module
-        docstring, 3.)."""
+        self, model: PoolModel, tokens: int, wait: float, remote: float, target: float, *,
+        dedicated: bool,
+    ) -> float:  # fmt: skip
+        """The most uncached tokens the decoder keeps for the TTFT target ``target``
+        (module docstring, 3.)."""
         p = self.params
         if dedicated:
-            seconds = max(remote - p.hop, p.ttft * p.slack - wait - p.hop)
+            seconds = max(remote - p.hop, target * p.slack - wait - p.hop)
             return model.tokens_within(seconds, tokens)
-        if wait + remote > p.ttft:
+        if wait + remote > target:
             return math.inf
-        return model.tokens_within(p.ttft - wait - p.hop, tokens)
+        return model.tokens_within(target - wait - p.hop, tokens)
 
-    def _drains(self, local: float, remote: float, *, known: bool) -> bool:
+    def _drains(self, local: float, remote: float, target: float, *, known: bool) -> bool:
         """Whether a queued decoder with a dedicated prefiller drains (module docstring,
-        2.; ``known`` False: the wait is an upper bound)."""
+        2.; ``target``: the prompt's TTFT target; ``known`` False: the wait is an upper
+        bound)."""
         p = self.params
         if not known:
-            return remote <= min(local, p.ttft * p.slack)
-        return remote <= p.ttft and (remote <= local or local > p.ttft)
+            return remote <= min(local, target * p.slack)
+        return remote <= target and (remote <= local or local > target)
 
 
 def _goodput(params: GoodputParams, context: PluginContext) -> GoodputPolicy:

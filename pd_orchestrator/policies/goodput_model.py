@@ -110,7 +110,10 @@ class GoodputParams(NoParams):
     ``hop`` (one leg's one-way latency), ``out_mean`` (the seed of the mean output,
     tokens), ``alpha`` (learning rate); ``prefill_attention``: seconds a prefilled
     token spends on each token before it (None: the known profile's when there is
-    one, else 0, a linear model). ``time_scale``: seconds of the gateway's clock
+    one, else 0, a linear model). ``ttft_scale``: with k > 0, a prompt's TTFT target
+    ``T`` scales with it, as an SLO set relative to the request alone does: the larger
+    of ``ttft`` and k times its cold prefill alone on the fastest pool the model knows
+    of for it (0: ``T`` is ``ttft`` for every prompt). ``time_scale``: seconds of the gateway's clock
     per second of the knowledge (a fleet of simulators run at ``--time-scale`` S: S;
     see :func:`on_clock`). See the module docstring."""
 
@@ -125,6 +128,7 @@ class GoodputParams(NoParams):
     tpot_goal: Annotated[float, Field(gt=0.0, le=1.0)] = 0.6
     prefill_attention: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] | None = None
     time_scale: _Positive = 1.0
+    ttft_scale: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.0
 
 
 def on_clock(params: GoodputParams) -> GoodputParams:
@@ -338,6 +342,21 @@ class GoodputModel:
         if self.reads is not None:
             self.reads.append(candidate)
         return rate
+
+    def ttft_target(self, context: ThresholdContext, model: PoolModel) -> float:
+        """``T``: the prompt's TTFT target, ``ttft``; with ``ttft_scale`` k > 0 the larger
+        of it and k times the prompt's cold prefill alone on the fastest hardware the
+        model knows of for it: the decoder's pool (``model``) or a prefiller's, each at
+        its own local rate (a remote rate, learnt from P/D samples whose prefiller may
+        have held part of the prompt, is no measure of a cold prefill)."""
+        p = self.params
+        if p.ttft_scale <= 0.0:
+            return p.ttft
+        tokens = context.prompt_tokens
+        alone = model.local_seconds(tokens, tokens)
+        for prefiller in context.prefillers:
+            alone = min(alone, self.pool(prefiller.endpoint).local_seconds(tokens, tokens))
+        return max(p.ttft, p.ttft_scale * alone)
 
     def remote_ttft(self, context: ThresholdContext, model: PoolModel) -> float | None:
         """``remote``: the TTFT through the best compatible prefiller (None: none)."""

@@ -862,3 +862,23 @@ def test_p_d_samples_teach_the_hand_over_apart_from_the_remote_rate() -> None:
     assert model.handover.fixed == pytest.approx(0.100, rel=0.1)
     assert model.handover.per_token == pytest.approx(1e-6, rel=0.15)
     assert model.rate_remote == pytest.approx(rate, rel=0.01)  # the hand-over is not prefill
+
+
+def test_a_ttft_target_that_scales_with_the_prompt_makes_a_long_remote_path_sure() -> None:
+    policy = _policy(ttft_scale=3.0)
+    pool = policy.model.pools["decode"]
+    short = context(tokens=2_000, prefillers=(prefiller(reading=load()),))
+    assert policy.model.ttft_target(short, pool) == 1.0  # 3 x 0.1 s alone: the floor
+    busy_decoder = decoder(in_flight=30)
+    long = context(tokens=8_000, dec=busy_decoder, prefillers=(prefiller(reading=load()),))
+    # 3 x 0.4 s alone: the prefiller pool's seed rate, 20,000 tokens/s, is the fastest
+    assert policy.model.ttft_target(long, pool) == pytest.approx(1.2)
+    policy.model.out_mean = 10  # window 0.3 s: 1000 tokens of room
+    # remote 0.88 s: past a fixed 1 s target's slack (0.8 s), within 1.2 s's (0.96 s),
+    # so the stall bound applies and the busy decoder keeps only its room
+    scaled = _decided(policy, long)
+    assert scaled.reason == "stall"
+    assert threshold_of(scaled) == pytest.approx(1 - 1000.5 / 8_000)
+    fixed = _policy()
+    fixed.model.out_mean = 10
+    assert _decided(fixed, long).reason == "local"
