@@ -356,3 +356,12 @@ def test_with_no_prefiller_to_hand_over_to_the_decoder_serves_alone_as_the_gatew
     result = _run("static-0.5", COLD_THEN_WARM, alone)
     assert all(r.ok and r.decision == "decode" and r.prefiller is None for r in result.records)
     assert result.records[0].kv_bytes == 0
+
+
+@pytest.mark.parametrize("scale", [0.0, 3.0])
+def test_goodput_is_held_to_the_slo_the_bench_judges_it_by(scale: float) -> None:
+    slo = Slo(1.0, 0.03, scale, get_profile("h200-llama3-8b"))
+    (goodput,) = resolve_strategies(["goodput"], {}, slo)
+    assert goodput.threshold is not None
+    params = goodput.threshold.policy.params
+    assert (params["ttft"], params["tpot"], params["ttft_scale"]) == (1.0, 0.03, scale)
