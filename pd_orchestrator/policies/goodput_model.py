@@ -113,9 +113,9 @@ class GoodputParams(NoParams):
     one, else 0, a linear model). ``ttft_scale``: with k > 0, a prompt's TTFT target
     ``T`` scales with it, as an SLO set relative to the request alone does: the larger
     of ``ttft`` and k times its cold prefill alone on the fastest pool the model knows
-    of for it (0: ``T`` is ``ttft`` for every prompt). ``time_scale``: seconds of the gateway's clock
-    per second of the knowledge (a fleet of simulators run at ``--time-scale`` S: S;
-    see :func:`on_clock`). See the module docstring."""
+    of for it (0: ``T`` is ``ttft`` for every prompt). ``time_scale``: seconds of the
+    gateway's clock per second of the knowledge (a fleet of simulators run at
+    ``--time-scale`` S: S; see :func:`on_clock`). See the module docstring."""
 
     ttft: _Positive = 1.0
     tpot: _Positive = 0.03
