@@ -23,6 +23,7 @@ from pd_orchestrator.bench.strategies import resolve_strategies
 from pd_orchestrator.bench.virtual import VirtualFleet
 from pd_orchestrator.bench.workloads import WorkloadOptions, build_workload
 from pd_orchestrator.cli.bench import ROUTING_PRESETS
+from pd_orchestrator.model.hardware import get_profile
 from pd_orchestrator.policies.plugins import builtin_registry
 from pd_orchestrator.routing import RoutingConfig, build_profiles
 
@@ -62,11 +63,13 @@ def test_a_live_gateway_holds_the_simulated_fleet_to_the_strategy_s_targets() ->
     """At time scale 3 a simulated second lasts three on the gateway's clock: the
     latency targets of the policy block (at any depth) are stretched by 3, and
     ``goodput`` gets ``time_scale`` 3; nothing else changes."""
-    (goodput, static) = resolve_strategies(["goodput", "static-0.5"], slo=Slo(0.5, 0.02))
+    slo = Slo(0.5, 0.02, 2.0, get_profile("h200-llama3-8b"))
+    (goodput, static) = resolve_strategies(["goodput", "static-0.5"], slo=slo)
     block = live_threshold(goodput, 3.0)
     assert block["policy"]["params"] == {
         "ttft": pytest.approx(1.5),
         "tpot": pytest.approx(0.06),
+        "ttft_scale": 2.0,  # a ratio of two durations: the same on any clock
         "time_scale": 3.0,  # goodput's knowledge on the gateway's clock
     }
     assert live_threshold(goodput) == goodput.threshold.model_dump(mode="json", exclude_unset=True)
