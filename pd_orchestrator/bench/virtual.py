@@ -644,14 +644,13 @@ class _Flow:
         it continues after), the gateway having learnt what led to it at ``now``."""
         assert self.machine is not None
         self.record.decision = self.machine.decision
-        left = self.request.max_tokens - generated
         match step:
             case ThroughPD(decoder=decoder, threshold=threshold):
                 self.decoder = self.fleet.instance(decoder.name)
-                self.prefill(now + self.hop, digest, left, threshold, original=not generated)
+                self.prefill(now, digest, generated, threshold)
             case Alone(decoder=decoder):
                 instance = self.decoder = self.fleet.instance(decoder.name)
-                request = self.leg(digest, left, 0.0)
+                request = self.leg(digest, self.request.max_tokens - generated, 0.0)
                 self.fleet.submit(instance, now + self.hop, request, self.on_output, self.fail)
             case Done() | AtLimit():
                 self.finish(now)
@@ -706,23 +705,22 @@ class _Flow:
         self.generated += output.new_token_ids
 
     # -- P/D --------------------------------------------------------------------------------
-    def prefill(
-        self, now: float, digest: PromptDigest, max_tokens: int, threshold: float, *,
-        original: bool,
-    ) -> None:  # fmt: skip
-        """Prefill ``digest`` on a prefiller, then decode ``max_tokens`` with
-        ``threshold``; with no prefiller that can reach the decoder, what the machine
-        says (the decoder alone)."""
+    def prefill(self, now: float, digest: PromptDigest, generated: int, threshold: float) -> None:
+        """Prefill ``digest`` (after ``generated`` tokens) on a prefiller a hop after
+        ``now``, then decode what is left of ``max_tokens`` with ``threshold``; with no
+        prefiller that can reach the decoder, what the machine says (the decoder
+        alone)."""
         assert self.decoder is not None and self.machine is not None
         prefillers = self.machine.plan.prefillers_for(self.decoder.endpoint)
         if not prefillers:
             try:
-                step = self.machine.without_prefiller(original_prompt=original)
+                step = self.machine.without_prefiller(original_prompt=not generated)
             except GatewayError as exc:
                 self.fail(now, exc.message)
                 return
-            self.carry(now - self.hop, step, digest, self.request.max_tokens - max_tokens)
+            self.carry(now, step, digest, generated)
             return
+        max_tokens = self.request.max_tokens - generated
         prefiller = self.fleet.prefiller_for(prefillers, digest)
         self.record.prefiller = prefiller.name
 
@@ -739,7 +737,7 @@ class _Flow:
                 )
 
         request = self.leg(digest, 1, 0.0, producer=True)
-        self.fleet.submit(prefiller, now, request, on_prefill, self.fail)
+        self.fleet.submit(prefiller, now + self.hop, request, on_prefill, self.fail)
 
     def pull(
         self,

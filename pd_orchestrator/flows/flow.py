@@ -374,7 +374,8 @@ class Flow:
                 step = self.machine.leg_ended(
                     handed_back=handed_back,
                     remaining=self.transcript.remaining,
-                    next_decoder=self._next_decoder(),  # a hand-back is no failure
+                    # a hand-back is no failure; a finished leg needs no next decoder
+                    next_decoder=self._next_decoder() if handed_back else None,
                 )
                 if isinstance(step, Done):
                     return

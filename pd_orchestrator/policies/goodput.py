@@ -142,18 +142,16 @@ class GoodputPolicy:
         wait: float,
         *,
         queued: bool,
-        target: float | None = None,
+        target: float,
     ) -> str | None:
         """The prefiller that serves the request whole (module docstring, **spill**), or
         None: no healthy compatible prefiller spills, the decoder is neither crowded nor
         ``queued``, or none takes it sooner or with a shorter step within the target
-        (``target``: the prompt's TTFT target ``T``; None: worked out here)."""
+        (``target``: the prompt's TTFT target ``T``)."""
         spills = [c for c in context.prefillers if c.endpoint.spill and c.healthy]
         if not spills:
             return None
         m, p, tokens = self.model, self.params, context.prompt_tokens
-        if target is None:
-            target = m.ttft_target(context, model)
         step = m.stream_step(model, tokens, streams(context.decoder) + 1)
         if not queued and step <= p.tpot * p.tpot_goal:
             return None

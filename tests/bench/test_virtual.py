@@ -172,7 +172,9 @@ def test_policy_file_strategies_and_errors(tmp_path: Path) -> None:
         resolve_strategies(["static-0.5", "static-0.5"])
 
 
-def test_preempted_requests_are_handed_back_and_complete() -> None:
+def _preempting_burst() -> RunResult:
+    """Four warm prompts, then the same four with 400 tokens each at once on a tiny
+    fleet with room for 2048 tokens: the decoder preempts some (static 0.9)."""
     warm_up = [(float(i), (Segment(50 + i, 400),), 4) for i in range(4)]
     burst = [(100.0 + 0.01 * i, (Segment(50 + i, 400),), 400) for i in range(4)]
     requests = tuple(
@@ -180,7 +182,11 @@ def test_preempted_requests_are_handed_back_and_complete() -> None:
         for i, (at, segments, max_tokens) in enumerate(warm_up + burst)
     )
     fleet = replace(preset_fleet("tiny"), kv_capacity_tokens=2048)
-    result = _run("static-0.9", Workload("burst", "", requests), fleet)
+    return _run("static-0.9", Workload("burst", "", requests), fleet)
+
+
+def test_preempted_requests_are_handed_back_and_complete() -> None:
+    result = _preempting_burst()
     later = result.records[4:]
     assert [r.decision for r in later] == ["decode"] * 4  # warm: admitted at 0.9
     assert result.preemptions > 0 and sum(r.handbacks for r in later) > 0
@@ -329,14 +335,7 @@ def test_the_bench_s_requests_take_the_flow_machine_s_decisions(
 ) -> None:
     _Recording.made = []
     monkeypatch.setattr(virtual, "FlowMachine", _Recording)
-    warm_up = [(float(i), (Segment(50 + i, 400),), 4) for i in range(4)]
-    burst = [(100.0 + 0.01 * i, (Segment(50 + i, 400),), 400) for i in range(4)]
-    requests = tuple(
-        BenchRequest(i, f"s{i}", 0, segments, max_tokens, arrival=at)
-        for i, (at, segments, max_tokens) in enumerate(warm_up + burst)
-    )
-    fleet = replace(preset_fleet("tiny"), kv_capacity_tokens=2048)
-    result = _run("static-0.9", Workload("burst", "", requests), fleet)
+    result = _preempting_burst()
     machines = _Recording.made
     assert len(machines) == len(result.records)
     for record, machine in zip(result.records, machines, strict=True):
