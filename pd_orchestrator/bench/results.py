@@ -36,19 +36,24 @@ class Slo:
     ``ttft_scale`` k > 0 the limit scales with the prompt, as DistServe sets SLOs per
     application and Splitwise relative to the request alone: the larger of ``ttft``
     (the floor) and k times the prompt's isolated cold prefill on ``prefill`` (the
-    fleet's prefill hardware; required then).
+    fleet's prefill hardware; required then). ``attainment``: the share of requests
+    the limits are to hold for (the goodput search's goal), which the ``goodput``
+    policy is told as it is told the limits.
     """
 
     ttft: float = 2.0
     tpot: float = 0.05
     ttft_scale: float = 0.0
     prefill: LatencyProfile | None = None
+    attainment: float = 0.9
 
     def __post_init__(self) -> None:
         if self.ttft <= 0 or self.tpot <= 0:
             raise ValueError("SLO limits must be > 0")
         if self.ttft_scale < 0:
             raise ValueError("the TTFT scale must be >= 0")
+        if not 0.0 < self.attainment < 1.0:
+            raise ValueError("the attainment must be within (0, 1)")
         if self.ttft_scale and self.prefill is None:
             raise ValueError("a TTFT limit that scales with the prompt needs a prefill profile")
 

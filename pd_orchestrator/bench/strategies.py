@@ -157,7 +157,12 @@ def _static(name: str) -> Strategy:
 def _fixed(slo: Slo) -> dict[str, Strategy]:
     """The built-in strategies with fixed names."""
     slo_params = {"ttft_p90": slo.ttft, "itl_p99": slo.tpot}
-    goodput_params = {"ttft": slo.ttft, "tpot": slo.tpot, "ttft_scale": slo.ttft_scale}
+    goodput_params = {
+        "ttft": slo.ttft,
+        "tpot": slo.tpot,
+        "ttft_scale": slo.ttft_scale,
+        "attainment": slo.attainment,
+    }
     return {
         "always-pd": Strategy(
             "always-pd",

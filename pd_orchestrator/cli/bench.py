@@ -413,8 +413,9 @@ def _slo(args: argparse.Namespace, fleet: FleetSpec) -> Slo:
     scaling with each prompt's cold prefill on the fleet's prefill hardware."""
     floor = args.slo_ttft if args.slo_ttft_floor is None else args.slo_ttft_floor
     if not args.slo_ttft_scale:
-        return Slo(floor, args.slo_tpot)
-    return Slo(floor, args.slo_tpot, args.slo_ttft_scale, fleet.prefill_latency())
+        return Slo(floor, args.slo_tpot, attainment=args.attainment)
+    prefill = fleet.prefill_latency()
+    return Slo(floor, args.slo_tpot, args.slo_ttft_scale, prefill, args.attainment)
 
 
 def _settings(

@@ -19,12 +19,20 @@ Estimates, in seconds (:class:`GoodputModel`)::
                + H(L) + 3h                                 beyond wait_d
     whole_p  = max(backlog_p, n_p * m) / r_p + prefill(r_p, u_p, L - u_p)
     W = o * tpot,  share_d = kept_d / (W * r_d),  step_d = max(itl_d * (1 - share_d), profile)
-    stall_d  = max(free, (1 - step_d / (tpot * tpot_goal) - share_d) * W * r_d)   tokens
+    mean_d   = (1 - step_d / (tpot * tpot_goal) - share_d) * W * r_d
+    short_d  = the u whose local prefill takes (tpot - step_d) * o_low
+    stall_d  = max(free, min(mean_d, short_d))                                    tokens
 
 ``n_p``: requests at ``p``; ``u_p``: ``L`` at a prefiller that also decodes, else ``L``
 less what ``p`` holds (index, else ``hit_p``); ``kept_d``: the uncached tokens kept at
 ``d``, decaying with time constant ``W`` (its duty cycle); ``whole_p`` counts the queue
 whole (a spilling prefiller decodes what it serves whole, which its hit rate misses).
+``mean_d`` holds the mean stream to ``tpot * tpot_goal``; ``short_d`` bounds one local
+prefill by what a short stream beside it tolerates: a stream of ``o_low`` tokens (the
+``1 - attainment`` quantile of the outputs, learnt; before: ``out_mean * (1 -
+attainment)``) that takes a whole stall of ``s`` seconds over its tokens runs at about
+``step_d + s / o_low`` a token, so ``s <= (tpot - step_d) * o_low``. Without it a
+prefill the mean stream absorbs sets the TPOT of every short stream beside it.
 
 Hops. A request kept local pays ``2h`` (to the decoder, the first token back); P/D at
 once ``4h`` (the prefill leg there and back, the decode leg there, the first token
@@ -55,9 +63,10 @@ one sample, however far off, moves a rate by more than x1.5. A local sample is l
 only when the decoder reported its cached count (``prompt_tokens_details``; None:
 unknown, not learnt, as a warm prompt would pass for a whole prefill); a P/D sample
 above twice the best known rate is a prompt the prefiller held, not learnt. ``m`` and
-``o`` are EWMAs. ``kept_d`` grows by the uncached tokens of each request the final
-route keeps at ``d`` (told after composition); the hit rates the decision read from
-readings are remembered until a reading gives another.
+``o`` are EWMAs; ``o_low`` a stochastic quantile (:func:`_learn_quantile`). ``kept_d``
+grows by the uncached tokens of each request the final route keeps at ``d`` (told
+after composition); the hit rates the decision read from readings are remembered
+until a reading gives another.
 Seeds: the known profile's (:attr:`Endpoint.knowledge`: the pool's measured profile
 file, or the profile a simulator runs) rate, step, attention term and hand-over, else
 ``prefill_tokens_per_s``, a linear model and a hand-over at ``transfer_tokens_per_s``;
@@ -113,7 +122,9 @@ class GoodputParams(NoParams):
     one, else 0, a linear model). ``ttft_scale``: with k > 0, a prompt's TTFT target
     ``T`` scales with it, as an SLO set relative to the request alone does: the larger
     of ``ttft`` and k times its cold prefill alone on the fastest pool the model knows
-    of for it (0: ``T`` is ``ttft`` for every prompt). ``time_scale``: seconds of the
+    of for it (0: ``T`` is ``ttft`` for every prompt). ``attainment``: the share of
+    requests the targets are to hold for; the short-stream bound protects the
+    ``1 - attainment`` quantile of the outputs. ``time_scale``: seconds of the
     gateway's clock per second of the knowledge (a fleet of simulators run at
     ``--time-scale`` S: S; see :func:`on_clock`). See the module docstring."""
 
@@ -129,6 +140,7 @@ class GoodputParams(NoParams):
     prefill_attention: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] | None = None
     time_scale: _Positive = 1.0
     ttft_scale: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.0
+    attainment: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.9
 
 
 def on_clock(params: GoodputParams) -> GoodputParams:
@@ -180,6 +192,18 @@ def _rate_of(profile: LatencyProfile | None, default: float) -> float:
 def _mean(mean: float, sample: float, alpha: float) -> float:
     """An exponentially weighted mean; the first sample (``mean`` 0) is taken whole."""
     return sample if not mean else mean + alpha * (sample - mean)
+
+
+def _learn_quantile(quantile: float, sample: float, level: float, alpha: float) -> float:
+    """One step of a stochastic estimate of the ``level`` quantile: up by a factor
+    ``exp(alpha * level)`` for a sample above it, down by ``exp(alpha * (1 - level))``
+    for one at or below it, so it rests where ``level`` of the samples fall at or below;
+    the first sample (``quantile`` 0) is taken whole. Multiplicative steps keep it on
+    the samples' scale without a step size in tokens."""
+    if quantile <= 0.0:
+        return sample
+    below = sample <= quantile
+    return quantile * math.exp(alpha * (level - 1.0 if below else level))
 
 
 def _learn_rate(rate: float, sample: float, alpha: float) -> float:
@@ -292,6 +316,7 @@ class GoodputModel:
     hits: dict[str, float] = field(default_factory=dict)
     prompt_mean: float = 0.0
     out_mean: float = 0.0
+    out_low: float = 0.0
     reads: list[Candidate] | None = field(default=None, compare=False, repr=False)
     """While not None, :meth:`hit_rate` lists here the candidates whose reading gave
     the rate it returned (what :meth:`saw` then remembers); None while deciding."""
@@ -330,6 +355,7 @@ class GoodputModel:
         """Take ``previous``'s learnt state (a reload: the parameters stay these)."""
         self.pools, self.duty, self.hits = previous.pools, previous.duty, previous.hits
         self.prompt_mean, self.out_mean = previous.prompt_mean, previous.out_mean
+        self.out_low = previous.out_low
 
     # -- the estimates (seconds) -------------------------------------------------------------
     def hit_rate(self, candidate: Candidate) -> float | None:
@@ -421,6 +447,12 @@ class GoodputModel:
         """``o``: a stream's mean output in tokens (learnt, or the ``out_mean`` seed)."""
         return self.out_mean or self.params.out_mean
 
+    def short_output(self) -> float:
+        """``o_low``: the output length of a short stream, the ``1 - attainment``
+        quantile of the outputs (learnt, or ``out_mean`` times ``1 - attainment``)."""
+        p = self.params
+        return self.out_low or self.output_tokens() * (1.0 - p.attainment)
+
     def window(self) -> float:
         """``W``: seconds a stream decodes for within the TPOT target (the duty cycle's
         window)."""
@@ -436,18 +468,29 @@ class GoodputModel:
 
     def stall_limit(self, context: ThresholdContext, model: PoolModel) -> float:
         """``stall_d``: the most uncached tokens a local prefill may have before the
-        streams decoding on the decoder miss ``tpot * tpot_goal`` (inf: none decodes
-        there). The observed ITL carries the current share, so the bare step is
-        ``itl * (1 - share)``; the limit is what is left of the allowed share over a
-        window, in tokens, never less than the tokens a step carries for free."""
+        streams decoding on the decoder miss their TPOT (inf: none decodes there): the
+        smaller of ``mean_d`` and ``short_d`` (module docstring; ``short_d`` takes no part
+        when the whole prompt fits), never less than the
+        tokens a step carries for free. The observed ITL carries the current share, so
+        the bare step is ``itl * (1 - share)``; ``mean_d`` is what is left of the
+        allowed share over a window, in tokens."""
         count = streams(context.decoder)
         if count == 0:
             return math.inf
+        p = self.params
         share = self.local_share(context.decoder, context.now, model)
         step = self._bare_step(context, model, count, share)
-        allowed = 1.0 - step / (self.params.tpot * self.params.tpot_goal)
-        room = (allowed - share) * self.window() * model.rate_local
-        return max(model.free_tokens, room)
+        allowed = 1.0 - step / (p.tpot * p.tpot_goal)
+        mean = (allowed - share) * self.window() * model.rate_local
+        return max(model.free_tokens, min(mean, self._short_limit(context, model, step)))
+
+    def _short_limit(self, context: ThresholdContext, model: PoolModel, step: float) -> float:
+        """``short_d`` at a bare step of ``step`` seconds (inf: the whole prompt fits)."""
+        prompt = context.prompt_tokens
+        seconds = (self.params.tpot - step) * self.short_output()
+        if seconds >= model.local_seconds(prompt, prompt):
+            return math.inf
+        return model.tokens_within(seconds, prompt)
 
     def _bare_step(
         self, context: ThresholdContext, model: PoolModel, count: int, share: float
@@ -495,6 +538,8 @@ class GoodputModel:
             self.prompt_mean = _mean(self.prompt_mean, observation.prompt_tokens, alpha)
         if observation.output_tokens:
             self.out_mean = _mean(self.out_mean, observation.output_tokens, alpha)
+            level = 1.0 - self.params.attainment
+            self.out_low = _learn_quantile(self.out_low, observation.output_tokens, level, alpha)
         self._learn_rates(observation, model)
 
     def _learn_rates(self, observation: LatencyObservation, model: PoolModel) -> None:

@@ -166,6 +166,7 @@ def test_local_wait_counts_the_uncached_work_queued_at_the_decoder() -> None:
 def test_the_stall_limit_is_what_is_left_of_the_prefill_share_the_tpot_goal_allows() -> None:
     policy = _policy()
     policy.model.out_mean = 100  # a stream decodes for 100 * 0.03 = 3 s: the window
+    policy.model.out_low = 100  # no short stream: the mean bound binds
     model = policy.model.pools["decode"]
     assert policy.model.stall_limit(context(dec=decoder()), model) == math.inf  # nothing decodes
     busy = context(dec=decoder(in_flight=8))
@@ -193,6 +194,7 @@ def test_the_duty_cycle_decays_over_the_window() -> None:
 def test_a_busy_decoder_keeps_prompts_until_its_share_is_spent_then_they_go_p_d() -> None:
     policy = _policy()
     policy.model.out_mean = 100  # window 3 s; 10 000 tokens of room with no share
+    policy.model.out_low = 100  # no short stream: the mean bound binds
     busy = decoder(in_flight=8)
     kept = []
     for _ in range(10):  # 2900 uncached tokens each, all at t = 0
@@ -212,6 +214,7 @@ def test_a_busy_decoder_keeps_prompts_until_its_share_is_spent_then_they_go_p_d(
 def test_an_idle_prefill_pool_takes_what_would_stall_a_saturated_one_leaves_it_local() -> None:
     policy = _policy()
     policy.model.out_mean = 10  # window 0.3 s: 1000 tokens of room
+    policy.model.out_low = 10  # no short stream: the mean bound binds
     busy_decoder = decoder(in_flight=30)
     idle = context(tokens=6_000, dec=busy_decoder, prefillers=(prefiller(reading=load()),))
     decision = _decided(policy, idle)  # remote 0.66 s, within 0.8 s: a sure alternative
@@ -521,6 +524,7 @@ def test_before_any_itl_the_bare_step_is_the_hardware_profile_s() -> None:
     h200 = _known_h200()
     policy = GoodputPolicy(PARAMS)
     policy.model.out_mean = 100
+    policy.model.out_low = 100  # no short stream: the mean bound binds
     busy = context(tokens=4_000, dec=Candidate(h200, True, 50, None))
     assert _decided(policy, busy).reason == "local"  # its 4000 tokens count in the share
     model = policy.model.pools[h200.pool]
@@ -539,6 +543,7 @@ def test_a_crowded_decoder_steps_as_its_profile_says_whatever_the_pool_s_itl() -
     h200 = _known_h200()
     policy = GoodputPolicy(PARAMS)
     policy.model.out_mean, policy.model.prompt_mean = 100, 4_000
+    policy.model.out_low = 100  # no short stream: the mean bound binds
     model = policy.model.pool(h200)
     assert model.profile is not None
     model.itl = 0.010  # the pool's mean, learnt while its decoders were quiet
@@ -874,6 +879,7 @@ def test_a_ttft_target_that_scales_with_the_prompt_makes_a_long_remote_path_sure
     # 3 x 0.4 s alone: the prefiller pool's seed rate, 20,000 tokens/s, is the fastest
     assert policy.model.ttft_target(long, pool) == pytest.approx(1.2)
     policy.model.out_mean = 10  # window 0.3 s: 1000 tokens of room
+    policy.model.out_low = 10  # no short stream: the mean bound binds
     # remote 0.88 s: past a fixed 1 s target's slack (0.8 s), within 1.2 s's (0.96 s),
     # so the stall bound applies and the busy decoder keeps only its room
     scaled = _decided(policy, long)
@@ -881,4 +887,45 @@ def test_a_ttft_target_that_scales_with_the_prompt_makes_a_long_remote_path_sure
     assert threshold_of(scaled) == pytest.approx(1 - 1000.5 / 8_000)
     fixed = _policy()
     fixed.model.out_mean = 10
+    fixed.model.out_low = 10
     assert _decided(fixed, long).reason == "local"
+
+
+def test_a_short_stream_bounds_one_local_prefill_by_the_stall_it_tolerates() -> None:
+    policy = _policy()
+    policy.model.out_mean = 100  # window 3 s: 10,000 tokens of room for the mean stream
+    policy.model.out_low = 10  # but one stream in ten has 10 tokens or fewer
+    model = policy.model.pools["decode"]
+    busy = decoder(in_flight=8)
+    long = context(tokens=3_000, dec=busy)
+    # a 10-token stream that takes a whole stall of s over its tokens runs at about
+    # 10 ms + s / 10 a token: s <= 0.2 s, 2,000 tokens at 10k tokens/s
+    assert policy.model.stall_limit(long, model) == pytest.approx(2_000.0)
+    sure = (prefiller(reading=load()),)
+    decision = _decided(policy, context(tokens=3_000, dec=busy, prefillers=sure))
+    assert decision.reason == "stall"
+    assert threshold_of(decision) == pytest.approx(1 - 2_000.5 / 3_000)
+    # a prompt that fits whole is kept, and the mean bound alone stands then
+    assert _decided(policy, context(tokens=1_500, dec=busy, prefillers=sure)).reason == "local"
+    policy.model.out_low = 100
+    policy.model.duty.clear()  # forget what the two decisions kept
+    assert policy.model.stall_limit(long, model) == pytest.approx(10_000.0)
+    # past the TPOT already: only what a step carries for free
+    model.itl, model.free_tokens = 0.04, 150.0
+    assert policy.model.stall_limit(long, model) == 150.0
+
+
+def test_the_short_output_is_the_quantile_of_the_outputs_the_attainment_leaves_out() -> None:
+    outputs = [1 + (i * 37) % 100 for i in range(100)]  # 1..100, each once, shuffled
+    seeded = GoodputPolicy(PARAMS)
+    assert seeded.model.short_output() == pytest.approx(PARAMS.out_mean * 0.1)
+    for attainment, expected in ((0.9, 10.0), (0.75, 25.0)):
+        policy = _policy(attainment=attainment)
+        for _ in range(30):
+            for out in outputs:
+                policy.observe(LatencyObservation("m", "decode", 0.0, output_tokens=out))
+        assert policy.model.short_output() == pytest.approx(expected, rel=0.35)
+    # a reload keeps it
+    fresh = GoodputPolicy(PARAMS)
+    fresh.model.inherit(policy.model)
+    assert fresh.model.short_output() == policy.model.short_output()
