@@ -16,7 +16,7 @@ $(STAMP): requirements/lock.txt pyproject.toml
 
 ## run: start the simulated pools and the gateway on loopback (configs/local.yaml)
 run: $(STAMP)
-	$(BIN)/pd-orchestrator up --config configs/local.yaml --port $(PORT)
+	$(BIN)/pd-orchestrator up --config configs/local.yaml --port $(PORT) --shared-state
 
 ## bench: a small benchmark (virtual fleet, shared-prefix workload, every strategy) into bench-results/
 BENCH_ARGS ?= --workload shared-prefix --virtual --fleet h200

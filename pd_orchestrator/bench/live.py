@@ -45,7 +45,14 @@ from pd_orchestrator.bench.peers import VLLM_ROUTER, free_port, peer_executable,
 from pd_orchestrator.bench.results import RequestRecord, RunResult
 from pd_orchestrator.bench.strategies import Mode, Strategy
 from pd_orchestrator.bench.workloads import BenchRequest, Workload, materialize
-from pd_orchestrator.children import Child, ChildStartError, python_command, start_child, stop_child
+from pd_orchestrator.children import (
+    Child,
+    ChildStartError,
+    python_command,
+    start_child,
+    start_nats_server,
+    stop_child,
+)
 from pd_orchestrator.model.endpoints import Role
 from pd_orchestrator.sim.tokenizer import SimTokenizer
 
@@ -79,13 +86,16 @@ class LiveOptions:
     events and the gateway keeps a precise prefix index of them (``prefix.precise``),
     which tells a policy that reads it how much of each prompt its decoder holds.
     ``gateways``: gateway processes on one port (``listen.workers``: ``SO_REUSEPORT``,
-    the kernel spreads the client's connections over them), each with its own state."""
+    the kernel spreads the client's connections over them), each with its own state.
+    ``shared_state``: a NATS server is started for the run and the gateways share
+    their load through it (``shared_state.url``)."""
 
     sim_time_scale: float = 1.0
     concurrency: int = 256
     timeout: float = 600.0
     prefix_index: bool = True
     gateways: int = 1
+    shared_state: bool = False
 
     def __post_init__(self) -> None:
         if self.sim_time_scale <= 0 or self.concurrency < 1 or self.timeout <= 0:
@@ -452,6 +462,10 @@ def run_fleet_strategy(
         threshold = live_threshold(strategy, options.sim_time_scale)
         worker_port = _free_ports(options.gateways) if options.gateways > 1 else None
         config = _gateway_config(served, urls, threshold, events, options.gateways, worker_port)
+        if options.shared_state:
+            nats = start_nats_server(die_with_parent=True)
+            stack.callback(stop_child, nats)
+            config["shared_state"] = {"url": nats.url}
         path.write_text(yaml.safe_dump(config))
         gateway = start_child("gateway", python_command("serve", "--config", str(path)), timeout=60)
         stack.callback(stop_child, gateway)

@@ -224,6 +224,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="gateway processes on one port (serve --workers N, SO_REUSEPORT), each with "
         "its own state; a comma-separated list runs each strategy once per count",
     )
+    live.add_argument(
+        "--shared-state",
+        action="store_true",
+        help="start a NATS server and let the gateway processes share their load through it",
+    )
     live.add_argument("--vllm-router", action="store_true", help="also run vllm-router (P/D)")
     live.add_argument("--router-policy", default="round_robin", help="vllm-router's --policy")
     parser.set_defaults(handler=run)
@@ -352,6 +357,7 @@ def _run_live(
         sim_time_scale=args.sim_time_scale,
         concurrency=args.concurrency,
         prefix_index=not args.no_prefix_index,
+        shared_state=args.shared_state,
     )
     results = []
     with _progress(console) as progress:

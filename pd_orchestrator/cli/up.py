@@ -44,6 +44,7 @@ from pd_orchestrator.children import (
     RunDirectory,
     python_command,
     start_child,
+    start_nats_server,
     stop_child,
 )
 from pd_orchestrator.cli.gateway import (
@@ -91,6 +92,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         type=Path,
         default=None,
         help="write the started endpoints (name, role, url, pid) here as JSON",
+    )
+    up.add_argument(
+        "--shared-state",
+        action="store_true",
+        help="start a NATS server for the gateway's shared state (shared_state.url), "
+        "unless the config names one",
     )
     add_logging_arguments(up)
     up.set_defaults(handler=run_up)
@@ -280,15 +287,33 @@ def _run(
             errors.print(f"the simulators' logs are kept in {run.keep_logs()}", highlight=False)
             return 1
         simulated = _simulated(config, children)
+        shared_url = None
+        if args.shared_state and config.shared_state.url is None:
+            try:
+                nats = start_nats_server(log_dir=run.logs, die_with_parent=True)
+            except (ChildStartError, OSError) as exc:
+                errors.print(f"[bold red]error:[/] {exc}", highlight=False)
+                return 1
+            stack.callback(stop_child, nats)
+            shared_url = nats.url
         resolved = run.path / "gateway.yaml"
         try:
-            write_resolved(args.config, resolved, simulated)
+            write_resolved(args.config, resolved, simulated, shared_url)
         except ConfigError as exc:  # the file changed while the simulators started
             errors.print(f"[bold red]error:[/] {exc}", highlight=False)
             return 2
+        if shared_url is not None:
+            shared = config.shared_state.model_copy(update={"url": shared_url})
+            config = config.model_copy(update={"shared_state": shared})
         if args.state_file is not None:
             _write_state(args.state_file, config, children)
-        gateway = UpGateway(config, source=args.config, resolved=resolved, simulated=simulated)
+        gateway = UpGateway(
+            config,
+            source=args.config,
+            resolved=resolved,
+            simulated=simulated,
+            shared_url=shared_url,
+        )
         stack.callback(hangups.install)  # once the gateway stops, SIGHUP is noted again
 
         async def ready(url: str) -> None:

@@ -54,15 +54,24 @@ def _endpoint_entries(data: dict[str, Any]) -> list[dict[str, Any]]:
     return [entry for entry in entries if isinstance(entry, dict)]
 
 
-def keep_simulated(data: dict[str, Any], simulated: Mapping[str, Simulated]) -> dict[str, Any]:
+def keep_simulated(
+    data: dict[str, Any], simulated: Mapping[str, Simulated], shared_url: str | None = None
+) -> dict[str, Any]:
     """Write each running simulator's URL and model into the endpoint of its name
-    that has no ``url`` (a copy; ``data`` is not changed)."""
+    that has no ``url``, and ``shared_url`` (the NATS server ``up`` started) as
+    ``shared_state.url`` unless the document names one (a copy; ``data`` is not
+    changed)."""
     document = copy.deepcopy(data)
     for entry in _endpoint_entries(document):
         running = simulated.get(str(entry.get("name")))
         if running is not None and entry.get("url") is None:
             entry["url"] = running.url
             entry["model"] = running.model
+    if shared_url is not None:
+        shared = document.get("shared_state")
+        if not isinstance(shared, dict):
+            shared = document["shared_state"] = {}
+        shared.setdefault("url", shared_url)
     return document
 
 
@@ -80,16 +89,21 @@ def _read(source: Path) -> dict[str, Any]:
     return data
 
 
-def write_resolved(source: Path, target: Path, simulated: Mapping[str, Simulated]) -> GatewayConfig:
-    """Validate ``source``, write it to ``target`` with the simulators' URLs, and
-    return the resolved configuration.
+def write_resolved(
+    source: Path,
+    target: Path,
+    simulated: Mapping[str, Simulated],
+    shared_url: str | None = None,
+) -> GatewayConfig:
+    """Validate ``source``, write it to ``target`` with the simulators' URLs (and
+    ``shared_url``: :func:`keep_simulated`), and return the resolved configuration.
 
     Raises :class:`ConfigError` (naming ``source``) when the file is invalid or an
     endpoint has no URL and no running simulator. ``target`` is replaced atomically.
     """
     data = _read(source)
     parse_config(data, str(source))  # errors name the user's file, not the copy
-    document = keep_simulated(data, simulated)
+    document = keep_simulated(data, simulated, shared_url)
     config = parse_config(document, str(source))
     missing = [e.name for e in config.fleet() if e.url is None]
     if missing:
@@ -116,11 +130,13 @@ class UpGateway(Gateway):
         source: Path,
         resolved: Path,
         simulated: Mapping[str, Simulated],
+        shared_url: str | None = None,
     ) -> None:
         super().__init__(config, config_path=resolved)
         self.source = source
         self.resolved = resolved
         self.simulated = dict(simulated)
+        self.shared_url = shared_url
         self._rewrite_lock = anyio.Lock()
 
     async def reload(self) -> ReloadResult:
@@ -128,7 +144,7 @@ class UpGateway(Gateway):
         :meth:`Gateway.reload`); messages name ``source``."""
         async with self._rewrite_lock:
             try:
-                write_resolved(self.source, self.resolved, self.simulated)
+                write_resolved(self.source, self.resolved, self.simulated, self.shared_url)
             except ConfigError as exc:
                 self.metrics.reloads.labels("refused").inc()
                 return ReloadResult(False, f"refused, the old configuration stays: {exc}")

@@ -493,6 +493,45 @@ class HealthConfig(_Strict):
     unhealthy_after: Annotated[int, Field(ge=1)] = 2
 
 
+class SharedStateConfig(_Strict):
+    """What several gateways in front of one fleet share through a NATS server: each
+    publishes the requests it has in flight and the prompt tokens it has queued per
+    endpoint, and the prefill tokens each ``goodput`` policy kept per decoder; each
+    adds what the others published to its own. Off (``url`` None) for a single
+    gateway. Unreachable, a gateway counts its own state alone, never waits for it,
+    and says so in ``/status``."""
+
+    url: str | None = Field(
+        default=None, description="the NATS server, nats://HOST:PORT (None: nothing shared)"
+    )
+    subject: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,128}$")] = Field(
+        default="pd-orchestrator.load",
+        description="the subject the gateways of one fleet publish on",
+    )
+    interval: Annotated[float, Field(gt=0.0, le=5.0)] = Field(
+        default=0.05, description="seconds between two reports of this gateway"
+    )
+    ttl: Annotated[float, Field(gt=0.0, le=60.0)] = Field(
+        default=1.0, description="seconds after which a silent gateway's report is dropped"
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _nats_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = urlsplit(value)
+        if parts.scheme not in ("nats", "tls") or not parts.hostname or parts.path not in ("", "/"):
+            raise ValueError(f"expected nats://HOST:PORT, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _ttl_over_interval(self) -> Self:
+        if self.ttl < 2 * self.interval:
+            raise ValueError("ttl must be at least twice the interval")
+        return self
+
+
 class OutlierConfig(_Strict):
     """Passive ejection of endpoints that keep failing real requests (Envoy's outlier
     detection; see ``pd_orchestrator.fleet.outliers``). 0 turns a counter off."""
@@ -705,6 +744,7 @@ class GatewayConfig(BaseSettings):
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     outlier: OutlierConfig = Field(default_factory=OutlierConfig)
+    shared_state: SharedStateConfig = Field(default_factory=SharedStateConfig)
     lifecycle: LifecycleConfig = Field(default_factory=LifecycleConfig)
     load: LoadConfig = Field(default_factory=LoadConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)

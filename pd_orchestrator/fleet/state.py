@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 from connectors import PeerUpdate
@@ -66,6 +66,7 @@ class FleetState:
         self._failures = dict.fromkeys(self._endpoints, 0)
         self._in_flight = dict.fromkeys(self._endpoints, 0)
         self._backlog = dict.fromkeys(self._endpoints, 0)
+        self._others: Mapping[str, tuple[int, int]] = {}
         self._outliers = {name: Outlier() for name in self._endpoints}
         self._ejected: dict[str, Outlier] = {}
         self._answered: set[str] = set()
@@ -91,15 +92,44 @@ class FleetState:
 
     def snapshot(self, role: Role | None = None) -> tuple[EndpointStatus, ...]:
         """Immutable statuses of the endpoints with ``role`` (all when None); ``healthy``
-        means in routing: healthy and not ejected."""
+        means in routing: healthy and not ejected. In-flight counts and backlogs are
+        this gateway's plus the other gateways' (:meth:`share`)."""
         healthy, ejected, in_flight = self._healthy, self._ejected, self._in_flight
-        backlog = self._backlog
-        return tuple(
-            EndpointStatus(
-                e, healthy[e.name] and e.name not in ejected, in_flight[e.name], backlog[e.name]
+        backlog, others = self._backlog, self._others
+        if not others:
+            return tuple(
+                EndpointStatus(
+                    e, healthy[e.name] and e.name not in ejected, in_flight[e.name], backlog[e.name]
+                )
+                for e in self.endpoints(role)
             )
-            for e in self.endpoints(role)
-        )
+        statuses = []
+        for e in self.endpoints(role):
+            more, queued = others.get(e.name, (0, 0))
+            statuses.append(
+                EndpointStatus(
+                    e,
+                    healthy[e.name] and e.name not in ejected,
+                    in_flight[e.name] + more,
+                    backlog[e.name] + queued,
+                )
+            )
+        return tuple(statuses)
+
+    def own_load(self) -> dict[str, tuple[int, int]]:
+        """This gateway's requests in flight and queued prompt tokens per configured
+        endpoint, the endpoints with neither left out (what it reports to the others)."""
+        backlog = self._backlog
+        return {
+            name: (count, backlog[name])
+            for name, count in self._in_flight.items()
+            if (count or backlog[name]) and name in self._endpoints
+        }
+
+    def share(self, others: Mapping[str, tuple[int, int]]) -> None:
+        """What the other gateways have in flight and queued per endpoint (empty: this
+        gateway counts its own alone)."""
+        self._others = others
 
     def inherit(self, previous: FleetState) -> None:
         """Keep the health and ejection state of endpoints that ``previous`` had under

@@ -245,6 +245,8 @@ class Gateway:
                     await tg.start(state.prefix.run)
                     if state.config.sidecar.enabled:
                         await tg.start(state.allowlist.run)
+                    if state.shared is not None:
+                        await tg.start(state.shared.run)
                     task_status.started()
 
         await self._tasks.start(monitors)

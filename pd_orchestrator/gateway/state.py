@@ -20,6 +20,7 @@ from pd_orchestrator.fleet.cache_reports import CacheReports
 from pd_orchestrator.fleet.endpoints import endpoints_from_config
 from pd_orchestrator.fleet.health import HealthMonitor
 from pd_orchestrator.fleet.scraper import LoadScraper
+from pd_orchestrator.fleet.shared_sync import SharedState
 from pd_orchestrator.fleet.state import FleetState
 from pd_orchestrator.flows.attempts import Attempt, attempt_for
 from pd_orchestrator.flows.flow import FlowSettings
@@ -89,6 +90,8 @@ class GatewayState:
     flow: FlowSettings
     cache_reports: CacheReports = field(default_factory=CacheReports)
     """Which decoders report their cached counts (kept across reloads)."""
+    shared: SharedState | None = None
+    """The load shared with the other gateways (``shared_state.url``; None: off)."""
 
 
 def goodput_knowledge(config: GatewayConfig) -> dict[str, str]:
@@ -194,10 +197,14 @@ def build_state(
     reports = CacheReports()
     if previous is not None:
         reports.inherit(previous.cache_reports)
+    planner = Planner(profiles, threshold, pairs, width, bridges, adaptive, cache=prefix)
+    shared = None
+    if config.shared_state.url is not None:
+        shared = SharedState(config.shared_state, fleet, threshold, clock, metrics.set_shared)
     return GatewayState(
         config=config,
         fleet=fleet,
-        planner=Planner(profiles, threshold, pairs, width, bridges, adaptive, cache=prefix),
+        planner=planner,
         prefix=prefix,
         health=HealthMonitor(fleet, upstream, config.health),
         scraper=LoadScraper(fleet, upstream, config.load, clock=clock),
@@ -212,4 +219,5 @@ def build_state(
         ),
         flow=FlowSettings(config.handback, config.upstream, _connectors(config), metrics, clock),
         cache_reports=reports,
+        shared=shared,
     )

@@ -37,7 +37,10 @@ def status_document(state: GatewayState, now: float) -> dict[str, Any]:
     :mod:`~pd_orchestrator.fleet.cache_reports`); with a ``goodput`` policy,
     ``goodput_starts_from``: per pool, a measured profile, a simulator's or seeds, and
     ``goodput_learnt``: per policy and pool, the rates, ITL and hand-over costs its
-    model holds now."""
+    model holds now; with ``shared_state.url``, ``shared_state``: the NATS server,
+    whether it is reachable (else this gateway counts its own state only) and how
+    many other gateways count. ``in_flight`` and ``backlog`` include the other
+    gateways' while shared."""
     endpoints = []
     for status in state.fleet.snapshot():
         endpoint = status.endpoint
@@ -77,6 +80,8 @@ def status_document(state: GatewayState, now: float) -> dict[str, Any]:
     document: dict[str, Any] = {"mode": state.config.mode, "endpoints": endpoints, "prefix": prefix}
     if state.config.mode == "ask-all":
         document["ask_all"] = _ask_all(state, now)
+    if state.shared is not None:
+        document["shared_state"] = state.shared.status()
     knowledge = goodput_knowledge(state.config)
     if knowledge:
         document["goodput_starts_from"] = knowledge

@@ -79,7 +79,7 @@ Measurements behind these choices: benchmarks/README.md.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -317,6 +317,8 @@ class GoodputModel:
     prompt_mean: float = 0.0
     out_mean: float = 0.0
     out_low: float = 0.0
+    others: dict[str, DutyCycle] = field(default_factory=dict)
+    """What the other gateways' policies of this name kept per decoder (:meth:`share`)."""
     reads: list[Candidate] | None = field(default=None, compare=False, repr=False)
     """While not None, :meth:`hit_rate` lists here the candidates whose reading gave
     the rate it returned (what :meth:`saw` then remembers); None while deciding."""
@@ -459,12 +461,17 @@ class GoodputModel:
         return self.output_tokens() * self.params.tpot
 
     def local_share(self, decoder: Candidate, now: float, model: PoolModel) -> float:
-        """``share_d``: the share of the decoder's time its kept prefills take."""
-        duty = self.duty.get(decoder.endpoint.name)
-        if duty is None:
+        """``share_d``: the share of the decoder's time its kept prefills take: what
+        this policy kept there and what the other gateways' did (:meth:`share`)."""
+        name = decoder.endpoint.name
+        duty, other = self.duty.get(name), self.others.get(name)
+        if duty is None and other is None:
             return 0.0
         window = self.window()
-        return duty.decayed(now, window) / (window * model.rate_local)
+        kept = 0.0 if duty is None else duty.decayed(now, window)
+        if other is not None:
+            kept += other.decayed(now, window)
+        return kept / (window * model.rate_local)
 
     def stall_limit(self, context: ThresholdContext, model: PoolModel) -> float:
         """``stall_d``: the most uncached tokens a local prefill may have before the
@@ -518,6 +525,18 @@ class GoodputModel:
             load = candidate.load
             if load is not None and load.prefix_hit_rate is not None:
                 self.hits[candidate.endpoint.name] = load.prefix_hit_rate
+
+    def kept_now(self, now: float) -> dict[str, float]:
+        """The uncached tokens this policy kept per decoder, decayed to ``now`` (what
+        its gateway reports to the others; decoders with under one token left out)."""
+        window = self.window()
+        kept = {name: duty.decayed(now, window) for name, duty in self.duty.items()}
+        return {name: round(tokens, 1) for name, tokens in kept.items() if tokens >= 1.0}
+
+    def share(self, kept: Mapping[str, float], now: float) -> None:
+        """What the other gateways' policies of this name kept per decoder, as of
+        ``now`` (empty: this policy counts its own alone)."""
+        self.others = {name: DutyCycle(tokens, now) for name, tokens in kept.items()}
 
     def keep(self, decoder: Endpoint, now: float, uncached: float) -> None:
         """Count ``uncached`` tokens a request's final route keeps at ``decoder``."""

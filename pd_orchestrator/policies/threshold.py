@@ -13,7 +13,7 @@ per-model overrides when any are configured.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from pd_orchestrator.config.policy import PromptLengthConfig, ThresholdConfig
@@ -96,6 +96,24 @@ class ThresholdResolver:
         return {
             p.name: p.model.learnt() for p in _tree(self.policy) if isinstance(p, GoodputPolicy)
         }
+
+    def kept(self, now: float) -> dict[str, dict[str, float]]:
+        """Per ``goodput`` policy (by name), the prefill tokens it kept per decoder as of
+        ``now`` (:meth:`~pd_orchestrator.policies.goodput_model.GoodputModel.kept_now`;
+        policies that kept none left out)."""
+        kept = {
+            p.name: p.model.kept_now(now)
+            for p in _tree(self.policy)
+            if isinstance(p, GoodputPolicy)
+        }
+        return {name: tokens for name, tokens in kept.items() if tokens}
+
+    def share_kept(self, kept: Mapping[str, Mapping[str, float]], now: float) -> None:
+        """Tell each ``goodput`` policy what the other gateways' policies of its name
+        kept per decoder (:meth:`kept`, summed over them; empty: each alone)."""
+        for policy in _tree(self.policy):
+            if isinstance(policy, GoodputPolicy):
+                policy.model.share(kept.get(policy.name, {}), now)
 
 
 def _tree(policy: ThresholdPolicy) -> list[ThresholdPolicy]:

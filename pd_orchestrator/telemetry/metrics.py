@@ -185,6 +185,18 @@ class GatewayMetrics:
             ["pool", "source"],
             registry=r,
         )
+        self.shared_connected = Gauge(
+            "pd_orchestrator_shared_state_connected",
+            "1 while the NATS server of shared_state is reachable (the gateway adds the "
+            "other gateways' load to its own), 0 while it counts its own state only.",
+            registry=r,
+        )
+        self.shared_peers = Gauge(
+            "pd_orchestrator_shared_state_peers",
+            "Other gateways whose load this gateway counts (their reports younger than "
+            "shared_state.ttl).",
+            registry=r,
+        )
         self.fanout_legs = Counter(
             "pd_orchestrator_fanout_legs",
             "Ask-all legs by outcome (admitted, rejected, cancelled, failed).",
@@ -264,6 +276,12 @@ class GatewayMetrics:
         self.policy_knowledge.clear()
         for pool, source in sources.items():
             self.policy_knowledge.labels(pool, source).set(1)
+
+    def set_shared(self, connected: bool, peers: int) -> None:
+        """Whether the shared state's server is reachable, and how many other gateways
+        count."""
+        self.shared_connected.set(1 if connected else 0)
+        self.shared_peers.set(peers)
 
     def label_upstreams(self, configured: set[str], max_named: int) -> None:
         """The endpoint names that are configured (each has its own ``upstream`` label),

@@ -336,3 +336,26 @@ def test_write_resolved_keeps_the_running_simulators(tmp_path: Path) -> None:
     source.write_text("decoders: [")
     with pytest.raises(ConfigError, match=r"up\.yaml is not valid YAML"):
         write_resolved(source, target, running)
+
+
+def _shared(url: str) -> dict[str, Any]:
+    shared: dict[str, Any] = httpx.get(f"{url}/status", timeout=5).json()["shared_state"]
+    return shared
+
+
+def test_with_shared_state_up_runs_a_nats_server_for_the_gateway_and_stops_it(
+    tmp_path: Path,
+) -> None:
+    path = _write(tmp_path / "up.yaml", _config())
+    with _up(path, _tmpdir(tmp_path), "--shared-state") as up:
+        _wait(lambda: _shared(up.url)["connected"], "the gateway to reach the server")
+        shared = _shared(up.url)
+        assert shared["url"].startswith("nats://127.0.0.1:")
+        assert (shared["peers"], shared["counting"]) == (0, "shared")
+        assert _complete(up.url, "a prompt").status_code == 200
+        up.process.send_signal(signal.SIGHUP)  # a reload keeps the server it started
+        _wait(lambda: _reloads(up.url, "applied") == 1, "the reload")
+        _wait(lambda: _shared(up.url)["connected"], "the reloaded gateway to reach it")
+        port = int(shared["url"].rsplit(":", 1)[1])
+    with pytest.raises(OSError):  # the server stopped with up
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
