@@ -25,7 +25,6 @@ from .helpers import call, metric, metrics_text
 pytestmark = pytest.mark.anyio
 
 
-
 class Nats:
     """A NATS server on a loopback port, started and stopped by the test."""
 
