@@ -70,6 +70,7 @@ def test_a_live_gateway_holds_the_simulated_fleet_to_the_strategy_s_targets() ->
         "ttft": pytest.approx(1.5),
         "tpot": pytest.approx(0.06),
         "ttft_scale": 2.0,  # a ratio of two durations: the same on any clock
+        "attainment": 0.9,  # a share of requests: the same on any clock
         "time_scale": 3.0,  # goodput's knowledge on the gateway's clock
     }
     assert live_threshold(goodput) == goodput.threshold.model_dump(mode="json", exclude_unset=True)
