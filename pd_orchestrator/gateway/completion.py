@@ -36,7 +36,7 @@ from pd_orchestrator.gateway.auth import forwarded_headers
 from pd_orchestrator.gateway.lifecycle import SHUTTING_DOWN, Drain
 from pd_orchestrator.gateway.observe import Answered, log_access, span_attributes
 from pd_orchestrator.gateway.protocol import default_concurrent_choices
-from pd_orchestrator.gateway.response import error_of, refuse, respond
+from pd_orchestrator.gateway.response import disconnects_of, error_of, refuse, respond
 from pd_orchestrator.gateway.state import GatewayState
 from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.openai.responses import Kind
@@ -121,7 +121,9 @@ class CompletionPath:
         )
         self.metrics.in_flight.inc()
         try:
-            pending = await respond(receive, send, serve, flow.headers, self.drain.scopes)
+            pending = await respond(
+                receive, send, serve, flow.headers, self.drain.scopes, disconnects_of(scope)
+            )
             self._learn(state, admitted, plan, pending.result)
             status = await pending.finish()
         finally:

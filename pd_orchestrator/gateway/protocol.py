@@ -77,11 +77,13 @@ from pd_orchestrator.upstream.transport import own_resource
 
 __all__ = [
     "CORK_BYTES",
+    "DISCONNECTS",
     "PROBE_CONNECTIONS",
     "PROBE_PATHS",
     "TOO_MANY_CONNECTIONS",
     "TOO_MANY_FROM_PEER",
     "CorkedTransport",
+    "Disconnects",
     "count_accept_errors",
     "default_concurrent_choices",
     "default_max_connections",
@@ -166,6 +168,49 @@ class CorkedTransport:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.transport, name)
+
+
+DISCONNECTS = "pd_orchestrator.disconnects"
+"""The ASGI scope extension under which the protocol offers each request its
+connection's :class:`Disconnects` (``scope["extensions"][DISCONNECTS]["connection"]``;
+the extension dict is the connection's, the same for each of its requests)."""
+
+
+class Disconnects:
+    """The callbacks to call when a connection is lost: an answer on it watches for
+    its client's going without a task of its own waiting on ``receive()``.
+
+    :meth:`add` a callback while the answer runs, :meth:`discard` it after; the
+    protocol calls :meth:`lost` from ``connection_lost``, which calls every callback
+    still added, once each, and none added after.
+    """
+
+    __slots__ = ("_callbacks", "gone")
+
+    def __init__(self) -> None:
+        self._callbacks: list[Callable[[], None]] = []
+        self.gone = False
+
+    def add(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when the connection is lost (at once if it was)."""
+        if self.gone:
+            callback()
+        else:
+            self._callbacks.append(callback)
+
+    def discard(self, callback: Callable[[], None]) -> None:
+        """Forget ``callback`` (nothing when it was not added or already called)."""
+        try:
+            self._callbacks.remove(callback)
+        except ValueError:
+            pass
+
+    def lost(self) -> None:
+        """The connection is gone: call every callback added (once)."""
+        self.gone = True
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
 
 
 class _HeadRefused(Exception):
@@ -275,6 +320,10 @@ def limited_protocol(
             self._waiting: _Waiting = "request"
             self._deadline: float | None = None
             self._timer: asyncio.TimerHandle | None = None
+            self._disconnects = Disconnects()
+            self._extensions: dict[str, dict[object, object]] = {
+                DISCONNECTS: {"connection": self._disconnects}
+            }
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             corked = CorkedTransport(transport, self.loop)
@@ -300,6 +349,7 @@ def limited_protocol(
                 self._timer = None
             self._let_go()
             super().connection_lost(exc)
+            self._disconnects.lost()
 
         def evict(self) -> None:
             """Close this idle connection to make room for a new one."""
@@ -325,6 +375,7 @@ def limited_protocol(
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
+            self.scope["extensions"] = self._extensions
             self._limits = limits()
             self._head_bytes = self._head_count = 0
             self._refusal = None

@@ -23,11 +23,12 @@ from typing import Generic, TypeVar
 
 import anyio
 import orjson
-from starlette.types import Message, Receive, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from pd_orchestrator.flows.sink import ClientSink, GatewayError
 from pd_orchestrator.gateway.lifecycle import SHUTTING_DOWN
 from pd_orchestrator.gateway.limits import REFUSALS_THAT_CLOSE
+from pd_orchestrator.gateway.protocol import DISCONNECTS, Disconnects
 from pd_orchestrator.openai.errors import error_body
 from pd_orchestrator.openai.sse import DONE, encode_event
 from pd_orchestrator.upstream.errors import UpstreamError, client_error
@@ -36,6 +37,7 @@ __all__ = [
     "DISCONNECTED",
     "Pending",
     "closing_headers",
+    "disconnects_of",
     "error_of",
     "error_response",
     "refuse",
@@ -243,27 +245,50 @@ class Pending(Generic[T]):
 class _Watch:
     """Cancels ``scope`` when the client disconnects.
 
-    The request body has been read, so the server's next message is the disconnect
-    (or nothing, until the answer is complete). One plain asyncio task waits for it:
-    a task group per request cost more than the rest of the relay.
+    On the gateway's own protocol the connection's :class:`Disconnects` calls it back
+    when the connection is lost: no task per request. On any other server (the scope
+    offers no such extension) the request body has been read, so the server's next
+    message is the disconnect (or nothing, until the answer is complete), and one plain
+    asyncio task waits for it.
     """
 
-    def __init__(self, receive: Receive, scope: anyio.CancelScope) -> None:
+    def __init__(
+        self, receive: Receive, scope: anyio.CancelScope, disconnects: Disconnects | None
+    ) -> None:
         self.scope = scope
         self.disconnected = False
-        self._task = asyncio.ensure_future(receive())
-        self._task.add_done_callback(self._seen)
+        self._disconnects = disconnects
+        self._task: asyncio.Future[Message] | None = None
+        if disconnects is not None:
+            disconnects.add(self._lost)
+        else:
+            self._task = asyncio.ensure_future(receive())
+            self._task.add_done_callback(self._seen)
+
+    def _lost(self) -> None:
+        self.disconnected = True
+        self.scope.cancel()
 
     def _seen(self, task: asyncio.Future[Message]) -> None:
         if task.cancelled() or task.exception() is not None:
             return
         if task.result()["type"] == "http.disconnect":
-            self.disconnected = True
-            self.scope.cancel()
+            self._lost()
 
     def stop(self) -> None:
-        self._task.remove_done_callback(self._seen)
-        self._task.cancel()
+        if self._disconnects is not None:
+            self._disconnects.discard(self._lost)
+        if self._task is not None:
+            self._task.remove_done_callback(self._seen)
+            self._task.cancel()
+
+
+def disconnects_of(scope: Scope) -> Disconnects | None:
+    """The request's connection's :class:`Disconnects`, when its server offers it
+    (the gateway's protocol does)."""
+    extension = (scope.get("extensions") or {}).get(DISCONNECTS)
+    found = None if extension is None else extension.get("connection")
+    return found if isinstance(found, Disconnects) else None
 
 
 async def respond(
@@ -272,15 +297,18 @@ async def respond(
     serve: Callable[[ClientSink], Awaitable[T]],
     error_headers: Callable[[], Mapping[str, str]] = dict,
     tracked: set[anyio.CancelScope] | None = None,
+    disconnects: Disconnects | None = None,
 ) -> Pending[T]:
     """Run ``serve`` against the client (see the module docstring). ``tracked`` holds
     the request's cancel scope while ``serve`` runs: cancelling it from there ends
-    the request with a 503 (``SHUTTING_DOWN``)."""
+    the request with a 503 (``SHUTTING_DOWN``). ``disconnects``: the connection's
+    (:func:`disconnects_of`), which tells of a disconnect without a task waiting on
+    ``receive``; None on a server that offers none."""
     sink = _AsgiSink(send)
     error: Exception | None = None
     result: T | None = None
     with anyio.CancelScope() as scope:
-        watch = _Watch(receive, scope)
+        watch = _Watch(receive, scope, disconnects)
         if tracked is not None:
             tracked.add(scope)
         try:

@@ -71,6 +71,8 @@ class MaxScorePicker:
     def pick(self, request: RoutingRequest, scored: Sequence[ScoredCandidate]) -> int:
         best = max(s.total for s in scored)
         tied = [i for i, s in enumerate(scored) if s.total >= best - self.tolerance]
+        if len(tied) == 1:  # no tie to break: every rule below picks it
+            return tied[0]
         key = request.affinity_key if self.ties == "affinity" else None
         if key is None:
             return tied[request.sequence % len(tied)]

@@ -79,12 +79,24 @@ class _Family(Generic[C]):
         self.labelnames = tuple(labelnames)
         self._new: Callable[[], C] = new
         self._children: dict[tuple[str, ...], C] = {}
+        self._seen: dict[tuple[object, ...], C] = {}
+        """Children by the values as given (an ``int`` status as it came): a repeated
+        update finds its child in one lookup, without making the values strings."""
         if not self.labelnames:
-            self._children[()] = new()
+            self._children[()] = self._seen[()] = new()
         if registry is not None:
             registry.register(self)  # type: ignore[arg-type]
 
-    def labels(self, *values: str) -> C:
+    def labels(self, *values: object) -> C:
+        """The child of ``values`` (their strings are the label values); values that
+        compare equal (``1`` and ``True``) share the child found first."""
+        child = self._seen.get(values)
+        if child is None:
+            child = self._seen[values] = self._child(values)
+        return child
+
+    def _child(self, values: tuple[object, ...]) -> C:
+        """The child of ``values`` made strings, made when it is new."""
         key = tuple(map(str, values))
         child = self._children.get(key)
         if child is None:
@@ -97,6 +109,7 @@ class _Family(Generic[C]):
         """Forget every labelled child (prometheus_client's ``clear``)."""
         if self.labelnames:
             self._children.clear()
+            self._seen.clear()
 
     def describe(self) -> list[Metric]:
         return []

@@ -8,7 +8,7 @@ can answer a burst of chunks with one write) or a plain reply for health and
 metrics polls (:meth:`Upstream.get`). Every call names its phase, which picks the
 read timeout, and the size of the prompt it carries, which lengthens it
 (``timeouts.per_1k_prompt_tokens``: :meth:`Upstream.allowance`). Transport errors
-never leave this module: :func:`_translate` turns them into
+never leave this module: :class:`_Translate` turns them into
 :mod:`~pd_orchestrator.upstream.errors`. Streams must be closed with
 :meth:`ChunkStream.aclose`; closing one before its end closes its connection,
 which is how vLLM learns to abort the request.
@@ -20,8 +20,7 @@ import enum
 import math
 import socket
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -72,23 +71,38 @@ def role_label(endpoint: Endpoint) -> str:
     return "decoder" if endpoint.role.value == "decode" else "prefiller"
 
 
-@contextmanager
-def _translate(endpoint: Endpoint, phase: Phase) -> Iterator[None]:
-    role = role_label(endpoint)
-    try:
-        yield
-    except OutOfResources as exc:
-        raise GatewayResourceError(
-            endpoint.name, phase, str(exc), role=role, resource=exc.resource
-        ) from exc
-    except ConnectFailed as exc:
-        raise UpstreamUnavailable(endpoint.name, phase, str(exc), role=role) from exc
-    except (ReadTimedOut, PoolTimedOut) as exc:
-        raise UpstreamTimeout(endpoint.name, phase, type(exc).__name__, role=role) from exc
-    except ConnectionBroken as exc:
-        message = f"connection broken ({exc})"
-        raise UpstreamProtocolError(endpoint.name, phase, message, role=role) from exc
-    except TransportError as exc:
+class _Translate:
+    """Within it, a transport failure becomes the :class:`UpstreamError` of ``endpoint``
+    in ``phase`` (chained to it); anything else passes. A plain context manager (no
+    generator per use); it holds no state of a use, so one instance serves many."""
+
+    __slots__ = ("endpoint", "phase")
+
+    def __init__(self, endpoint: Endpoint, phase: Phase) -> None:
+        self.endpoint = endpoint
+        self.phase = phase
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        if exc is None or not isinstance(exc, TransportError):
+            return
+        endpoint, phase = self.endpoint, self.phase
+        role = role_label(endpoint)
+        if isinstance(exc, OutOfResources):
+            raise GatewayResourceError(
+                endpoint.name, phase, str(exc), role=role, resource=exc.resource
+            ) from exc
+        if isinstance(exc, ConnectFailed):
+            raise UpstreamUnavailable(endpoint.name, phase, str(exc), role=role) from exc
+        if isinstance(exc, (ReadTimedOut, PoolTimedOut)):
+            raise UpstreamTimeout(endpoint.name, phase, type(exc).__name__, role=role) from exc
+        if isinstance(exc, ConnectionBroken):
+            message = f"connection broken ({exc})"
+            raise UpstreamProtocolError(endpoint.name, phase, message, role=role) from exc
         raise UpstreamProtocolError(endpoint.name, phase, str(exc), role=role) from exc
 
 
@@ -162,6 +176,7 @@ class ChunkStream:
         self._response = response
         self._pieces = response.__aiter__()
         self._splitter = _SseSplitter(max_line)
+        self._translated = _Translate(endpoint, phase)
         self._done = False
         self._drained = False
 
@@ -175,7 +190,7 @@ class ChunkStream:
 
     async def __anext__(self) -> list[Json]:
         while not self._done:
-            with _translate(self.endpoint, self.phase):
+            with self._translated:
                 try:
                     piece = await self._pieces.__anext__()
                 except StopAsyncIteration:
@@ -194,7 +209,7 @@ class ChunkStream:
                 return batch
         if not self._drained:  # read the answer's last bytes: its connection is reused
             self._drained = True
-            with _translate(self.endpoint, self.phase):
+            with self._translated:
                 async for _ in self._pieces:
                     pass
         raise StopAsyncIteration
@@ -356,7 +371,7 @@ class Upstream:
     ) -> Reply:
         """The one send path of a whole answer: send, read it all, close; transport
         failures become :class:`UpstreamError` (any status is returned)."""
-        with _translate(endpoint, phase):
+        with _Translate(endpoint, phase):
             response = await self._transport.send(request, timeouts)
             return Reply(response.status, await self._read_all(response, endpoint, phase))
 
@@ -397,7 +412,7 @@ class Upstream:
         must ``aclose`` the stream."""
         request = self._request(endpoint, "POST", path, _content(body), headers)
         timeouts = self._timeouts_for(phase, prompt_tokens)
-        with _translate(endpoint, phase):
+        with _Translate(endpoint, phase):
             response = await self._transport.send(request, timeouts)
             if response.status < 300:
                 return ChunkStream(response, endpoint, phase, self._max_line)

@@ -395,13 +395,20 @@ class _SocketResponse:
         self.status = connection.status
         self.headers = connection.headers
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        while True:
-            piece = await self._connection.next_piece(self._timeout)
-            if piece is None:
-                await self.aclose()
-                return
-            yield piece
+    def __aiter__(self) -> _SocketResponse:
+        return self
+
+    async def __anext__(self) -> bytes:
+        """The body's next piece; at its end the connection goes back to the pool (an
+        iterator, not an async generator: no generator for the loop to track per
+        answer). Once released it reads nothing more: the connection may be another's."""
+        if self._released:
+            raise StopAsyncIteration
+        piece = await self._connection.next_piece(self._timeout)
+        if piece is None:
+            await self.aclose()
+            raise StopAsyncIteration
+        return piece
 
     async def read(self) -> bytes:
         pieces = [piece async for piece in self]

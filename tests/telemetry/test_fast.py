@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -60,3 +61,23 @@ def test_unlabelled_counters_and_histograms_read_zero_before_any_update() -> Non
     Histogram("h_seconds", "h", buckets=BUCKETS, registry=theirs)
     assert _samples(ours) == _samples(theirs)
     assert ("c_total", (), 0.0) in _samples(ours)
+
+
+def test_a_value_and_its_string_update_one_child_and_clear_forgets_both() -> None:
+    ours = CollectorRegistry()
+    counter = FastCounter("r", "r", ["code"], registry=ours)
+    counter.labels(200).inc()
+    counter.labels("200").inc()
+    assert counter.labels(200) is counter.labels("200")
+    assert ("r_total", (("code", "200"),), 2.0) in _samples(ours)
+    counter.clear()
+    assert not any(name == "r_total" for name, _, _ in _samples(ours))
+    counter.labels(200).inc()  # made anew after the clear
+    assert ("r_total", (("code", "200"),), 1.0) in _samples(ours)
+
+
+def test_the_wrong_number_of_label_values_is_refused_every_time() -> None:
+    counter = FastCounter("w", "w", ["a", "b"])
+    for _ in range(2):
+        with pytest.raises(ValueError, match="2 label values expected"):
+            counter.labels("only-one")

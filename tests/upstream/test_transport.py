@@ -109,6 +109,20 @@ async def test_a_chunked_answer_is_read_piece_by_piece() -> None:
     assert b"".join(pieces) == b"data: 1\n\ndata: 2\n\n" and len(pieces) == 2
 
 
+async def test_an_answer_read_to_its_end_reads_nothing_of_the_next() -> None:
+    """Its connection went back to the pool at the end: iterating the answer again
+    must not read the answer of the request that reuses the connection."""
+    async with server(keep_alive()) as (origin, accepted):
+        transport = HttpTransport()
+        first = await transport.send(_post(origin), TIMEOUTS)
+        assert await first.read() == b'{"ok":true}'
+        second = await transport.send(_post(origin), TIMEOUTS)
+        assert [piece async for piece in first] == []
+        assert await second.read() == b'{"ok":true}'
+        await transport.aclose()
+    assert len(accepted) == 1
+
+
 async def test_a_connection_closed_while_idle_is_replaced_once() -> None:
     async def one_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await _request_body(reader)
