@@ -13,14 +13,17 @@ What is measured (the fit: :mod:`pd_orchestrator.model.measured`):
    ``prompt_tokens_details.cached_tokens`` when it reports them; else the kept part,
    rounded down to whole blocks);
 3. **decode step**: ``batch`` streams of a ``context``-token prompt started together:
-   the median gap between their tokens once all decode;
+   the median gap between their tokens once all decode (``repeats`` runs a setting,
+   as for every phase);
 4. **mixed step**: streams decoding when a cold prompt arrives: the gap of each stream
    that ends with the prompt's first token (the step that prefilled it);
-5. **hand-over** (with a prefiller): a cold prompt through the gateway's P/D shape (the
+5. **hand-over** (with a prefiller; after one not recorded, which pays a fresh pair's
+   handshake): a cold prompt through the gateway's P/D shape (the
    connector's prefill leg on the prefiller, its decode leg on the decoder: the
    legs' order, bodies and headers as :mod:`pd_orchestrator.flows.handover` sends
    them), the decode leg's time to its first token less that of the same prompt sent
-   again to the decoder alone (then cached there).
+   again to the decoder alone (then cached there). A hand-over the pair answers with
+   an error is skipped and counted (``source["failed_handovers"]``).
 
 Bounded: at most ``max_requests`` requests and ``max_seconds`` seconds (a phase that
 would pass either stops; what was measured is fitted).
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import random
 import statistics
 import time
@@ -53,11 +57,13 @@ from pd_orchestrator.model.measured import (
     TransferPoint,
 )
 from pd_orchestrator.upstream.client import Phase, Upstream
+from pd_orchestrator.upstream.errors import UpstreamError
 
 __all__ = ["Budget", "ProfileOptions", "Profiler", "cache_capacity"]
 
 Json = dict[str, Any]
 _PATH = "/v1/completions"
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +109,7 @@ class ProfileOptions:
         """Requests the full plan sends (the progress bar's total, before the bounds)."""
         cold = len(self.lengths) * self.repeats
         cached = len(self.lengths) * len(self.shares) * self.repeats * 2
-        decode = sum(self.batches) * len(self.contexts)
+        decode = sum(self.batches) * len(self.contexts) * self.repeats
         mixed = (max(self.batches) + 1) * self.repeats
         handover = 3 * len(self.lengths) * self.repeats if self.prefiller_url else 0
         return min(cold + cached + decode + mixed + handover, self.max_requests)
@@ -168,6 +174,7 @@ class Profiler:
     budget: Budget = field(init=False)
     model: str = field(init=False, default="")
     reports_cached: bool | None = field(init=False, default=None)
+    failed_handovers: int = field(init=False, default=0)
     _random: random.Random = field(init=False)
 
     def __post_init__(self) -> None:
@@ -205,6 +212,7 @@ class Profiler:
             "requests": self.budget.sent,
             "capacity_tokens": capacity,
             "reports_cached_tokens": self.reports_cached,
+            "failed_handovers": self.failed_handovers,
             "lengths": list(o.lengths),
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
@@ -333,17 +341,21 @@ class Profiler:
         return results
 
     async def _decode(self) -> list[StepPoint]:
+        """``repeats`` rounds over every (context, batch) setting, one run each a round
+        (rounds, not runs back to back, so a slow spell of the host lands on several
+        settings rather than on every sample of one)."""
         points: list[StepPoint] = []
         o = self.options
-        for context in o.contexts:
-            for batch in o.batches:
-                if not self._step("decode steps", batch):
-                    return points
-                results = await self._streams(batch, context, o.output_tokens)
-                gap = _steady_gap([times for _, times, _ in results])
-                if gap is not None:
-                    middle = context + o.output_tokens // 2
-                    points.append(StepPoint(batch, batch * middle, gap))
+        for _ in range(o.repeats):
+            for context in o.contexts:
+                for batch in o.batches:
+                    if not self._step("decode steps", batch):
+                        return points
+                    results = await self._streams(batch, context, o.output_tokens)
+                    gap = _steady_gap([times for _, times, _ in results])
+                    if gap is not None:
+                        middle = context + o.output_tokens // 2
+                        points.append(StepPoint(batch, batch * middle, gap))
         return points
 
     async def _mixed(self) -> list[MixedPoint]:
@@ -401,17 +413,34 @@ class Profiler:
         return MixedPoint(batch, round(batch * (context + done)), chunk, statistics.median(gaps))
 
     async def _handover(self) -> list[TransferPoint]:
+        """``repeats`` rounds over the lengths, after one hand-over not recorded: a
+        fresh pair's first pays one-time costs (the connector's handshake)."""
         points: list[TransferPoint] = []
+        if self._step("hand-over warm-up", 3):
+            await self._handover_once(min(self.options.lengths))
         for _ in range(self.options.repeats):
             for length in self.options.lengths:
                 if not self._step("hand-over", 3):
                     return points
-                prompt = self._fresh(length)
-                leg = await self._pd_first_token(prompt)
-                await self._ttft(self.decoder, prompt)  # the hand-over's blocks settle
-                warm, _ = await self._ttft(self.decoder, prompt)
-                points.append(TransferPoint(length, max(leg - warm, 0.0)))
+                found = await self._handover_once(length)
+                if found is not None:
+                    points.append(found)
         return points
+
+    async def _handover_once(self, length: int) -> TransferPoint | None:
+        """One hand-over sample of a cold ``length``-token prompt; None when the pair
+        answered it with an error (a connector may fail one hand-over now and then: the
+        sample is lost, not the profile; counted in :attr:`failed_handovers`)."""
+        prompt = self._fresh(length)
+        try:
+            leg = await self._pd_first_token(prompt)
+        except UpstreamError as exc:
+            self.failed_handovers += 1
+            _log.warning("profile: a hand-over of %d tokens failed (%s); skipped", length, exc)
+            return None
+        await self._ttft(self.decoder, prompt)  # the hand-over's blocks settle
+        warm, _ = await self._ttft(self.decoder, prompt)
+        return TransferPoint(length, max(leg - warm, 0.0))
 
     async def _pd_first_token(self, prompt: list[int]) -> float:
         """One P/D request (the gateway's shape); seconds from the prefill's answer

@@ -128,11 +128,16 @@ class EngineRunner:
                 target = None
 
     async def _pace(self, result: StepResult, now: float, target: float | None) -> float | None:
+        """Sleep until the step that began at ``now`` ends on the schedule: at the end of
+        the previous step (``target``) plus this one's duration, so the time the loop
+        spent since then is taken out of this step, not added to it; from ``now`` when
+        there is no previous step or the loop is more than ``max_lag`` behind it. The
+        new schedule (None: unchanged, a step of no duration)."""
         delay = self.scaled(result.duration)
         if delay <= 0:
             await anyio.lowlevel.checkpoint()
             return target
-        start = now if target is None or now - target > self.max_lag else max(target, now)
+        start = now if target is None or now - target > self.max_lag else target
         target = start + delay
         await anyio.sleep(max(0.0, target - self.clock()))
         return target

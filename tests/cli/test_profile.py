@@ -144,6 +144,8 @@ def test_profile_measures_a_simulated_pair_and_the_simulator_runs_from_what_it_w
     assert measured.source["model"] == "sim-model" and measured.source["reports_cached_tokens"]
     assert points.prefill and points.decode and points.mixed and points.handover
     assert measured.source["requests"] <= 120
+    # every phase takes --repeats samples a setting; the hand-over's warm-up is no point
+    assert len(points.decode) == 2 * 2 * 2 and len(points.handover) == 3 * 2
     for new, cached in ((1024, 0), (2048, 0), (1024, 1024)):
         want = true.a_pf + true.prefill_seconds(new, cached)
         got = fitted.a_pf + fitted.prefill_seconds(new, cached)
@@ -168,3 +170,36 @@ def test_a_short_server_gets_prompts_it_can_take_and_the_capacity_is_read_from_m
     line = 'vllm:cache_config_info{block_size="16",num_gpu_blocks="1000",x="y"} 1.0'
     assert cache_capacity(f"# HELP ...\n{line}\n") == 16_000
     assert cache_capacity("vllm:num_requests_running 0\n") is None
+
+
+def test_the_plan_counts_repeats_in_every_phase() -> None:
+    """``repeats`` samples each decode setting as it does every other phase's."""
+    options = ProfileOptions(url="http://x", lengths=(256,), shares=(0.5,), batches=(1, 4),
+                             contexts=(128,), repeats=3, max_requests=1000)  # fmt: skip
+    cold, cached, decode, mixed = 3, 3 * 2, (1 + 4) * 3, (4 + 1) * 3
+    assert options.planned() == cold + cached + decode + mixed
+    handover = 3 * 3
+    with_prefiller = dataclasses.replace(options, prefiller_url="http://y")
+    assert with_prefiller.planned() == cold + cached + decode + mixed + handover
+
+
+def test_a_hand_over_the_pair_fails_is_skipped_and_counted(
+    tmp_path: Path, sim_factory: SimFactory
+) -> None:
+    """A prefiller that answers half its requests with 500: the profile still completes,
+    with the hand-overs that worked, and counts those that did not (the warm-up's
+    included)."""
+    decoder = sim_factory("--profile", "instant", "--kv-connector", "nixl", name="decoder")
+    prefiller = sim_factory(
+        "--profile", "instant", "--kv-connector", "nixl",
+        "--failure-rate", "0.5", "--fault-seed", "3", name="prefiller",
+    )  # fmt: skip
+    out = tmp_path / "measured.json"
+    argv = ["profile", "--url", decoder.url, "--prefiller-url", prefiller.url, "--out", str(out)]
+    bounds = ["--lengths", "256", "--shares", "", "--batches", "1", "--contexts", "128"]
+    bounds += ["--output-tokens", "4", "--mixed-chunk", "128", "--repeats", "6", "--no-progress"]
+    assert main(argv + bounds) == 0
+    measured = load_measured(out)
+    failed = measured.source["failed_handovers"]
+    assert failed >= 1 and measured.points.handover
+    assert len(measured.points.handover) + failed == 6 + 1
