@@ -91,12 +91,32 @@ def start_child(
     docstring for logs without one. ``die_with_parent``: on Linux the child gets
     SIGTERM when this process dies, however it dies (SIGKILL included).
     """
+
+    def ready(child: Child) -> str:
+        return _await_ready(child, timeout)
+
+    return _started(name, argv, ready, env, log_dir, die_with_parent, announces=True)
+
+
+def _started(
+    name: str,
+    argv: Sequence[str],
+    ready: Callable[[Child], str],
+    env: Mapping[str, str] | None,
+    log_dir: Path | None,
+    die_with_parent: bool,
+    *,
+    announces: bool,
+) -> Child:
+    """Start ``argv`` in its own process group, its stderr (and its stdout, unless it
+    ``announces`` its readiness there) to its log, then wait for ``ready`` to give the
+    URL it serves; a child that does not get there is stopped and keeps its log."""
     log = tempfile.NamedTemporaryFile(
         mode="w", prefix=f"{name}-", suffix=".log", dir=log_dir, delete=False
     )
     process = subprocess.Popen(
         list(argv),
-        stdout=subprocess.PIPE,
+        stdout=subprocess.PIPE if announces else log,
         stderr=log,
         stdin=subprocess.DEVNULL,
         env={**os.environ, **(env or {})},
@@ -107,7 +127,7 @@ def start_child(
     log.close()
     child = Child(name, "", process, Path(log.name), owns_log=log_dir is None)
     try:
-        child.url = _await_ready(child, timeout)
+        child.url = ready(child)
     except BaseException:
         child.owns_log = False  # the log is the only account of what went wrong
         stop_child(child)
@@ -134,28 +154,13 @@ def start_nats_server(
     connections; its URL is ``nats://127.0.0.1:PORT``. Stop it with
     :func:`stop_child` (its log as :func:`start_child`'s)."""
     port = _free_port()
-    log = tempfile.NamedTemporaryFile(
-        mode="w", prefix="nats-", suffix=".log", dir=log_dir, delete=False
-    )
     argv = [nats_server_command(), "-a", "127.0.0.1", "-p", str(port)]
-    process = subprocess.Popen(
-        argv,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-        preexec_fn=_parent_death_signal() if die_with_parent else None,
-    )
-    log.close()
-    child = Child("nats", f"nats://127.0.0.1:{port}", process, Path(log.name), log_dir is None)
-    try:
+
+    def ready(child: Child) -> str:
         _await_port(child, port, timeout)
-    except BaseException:
-        child.owns_log = False
-        stop_child(child)
-        raise
-    return child
+        return f"nats://127.0.0.1:{port}"
+
+    return _started("nats", argv, ready, None, log_dir, die_with_parent, announces=False)
 
 
 def _free_port() -> int:
@@ -169,16 +174,24 @@ def _await_port(child: Child, port: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if child.process.poll() is not None:
-            raise ChildStartError(
-                f"{child.name} exited with {child.process.returncode} before it was ready "
-                f"(log: {child.log_path}):\n{child.log_tail()}"
-            )
+            raise _exited(child)
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5):
                 return
         except OSError:
             time.sleep(0.05)
-    raise ChildStartError(
+    raise _not_ready(child, timeout)
+
+
+def _exited(child: Child) -> ChildStartError:
+    return ChildStartError(
+        f"{child.name} exited with {child.process.wait(5)} before it was ready "
+        f"(log: {child.log_path}):\n{child.log_tail()}"
+    )
+
+
+def _not_ready(child: Child, timeout: float) -> ChildStartError:
+    return ChildStartError(
         f"{child.name} was not ready after {timeout:.0f}s (log: {child.log_path}):\n"
         f"{child.log_tail()}"
     )
@@ -215,20 +228,14 @@ def _await_ready(child: Child, timeout: float) -> str:
                 continue
             data = os.read(fd, 65536)
             if not data:
-                raise ChildStartError(
-                    f"{child.name} exited with {child.process.wait(5)} before it was ready "
-                    f"(log: {child.log_path}):\n{child.log_tail()}"
-                )
+                raise _exited(child)
             pending += data
             for line in pending.split(b"\n")[:-1]:
                 text = line.decode(errors="replace")
                 if text.startswith(_READY):
                     return text[len(_READY) :].strip()
             pending = pending.rsplit(b"\n", 1)[-1]
-    raise ChildStartError(
-        f"{child.name} was not ready after {timeout:.0f}s (log: {child.log_path}):\n"
-        f"{child.log_tail()}"
-    )
+    raise _not_ready(child, timeout)
 
 
 _REAP_SECONDS = 60.0

@@ -71,7 +71,8 @@ def keep_simulated(
         shared = document.get("shared_state")
         if not isinstance(shared, dict):
             shared = document["shared_state"] = {}
-        shared.setdefault("url", shared_url)
+        if shared.get("url") is None:
+            shared["url"] = shared_url
     return document
 
 

@@ -131,23 +131,13 @@ class SharedState:
         return LoadReport(self.gateway, self.fleet.own_load(), kept)
 
     def _apply(self, totals: Totals) -> None:
-        """Hand the others' sums to the fleet and the policies."""
-        now = self.clock()
-        if totals.peers:
-            self.fleet.share(totals.endpoints)
-            if self.threshold is not None:
-                self.threshold.share_kept(totals.kept, now)
-            self._peer_count = totals.peers
-        else:
-            self._alone(now)
-        if self.on_change is not None:
-            self.on_change(self.connected, self._peer_count)
-
-    def _alone(self, now: float) -> None:
-        self.fleet.share({})
+        """Hand the others' sums to the fleet and the policies (none: each alone)."""
+        self.fleet.share(totals.endpoints)
         if self.threshold is not None:
-            self.threshold.share_kept({}, now)
-        self._peer_count = 0
+            self.threshold.share_kept(totals.kept, self.clock())
+        self._peer_count = totals.peers
+        if self.on_change is not None:
+            self.on_change(self.connected, totals.peers)
 
     def _down(self, why: str) -> None:
         """The server is unreachable: count this gateway's own state alone."""
@@ -155,9 +145,7 @@ class SharedState:
             logger.warning("shared state: %s; counting this gateway's own state only", why)
         self.connected, self.last_error = False, why
         self.peers.clear()
-        self._alone(self.clock())
-        if self.on_change is not None:
-            self.on_change(False, 0)
+        self._apply(Totals())
 
     async def _on_message(self, message: Msg) -> None:
         report = decode(message.data)

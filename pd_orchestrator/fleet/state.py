@@ -40,6 +40,8 @@ __all__ = ["FleetState"]
 logger = logging.getLogger("pd_orchestrator.fleet")
 OnEject = Callable[[str, str], None]
 """Told of each ejection: endpoint name and reason."""
+_NONE = (0, 0)
+"""No other gateway's requests at an endpoint: none in flight, no tokens queued."""
 
 
 class FleetState:
@@ -96,22 +98,16 @@ class FleetState:
         this gateway's plus the other gateways' (:meth:`share`)."""
         healthy, ejected, in_flight = self._healthy, self._ejected, self._in_flight
         backlog, others = self._backlog, self._others
-        if not others:
-            return tuple(
-                EndpointStatus(
-                    e, healthy[e.name] and e.name not in ejected, in_flight[e.name], backlog[e.name]
-                )
-                for e in self.endpoints(role)
-            )
         statuses = []
         for e in self.endpoints(role):
-            more, queued = others.get(e.name, (0, 0))
+            name = e.name
+            more, queued = others.get(name, _NONE)
             statuses.append(
                 EndpointStatus(
                     e,
-                    healthy[e.name] and e.name not in ejected,
-                    in_flight[e.name] + more,
-                    backlog[e.name] + queued,
+                    healthy[name] and name not in ejected,
+                    in_flight[name] + more,
+                    backlog[name] + queued,
                 )
             )
         return tuple(statuses)

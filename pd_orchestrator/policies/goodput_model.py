@@ -464,23 +464,20 @@ class GoodputModel:
         """``share_d``: the share of the decoder's time its kept prefills take: what
         this policy kept there and what the other gateways' did (:meth:`share`)."""
         name = decoder.endpoint.name
-        duty, other = self.duty.get(name), self.others.get(name)
-        if duty is None and other is None:
+        cycles = [c for c in (self.duty.get(name), self.others.get(name)) if c is not None]
+        if not cycles:
             return 0.0
         window = self.window()
-        kept = 0.0 if duty is None else duty.decayed(now, window)
-        if other is not None:
-            kept += other.decayed(now, window)
-        return kept / (window * model.rate_local)
+        return sum(c.decayed(now, window) for c in cycles) / (window * model.rate_local)
 
     def stall_limit(self, context: ThresholdContext, model: PoolModel) -> float:
         """``stall_d``: the most uncached tokens a local prefill may have before the
         streams decoding on the decoder miss their TPOT (inf: none decodes there): the
-        smaller of ``mean_d`` and ``short_d`` (module docstring; ``short_d`` takes no part
-        when the whole prompt fits), never less than the
-        tokens a step carries for free. The observed ITL carries the current share, so
-        the bare step is ``itl * (1 - share)``; ``mean_d`` is what is left of the
-        allowed share over a window, in tokens."""
+        smaller of ``mean_d`` and ``short_d`` (module docstring; ``short_d`` takes no
+        part when the whole prompt fits), never less than the tokens a step carries for
+        free. The observed ITL carries the current share, so the bare step is ``itl *
+        (1 - share)``; ``mean_d`` is what is left of the allowed share over a window,
+        in tokens."""
         count = streams(context.decoder)
         if count == 0:
             return math.inf

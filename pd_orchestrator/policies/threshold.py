@@ -84,36 +84,34 @@ class ThresholdResolver:
         """Keep what the policies of ``previous`` (the configuration before a reload)
         learnt: each ``goodput`` policy takes the learnt state of the one of the same
         name, if any (its parameters stay the new configuration's)."""
-        before = {p.name: p for p in _tree(previous.policy) if isinstance(p, GoodputPolicy)}
-        for policy in _tree(self.policy):
+        before = {p.name: p for p in _goodputs(previous.policy)}
+        for policy in _goodputs(self.policy):
             old = before.get(policy.name)
-            if isinstance(policy, GoodputPolicy) and old is not None:
+            if old is not None:
                 policy.model.inherit(old.model)
 
     def learnt(self) -> dict[str, dict[str, dict[str, float | None]]]:
         """Per ``goodput`` policy (by name), what its cost model holds per pool
         (:meth:`~pd_orchestrator.policies.goodput_model.GoodputModel.learnt`)."""
-        return {
-            p.name: p.model.learnt() for p in _tree(self.policy) if isinstance(p, GoodputPolicy)
-        }
+        return {p.name: p.model.learnt() for p in _goodputs(self.policy)}
 
     def kept(self, now: float) -> dict[str, dict[str, float]]:
         """Per ``goodput`` policy (by name), the prefill tokens it kept per decoder as of
         ``now`` (:meth:`~pd_orchestrator.policies.goodput_model.GoodputModel.kept_now`;
         policies that kept none left out)."""
-        kept = {
-            p.name: p.model.kept_now(now)
-            for p in _tree(self.policy)
-            if isinstance(p, GoodputPolicy)
-        }
+        kept = {p.name: p.model.kept_now(now) for p in _goodputs(self.policy)}
         return {name: tokens for name, tokens in kept.items() if tokens}
 
     def share_kept(self, kept: Mapping[str, Mapping[str, float]], now: float) -> None:
         """Tell each ``goodput`` policy what the other gateways' policies of its name
         kept per decoder (:meth:`kept`, summed over them; empty: each alone)."""
-        for policy in _tree(self.policy):
-            if isinstance(policy, GoodputPolicy):
-                policy.model.share(kept.get(policy.name, {}), now)
+        for policy in _goodputs(self.policy):
+            policy.model.share(kept.get(policy.name, {}), now)
+
+
+def _goodputs(policy: ThresholdPolicy) -> list[GoodputPolicy]:
+    """The ``goodput`` policies among ``policy`` and those it composes."""
+    return [p for p in _tree(policy) if isinstance(p, GoodputPolicy)]
 
 
 def _tree(policy: ThresholdPolicy) -> list[ThresholdPolicy]:
