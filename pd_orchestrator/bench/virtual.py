@@ -311,6 +311,12 @@ class VirtualFleet:
         own_spill = resolver is not None and resolver.ranks_spill
         self.spills_plainly = not own_spill and any(i.spec.spill for i in self.prefillers)
         self.itl_samples: array[float] = array("d")
+        self.warm_up = 0
+        """Requests before this index are a warm-up (:attr:`Workload.warm_up`): the
+        others arrive from ``pause`` seconds after its last one has finished."""
+        self.pause = 0.0
+        self._warming = 0
+        self._measured_requests: Sequence[BenchRequest] = ()
         self.kv_bytes = 0
         self._events: list[tuple[float, int, Action]] = []
         self._seq = itertools.count()
@@ -341,11 +347,10 @@ class VirtualFleet:
         gc.freeze()
         self._progress = progress
         self._remaining = len(workload)
-        for request in workload.requests:
-            if request.after is None:
-                self.at(request.arrival, partial(self._arrive, request))
-            else:
-                self._followers[request.after].append(request)
+        self.warm_up = self._warming = workload.warm_up
+        self.pause = workload.pause
+        self._schedule(workload.requests[: self.warm_up or None], 0.0)
+        self._measured_requests = workload.requests[self.warm_up :] if self.warm_up else ()
         if workload.requests:
             self.at(min(r.arrival for r in workload.requests), self._poll)
         try:
@@ -356,6 +361,15 @@ class VirtualFleet:
             gc.unfreeze()
         return self._result(workload, time.perf_counter() - started)
 
+    def _schedule(self, requests: Sequence[BenchRequest], start: float) -> None:
+        """Arrive ``requests`` at ``start`` plus their arrival times (a request that
+        follows another waits for it)."""
+        for request in requests:
+            if request.after is None:
+                self.at(start + request.arrival, partial(self._arrive, request))
+            else:
+                self._followers[request.after].append(request)
+
     def _result(self, workload: Workload, wall: float) -> RunResult:
         stats = [i.engine.stats for i in self.instances]
         return RunResult(
@@ -364,7 +378,7 @@ class VirtualFleet:
             workload=workload.name,
             fleet=self.spec.name,
             runner="virtual",
-            records=sorted(self._records, key=lambda r: r.index),
+            records=self._measured(workload.warm_up),
             itl_samples=self.itl_samples,
             prefill_tokens=sum(s.prefill_computed_tokens for s in stats),
             kv_bytes=self.kv_bytes,
@@ -373,6 +387,14 @@ class VirtualFleet:
             reasons=dict(self.decisions),
             busy_seconds=self._busy(),
         )
+
+    def _measured(self, warm_up: int) -> list[RequestRecord]:
+        """The records of the requests after the first ``warm_up`` (a warm-up), in
+        order, indexed from 0."""
+        records = sorted(self._records, key=lambda r: r.index)[warm_up:]
+        for record in records:
+            record.index -= warm_up
+        return records
 
     def _busy(self) -> dict[str, tuple[float, int]]:
         """Per pool: engine-seconds spent stepping, and how many instances it has."""
@@ -406,6 +428,10 @@ class VirtualFleet:
         self._remaining -= 1
         if self._progress is not None:
             self._progress(1)
+        if flow.request.index < self.warm_up:
+            self._warming -= 1
+            if self._warming == 0:  # the warm-up is over: the measured requests start
+                self._schedule(self._measured_requests, now + self.pause)
         for follower in self._followers.pop(flow.request.index, ()):
             if follower.extends:
                 self._histories[flow.request.index] = (flow.digest, flow.generated)
@@ -581,6 +607,7 @@ class _Flow:
         self.generated: list[int] = []
         self.first_at: float | None = None
         self.prefilled_at: float | None = None
+        self.prefiller: Endpoint | None = None
         self.last_at = 0.0
         self.legs = 0
         self.decoder: _Instance | None = None
@@ -700,7 +727,8 @@ class _Flow:
             self.record.ttft = seen - self.record.arrival
             self.record.cached_tokens = output.num_cached_tokens
         else:
-            self.fleet.itl_samples.append(seen - self.last_at)
+            if self.record.index >= self.fleet.warm_up:
+                self.fleet.itl_samples.append(seen - self.last_at)
         self.last_at = seen
         self.generated += output.new_token_ids
 
@@ -723,6 +751,7 @@ class _Flow:
         max_tokens = self.request.max_tokens - generated
         prefiller = self.fleet.prefiller_for(prefillers, digest)
         self.record.prefiller = prefiller.name
+        self.prefiller = prefiller.endpoint
 
         def on_prefill(when: float, output: RequestOutput) -> None:
             if self.prefilled_at is None:
@@ -781,6 +810,7 @@ class _Flow:
                 output_tokens=record.output_tokens,
                 remote=record.decision == "pd",
                 after_prefill=after_prefill(record.arrival, record.ttft, self.prefilled_at),
+                prefiller=self.prefiller,
             )
             self.fleet.planner.learn(plan, facts, served)
         self.fleet.complete(self, now)

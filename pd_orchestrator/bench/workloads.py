@@ -74,6 +74,8 @@ __all__ = [
     "shared_prefix",
     "timestamp_step",
     "token_at",
+    "warm_up_options",
+    "warmed",
 ]
 
 MOONCAKE_BLOCK_TOKENS = 512
@@ -132,8 +134,18 @@ class Workload:
     requests: tuple[BenchRequest, ...]
     window: str = ""
     """A trace replay's window (its lines, and whether development used them)."""
+    warm_up: int = 0
+    """The first ``warm_up`` requests are a warm-up (:func:`warmed`): served, and
+    learnt from, but not counted in the results."""
+    pause: float = 0.0
+    """Seconds between the warm-up's last request finishing and the measured
+    requests' clock starting."""
 
     def __post_init__(self) -> None:
+        if not 0 <= self.warm_up <= len(self.requests):
+            raise ValueError("the warm-up is 0 to all of the requests")
+        if not self.pause >= 0.0:
+            raise ValueError("the pause after the warm-up must be >= 0 seconds")
         for position, request in enumerate(self.requests):
             if request.index != position:
                 raise ValueError(f"request {request.index} is at position {position}")
@@ -532,6 +544,43 @@ _GENERATORS: dict[str, Callable[[WorkloadOptions], Workload]] = {
     "multi-turn": multi_turn,
     "long-doc": long_doc,
 }
+
+
+def warm_up_options(name: str, options: WorkloadOptions, requests: int) -> WorkloadOptions:
+    """The options of a ``requests``-request warm-up for the workload ``name`` of
+    ``options``: of the trace replay, the ``requests`` lines just after its window;
+    of a synthetic generator, another draw (seed + 1000)."""
+    if name == "mooncake":
+        after = _window_start(options) + (options.requests or 0)
+        return replace(options, requests=requests, seed=0, trace_offset=after)
+    return replace(options, requests=requests, seed=options.seed + 1000)
+
+
+def warmed(warm: Workload, measured: Workload, pause: float) -> Workload:
+    """``measured`` after the warm-up ``warm``: ``warm``'s requests first, on contents
+    of their own (no prompt of the warm-up shares a token block with a measured one,
+    so the warm-up teaches rates and lengths, not the measured prompts' prefixes),
+    then ``measured``'s, whose arrival times count from ``pause`` seconds after the
+    warm-up's last request has finished (a runner holds them until then, so none
+    queues behind a warm-up request, and what a policy counts over a recent window
+    has time to decay). A runner counts ``measured``'s requests only
+    (:attr:`Workload.warm_up`)."""
+    first = len(warm)
+    head = tuple(
+        replace(
+            r, session=f"warm-up {r.session}",
+            segments=tuple(Segment(content_key("warm-up", s.key), s.length) for s in r.segments),
+        )
+        for r in warm.requests
+    )  # fmt: skip
+    tail = tuple(
+        replace(r, index=first + r.index, after=None if r.after is None else first + r.after)
+        for r in measured.requests
+    )
+    description = f"{measured.description}, after a warm-up of {first} requests and {pause:g} s"
+    return replace(
+        measured, description=description, requests=head + tail, warm_up=first, pause=pause
+    )
 
 
 def build_workload(name: str, options: WorkloadOptions) -> Workload:

@@ -68,7 +68,14 @@ from pd_orchestrator.bench.strategies import (
     resolve_strategies,
 )
 from pd_orchestrator.bench.virtual import VirtualFleet, VirtualOptions
-from pd_orchestrator.bench.workloads import WORKLOADS, Workload, WorkloadOptions, build_workload
+from pd_orchestrator.bench.workloads import (
+    WORKLOADS,
+    Workload,
+    WorkloadOptions,
+    build_workload,
+    warm_up_options,
+    warmed,
+)
 from pd_orchestrator.config import ConfigError, load_config
 from pd_orchestrator.policies.plugins import builtin_registry
 from pd_orchestrator.routing import RoutingConfig, RoutingProfiles, build_profiles
@@ -192,6 +199,23 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         type=int,
         default=1,
         help="virtual: pool each goodput probe over this many seeds of the workload",
+    )
+    add(
+        "--warm-up",
+        type=int,
+        default=0,
+        metavar="N",
+        help="virtual: before each run's requests, N requests of the same workload on "
+        "contents of their own (another draw; of the trace, the lines after the window), "
+        "served and learnt from, not counted",
+    )
+    add(
+        "--warm-up-pause",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="virtual: simulated seconds from the warm-up's last request finishing to the "
+        "measured requests' start",
     )
     add(
         "--profile-error",
@@ -324,7 +348,7 @@ def _search_goodput(
     options = _virtual_options(args)
     slo = _slo(args, fleet)
     settings = SearchSettings(goal=args.attainment, bisections=args.bisections)
-    sizes = [len(workload) for workload in workloads]
+    sizes = [len(workload) - workload.warm_up for workload in workloads]
 
     def run(workload: Workload, multiplier: float, strategy: Strategy) -> Probe:
         result = VirtualFleet(fleet, strategy, routing, options).run(scaled(workload, multiplier))
@@ -430,7 +454,9 @@ def _settings(
     return {
         "workload": workload.name,
         "description": workload.description,
-        "requests": len(workload),
+        "requests": len(workload) - workload.warm_up,
+        "warm_up": workload.warm_up,
+        "warm_up_pause": workload.pause if workload.warm_up else None,
         "runner": "virtual" if args.virtual else "live",
         "fleet": fleet.name,
         "instances": fleet.describe(),
@@ -469,7 +495,8 @@ def _report(
     out.mkdir(parents=True, exist_ok=True)
     summaries = [summarize(result, slo) for result in results]
     window = f", {workload.window}" if workload.window else ""
-    title = f"{workload.name} ({len(workload)} requests{window}), {runner}, {fleet.describe()}"
+    counted = len(workload) - workload.warm_up
+    title = f"{workload.name} ({counted} requests{window}), {runner}, {fleet.describe()}"
     console.print(summary_table(summaries, title, slo))
     document = None
     if searches:
@@ -528,6 +555,27 @@ def _seeded(
     return workloads
 
 
+def _warmed(
+    args: argparse.Namespace, options: WorkloadOptions, workloads: list[Workload]
+) -> list[Workload]:
+    """``workloads`` (the draws of seeds ``--seed`` + 0, 1, ...), each after a
+    ``--warm-up`` of its own (:func:`warmed`); unchanged for none. ``ValueError`` for
+    a negative count or pause, or a warm-up asked of a live run."""
+    count = args.warm_up
+    if count < 0 or not args.warm_up_pause >= 0.0:
+        raise ValueError("--warm-up and --warm-up-pause must be >= 0")
+    if count == 0:
+        return workloads
+    if not args.virtual:
+        raise ValueError("--warm-up is for virtual runs (--virtual)")
+    warmed_up = []
+    for offset, workload in enumerate(workloads):
+        drawn = warm_up_options(args.workload, replace(options, seed=args.seed + offset), count)
+        warm = build_workload(args.workload, drawn)
+        warmed_up.append(warmed(warm, workload, args.warm_up_pause))
+    return warmed_up
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=150)
     try:
@@ -549,7 +597,8 @@ def run(args: argparse.Namespace) -> int:
             bursts=args.trace_bursts,
         )
         workload = build_workload(args.workload, options)
-        workloads = _seeded(args, options, workload)
+        workloads = _warmed(args, options, _seeded(args, options, workload))
+        workload = workloads[0]
         _routing(args.routing)
         _gateway_counts(args.gateways)
     except (ValueError, OSError, ConfigError) as exc:

@@ -269,6 +269,7 @@ class CompletionPath:
             remote=outcome.decision == "pd",
             rejected=outcome.rejected,
             after_prefill=outcome.after_prefill,
+            prefiller=outcome.prefiller,
         )
         try:
             state.planner.learn(plan, admitted.facts, served)

@@ -350,7 +350,8 @@ class Served:
     ``output_tokens``: tokens generated; ``remote``: prefilled on a prefiller (None:
     unknown); ``rejected``: the decoders that rejected it at its threshold;
     ``after_prefill``: of a P/D request, seconds from the prefill leg's answer to the
-    first content (:func:`after_prefill`; None: unknown).
+    first content (:func:`after_prefill`; None: unknown); ``prefiller``: of a P/D
+    request, the prefiller that prefilled it (None: none, or unknown).
     """
 
     decoder: Endpoint | None
@@ -363,6 +364,22 @@ class Served:
     remote: bool | None = None
     rejected: tuple[str, ...] = ()
     after_prefill: float | None = None
+    prefiller: Endpoint | None = None
+
+
+def queued_ahead(plan: Plan, served: Served) -> bool | None:
+    """Whether the endpoint that prefilled ``served``'s prompt (its prefiller when
+    it went P/D, else its decoder) had prompts queued when ``plan`` was made: tokens
+    the gateways counted queued there, or requests its reading showed waiting (None:
+    that endpoint is not in the plan's snapshot, or unknown)."""
+    endpoint = served.prefiller if served.remote else served.decoder
+    if endpoint is None:
+        return None
+    for candidate in plan.candidates:
+        if candidate.endpoint.name == endpoint.name:
+            load = candidate.load
+            return candidate.backlog > 0 or (load is not None and load.waiting > 0)
+    return None
 
 
 def after_prefill(arrival: float, ttft: float | None, answered: float | None) -> float | None:
@@ -606,6 +623,7 @@ class Planner:
                 output_tokens=served.output_tokens,
                 remote=served.remote,
                 after_prefill=served.after_prefill,
+                queued=queued_ahead(plan, served),
             )
         )
         if served.prompt_tokens and facts.prompt_tokens is None:

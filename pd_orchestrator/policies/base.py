@@ -193,6 +193,10 @@ class LatencyObservation:
     model learns rates from (None: unknown). ``after_prefill``: of a P/D request,
     seconds from the prefill leg's answer to the first content sent (the hand-over,
     the decoder's first step and the decode leg's two hops; None: unknown).
+    ``queued``: whether the endpoint that prefilled the prompt (the serving decoder,
+    or the prefiller of a P/D request) had prompts queued ahead of it when the
+    request was planned (None: unknown): such a TTFT times the queue as well as the
+    engine.
     """
 
     model: str
@@ -205,6 +209,7 @@ class LatencyObservation:
     output_tokens: int = 0
     remote: bool | None = None
     after_prefill: float | None = None
+    queued: bool | None = None
 
     def __post_init__(self) -> None:
         timed = (("ttft", self.ttft), ("itl", self.itl), ("after_prefill", self.after_prefill))

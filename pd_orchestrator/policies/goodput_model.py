@@ -61,7 +61,11 @@ maximum: the sample is first clipped into ``[r / k, k * r]`` (``k = 1.5``), then
 queueing pulls it down slowly, by at most ``alpha * (1 - 1/k)`` of it a sample), so no
 one sample, however far off, moves a rate by more than x1.5. A local sample is learnt
 only when the decoder reported its cached count (``prompt_tokens_details``; None:
-unknown, not learnt, as a warm prompt would pass for a whole prefill); a P/D sample
+unknown, not learnt, as a warm prompt would pass for a whole prefill). A rate learns
+only from a request whose prefilling endpoint (the decoder, or the P/D request's
+prefiller) had nothing queued when it was planned (:attr:`LatencyObservation.queued`):
+under sustained load every other sample times the queue too, and the decaying
+maximum followed them down to a third of the engine's rate. A P/D sample
 above twice the best known rate is a prompt the prefiller held, not learnt. ``m`` and
 ``o`` are EWMAs; ``o_low`` a stochastic quantile (:func:`_learn_quantile`). ``kept_d``
 grows by the uncached tokens of each request the final route keeps at ``d`` (told
@@ -565,6 +569,9 @@ class GoodputModel:
         p = self.params
         if observation.remote:
             self._learn_handover(observation, model)
+        if observation.queued:  # it timed the queue ahead of it as well as the engine
+            return
+        if observation.remote:
             after = observation.after_prefill
             if after is None:
                 after = self.handover(model, tokens) + 2 * p.hop

@@ -4,11 +4,22 @@ instances' latency profiles and learn them online, as on an unmeasured deploymen
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
+
+import pytest
 
 from pd_orchestrator.bench.strategies import resolve_strategies
 from pd_orchestrator.bench.virtual import VirtualFleet
-from pd_orchestrator.bench.workloads import BenchRequest, Segment, Workload
-from pd_orchestrator.cli.bench import ROUTING_PRESETS, _fleet
+from pd_orchestrator.bench.workloads import (
+    BenchRequest,
+    Segment,
+    Workload,
+    WorkloadOptions,
+    build_workload,
+    warm_up_options,
+    warmed,
+)
+from pd_orchestrator.cli.bench import ROUTING_PRESETS, _fleet, _warmed
 from pd_orchestrator.model.hardware import get_profile
 from pd_orchestrator.policies.goodput import GoodputParams, GoodputPolicy
 from pd_orchestrator.policies.goodput_model import knowledge_of
@@ -53,3 +64,64 @@ def test_goodput_with_no_profile_starts_from_the_seeds_and_learns_the_local_rate
     seed, engine = GoodputParams().prefill_tokens_per_s, 1 / get_profile("h200-llama3-8b").lin
     assert pool.profile is None and pool.seed == seed
     assert pool.rate_local > seed + 0.5 * (engine - seed)
+
+
+def _cold(first: int, count: int, spacing: float) -> tuple[BenchRequest, ...]:
+    return tuple(
+        BenchRequest(i, f"s{first + i}", 0, (Segment(100 + first + i, 2_000),), 4, spacing * i)
+        for i in range(count)
+    )
+
+
+def test_a_warm_up_is_learnt_from_not_counted_and_over_before_the_measured_start() -> None:
+    fleet = _fleet(_args(no_profile=True))
+    warm = Workload("test", "test", _cold(0, 40, 2.0))
+    measured = Workload("test", "test", _cold(40, 5, 0.5))
+    (strategy,) = resolve_strategies(["goodput"])
+    alone = VirtualFleet(fleet, strategy, AFFINITY).run(warm)
+    warm_end = max(r.arrival + (r.e2e or 0.0) for r in alone.records)
+
+    (strategy,) = resolve_strategies(["goodput"])
+    virtual = VirtualFleet(fleet, strategy, AFFINITY)
+    result = virtual.run(warmed(warm, measured, pause=3.0))
+    assert [r.index for r in result.records] == [0, 1, 2, 3, 4]
+    assert [r.session for r in result.records] == [f"s{40 + i}" for i in range(5)]
+    arrivals = [r.arrival for r in result.records]
+    assert arrivals == pytest.approx([warm_end + 3.0 + 0.5 * i for i in range(5)])
+    # the policy learnt from the warm-up: its rate is further from the seed than the
+    # measured requests alone take it
+    (strategy,) = resolve_strategies(["goodput"])
+    cold = VirtualFleet(fleet, strategy, AFFINITY)
+    cold.run(measured)
+    assert _local_rate(virtual) > _local_rate(cold) >= GoodputParams().prefill_tokens_per_s
+
+
+def _local_rate(virtual: VirtualFleet) -> float:
+    resolver = virtual.planner.threshold
+    assert resolver is not None and isinstance(resolver.policy, GoodputPolicy)
+    (pool,) = (p for name, p in resolver.policy.model.pools.items() if "decode" in name)
+    return pool.rate_local
+
+
+def test_a_warm_up_shares_no_content_with_the_measured_requests() -> None:
+    options = WorkloadOptions(requests=50, seed=3)
+    measured = build_workload("shared-prefix", options)
+    warm = build_workload("shared-prefix", warm_up_options("shared-prefix", options, 50))
+    assert warm.requests != measured.requests  # another draw
+    both = warmed(warm, measured, pause=0.0)
+    assert both.warm_up == 50 and len(both) == 100
+    keys = {s.key for r in both.requests[:50] for s in r.segments}
+    assert not keys & {s.key for r in both.requests[50:] for s in r.segments}
+    assert both.requests[50:] == tuple(
+        replace(r, index=50 + r.index) for r in measured.requests
+    )  # the measured requests as drawn, indexes after the warm-up's
+
+
+def test_a_warm_up_is_for_virtual_runs_and_its_numbers_are_checked() -> None:
+    args = argparse.Namespace(warm_up=10, warm_up_pause=1.0, virtual=False, workload="x", seed=0)
+    with pytest.raises(ValueError, match="virtual"):
+        _warmed(args, WorkloadOptions(), [])
+    for bad in ({"warm_up": -1}, {"warm_up_pause": -1.0}):
+        wrong = argparse.Namespace(**(vars(args) | {"virtual": True} | bad))
+        with pytest.raises(ValueError, match="must be >= 0"):
+            _warmed(wrong, WorkloadOptions(), [])

@@ -416,6 +416,32 @@ def test_learning_converges_to_a_changed_rate_and_ignores_unknown_caches() -> No
     assert model.itl == pytest.approx(0.012)
 
 
+def test_a_sample_that_waited_behind_a_queue_teaches_no_rate() -> None:
+    # under sustained load every TTFT also times the queue ahead of it: learnt, it
+    # pulled the decaying maximum down to a third of the engine's rate
+    policy = _policy(alpha=0.2)
+    model = policy.model.pools["decode"]
+
+    def served(seconds: float, *, remote: bool, queued: bool | None) -> None:
+        policy.observe(
+            LatencyObservation(
+                "m", "decode", 0.0, ttft=seconds, itl=0.02, prompt_tokens=5_000,
+                cached_tokens=0, output_tokens=50, remote=remote, queued=queued,
+                after_prefill=0.05 if remote else None,
+            )
+        )  # fmt: skip
+
+    for _ in range(40):  # 3x the engine's time, all of it behind a queue
+        served(1.5, remote=False, queued=True)
+        served(1.5 + 0.05, remote=True, queued=True)
+    assert model.rate_local == RATE and model.rate_remote == RATE
+    assert model.itl == pytest.approx(0.02)  # the rest is still learnt
+    assert policy.model.out_mean == pytest.approx(50.0)
+    served(1.5, remote=False, queued=False)  # the same time with nothing ahead: learnt
+    served(1.5 + 0.05, remote=True, queued=None)  # unknown: learnt as before
+    assert model.rate_local < RATE and model.rate_remote < RATE
+
+
 def test_a_remote_sample_faster_than_the_pool_could_prefill_is_a_cached_prompt() -> None:
     policy = _policy()
     model = policy.model.pools["decode"]  # local 10k tokens/s, no seed: up to 20k/s is plausible

@@ -1,0 +1,75 @@
+"""The planner tells the threshold policy whether a served request's prefill waited
+behind a queue: its TTFT then times the queue too, and no rate learns from it."""
+
+from __future__ import annotations
+
+from pd_orchestrator.config.routing import RoutingConfig
+from pd_orchestrator.model.endpoints import Endpoint, Role
+from pd_orchestrator.model.load import Candidate, LoadSnapshot
+from pd_orchestrator.model.route import Route, at
+from pd_orchestrator.planner.plan import Planner, RequestFacts, Served
+from pd_orchestrator.policies.base import LatencyObservation, Leaf, ThresholdContext
+from pd_orchestrator.policies.plugins import builtin_registry
+from pd_orchestrator.policies.threshold import ThresholdResolver
+from pd_orchestrator.routing.profiles import build_profiles
+
+
+class _Recorder(Leaf):
+    __slots__ = ("seen",)
+    name = "recorder"
+    bounds = (0.5, 0.5)
+
+    def __init__(self) -> None:
+        self.seen: list[LatencyObservation] = []
+
+    def decide(self, context: ThresholdContext) -> Route:
+        return at(0.5, "recorder", "fixed")
+
+    def observe(self, observation: LatencyObservation) -> None:
+        self.seen.append(observation)
+
+
+def _endpoint(name: str, role: Role) -> Endpoint:
+    return Endpoint(name, f"http://{name}:1", role)
+
+
+D_BACKLOG, D_IDLE, D_WAITING, D_UNREAD = (_endpoint(f"d{i}", Role.DECODE) for i in range(4))
+P_BUSY, P_IDLE = (_endpoint(f"p{i}", Role.PREFILL) for i in range(2))
+WAITING = LoadSnapshot(running=4, waiting=2, kv_usage=0.3, observed_at=0.0)
+RUNNING = LoadSnapshot(running=4, waiting=0, kv_usage=0.3, observed_at=0.0)
+
+
+def _queued(served: Served) -> bool | None:
+    recorder = _Recorder()
+    planner = Planner(
+        build_profiles(RoutingConfig(), builtin_registry()),
+        ThresholdResolver(recorder),
+    )
+    candidates = [
+        Candidate(D_BACKLOG, backlog=3_000),
+        Candidate(D_IDLE, load=RUNNING),
+        Candidate(D_WAITING, load=WAITING),
+        Candidate(P_BUSY, backlog=8_000),
+        Candidate(P_IDLE),
+    ]
+    facts = RequestFacts("m", 400)
+    plan = planner.plan(facts, candidates, 1.0, 1)
+    planner.learn(plan, facts, served)
+    (observation,) = recorder.seen
+    return observation.queued
+
+
+def test_a_local_sample_is_queued_when_its_decoder_had_tokens_or_requests_waiting() -> None:
+    assert _queued(Served(D_BACKLOG, 2.0, ttft=0.5, remote=False)) is True
+    assert _queued(Served(D_WAITING, 2.0, ttft=0.5, remote=False)) is True
+    assert _queued(Served(D_IDLE, 2.0, ttft=0.5, remote=False)) is False  # running is no queue
+
+
+def test_a_p_d_sample_is_judged_by_its_prefiller_not_its_decoder() -> None:
+    assert _queued(Served(D_BACKLOG, 2.0, ttft=0.5, remote=True, prefiller=P_IDLE)) is False
+    assert _queued(Served(D_IDLE, 2.0, ttft=0.5, remote=True, prefiller=P_BUSY)) is True
+
+
+def test_an_endpoint_the_plan_did_not_see_is_unknown() -> None:
+    assert _queued(Served(D_UNREAD, 2.0, ttft=0.5, remote=False)) is None
+    assert _queued(Served(D_IDLE, 2.0, ttft=0.5, remote=True)) is None  # prefiller unknown
