@@ -608,6 +608,7 @@ class _Flow:
         self.first_at: float | None = None
         self.prefilled_at: float | None = None
         self.prefiller: Endpoint | None = None
+        self.prefill_cached: int | None = None
         self.last_at = 0.0
         self.legs = 0
         self.decoder: _Instance | None = None
@@ -756,6 +757,7 @@ class _Flow:
         def on_prefill(when: float, output: RequestOutput) -> None:
             if self.prefilled_at is None:
                 self.prefilled_at = when + self.hop  # the answer at the gateway
+                self.prefill_cached = output.num_cached_tokens
             if output.transfer is None:
                 self.on_output(when, output)  # finished without KV: its answer is the answer
             else:
@@ -811,6 +813,7 @@ class _Flow:
                 remote=record.decision == "pd",
                 after_prefill=after_prefill(record.arrival, record.ttft, self.prefilled_at),
                 prefiller=self.prefiller,
+                prefill_cached=self.prefill_cached,
             )
             self.fleet.planner.learn(plan, facts, served)
         self.fleet.complete(self, now)

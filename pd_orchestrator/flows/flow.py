@@ -145,7 +145,8 @@ class Outcome:
     prefiller (if any), the time to first token, mean ITL, prompt tokens, the prompt
     tokens the first decoder had cached (None: not reported), output tokens, the
     decoders that rejected the original prompt at its threshold and, of a P/D request,
-    seconds from its prefill answer to its first content (None: unknown)."""
+    seconds from its prefill answer to its first content (None: unknown) and the
+    prompt tokens its prefiller reported cached (None: not reported)."""
 
     decision: str
     decoder: Endpoint
@@ -158,6 +159,7 @@ class Outcome:
     output_tokens: int = 0
     rejected: tuple[str, ...] = ()
     after_prefill: float | None = None
+    prefill_cached: int | None = None
 
 
 class Flow:
@@ -179,6 +181,7 @@ class Flow:
         self.machine = FlowMachine(plan, settings.handback, settings.upstream)
         self.prefiller: Endpoint | None = None
         self.answered: float | None = None
+        self.prefill_cached: int | None = None
         self.rejected: tuple[str, ...] = ()
         self.stream_legs = request.stream or attempt.streams
         self.route: Route | None = None
@@ -258,6 +261,7 @@ class Flow:
             transcript.completion_tokens,
             self.rejected,
             after_prefill(self.request.arrival, timing.ttft, self.answered),
+            self.prefill_cached,
         )
 
     # -- the leg that serves the original prompt ------------------------------------------------
@@ -355,7 +359,7 @@ class Flow:
             return await self._local(body, path, kind, original_prompt=original_prompt)
         self.prefiller = result.prefiller
         if self.answered is None:  # the original prompt's hand-over
-            self.answered = handover.answered
+            self.answered, self.prefill_cached = handover.answered, handover.prefill_cached
         return result.leg
 
     async def _local(self, body: Json, path: str, kind: Kind, *, original_prompt: bool) -> Leg:

@@ -121,6 +121,8 @@ class Handover:
     prefiller: Endpoint | None = field(default=None, init=False)
     answered: float | None = field(default=None, init=False)
     """When the last prefill answer came (the clock's; None: none came)."""
+    prefill_cached: int | None = field(default=None, init=False)
+    """The prompt tokens the prefiller reported cached in its answer (None: not said)."""
     _deadline: float = field(default=0.0, init=False)
 
     async def run(
@@ -240,6 +242,7 @@ class Handover:
     ) -> PrefillOutcome:
         """What the prefill answer means for the decode leg (see :meth:`_checked`)."""
         self.answered = self.clock()
+        self.prefill_cached = reported_cached(answer)
         try:
             outcome = self.connector.read_prefill(answer, ctx)
         except ConnectorError as exc:
@@ -342,3 +345,14 @@ class Handover:
     async def _close(self, held: list[Leg]) -> None:
         for leg in held:
             await self.legs.close(leg)
+
+
+def reported_cached(answer: Json) -> int | None:
+    """The cached prompt tokens an answer's ``usage.prompt_tokens_details`` reports
+    (None: not reported, or not a count)."""
+    usage = answer.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0:
+        return cached
+    return None

@@ -270,6 +270,7 @@ class CompletionPath:
             rejected=outcome.rejected,
             after_prefill=outcome.after_prefill,
             prefiller=outcome.prefiller,
+            prefill_cached=outcome.prefill_cached,
         )
         try:
             state.planner.learn(plan, admitted.facts, served)

@@ -351,7 +351,9 @@ class Served:
     unknown); ``rejected``: the decoders that rejected it at its threshold;
     ``after_prefill``: of a P/D request, seconds from the prefill leg's answer to the
     first content (:func:`after_prefill`; None: unknown); ``prefiller``: of a P/D
-    request, the prefiller that prefilled it (None: none, or unknown).
+    request, the prefiller that prefilled it (None: none, or unknown);
+    ``prefill_cached``: of a P/D request, the prompt tokens its prefiller had cached
+    (None: not reported).
     """
 
     decoder: Endpoint | None
@@ -365,6 +367,7 @@ class Served:
     rejected: tuple[str, ...] = ()
     after_prefill: float | None = None
     prefiller: Endpoint | None = None
+    prefill_cached: int | None = None
 
 
 def queued_ahead(plan: Plan, served: Served) -> bool | None:
@@ -624,6 +627,7 @@ class Planner:
                 remote=served.remote,
                 after_prefill=served.after_prefill,
                 queued=queued_ahead(plan, served),
+                prefill_cached=served.prefill_cached,
             )
         )
         if served.prompt_tokens and facts.prompt_tokens is None:

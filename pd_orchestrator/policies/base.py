@@ -197,6 +197,8 @@ class LatencyObservation:
     or the prefiller of a P/D request) had prompts queued ahead of it when the
     request was planned (None: unknown): such a TTFT times the queue as well as the
     engine.
+    ``prefill_cached``: of a P/D request, the prompt tokens the prefiller had cached
+    (its answer's ``prompt_tokens_details``; None: not reported).
     """
 
     model: str
@@ -210,6 +212,7 @@ class LatencyObservation:
     remote: bool | None = None
     after_prefill: float | None = None
     queued: bool | None = None
+    prefill_cached: int | None = None
 
     def __post_init__(self) -> None:
         timed = (("ttft", self.ttft), ("itl", self.itl), ("after_prefill", self.after_prefill))

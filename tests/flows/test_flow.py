@@ -22,6 +22,7 @@ from pd_orchestrator.config.settings import HandbackConfig, TimeoutConfig, Upstr
 from pd_orchestrator.fleet.state import FleetState
 from pd_orchestrator.flows import Flow, FlowSettings, Legs, Single, renderer_for
 from pd_orchestrator.flows.bodies import continuation_body
+from pd_orchestrator.flows.handover import reported_cached
 from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.load import Candidate
@@ -723,3 +724,22 @@ async def test_a_p_d_flow_knows_when_its_prefill_answered_a_local_one_does_not()
     assert after_prefill(10.0, 0.5, 10.2) == pytest.approx(0.3)
     assert after_prefill(10.0, 0.5, 10.7) is None  # a continuation's prefill, after the first
     assert after_prefill(10.0, None, 10.2) is None
+
+
+async def test_a_p_d_flow_tells_what_its_prefiller_said_it_had_cached() -> None:
+    """A P/D sample's rate counts what the prefiller lacked, when it says."""
+    params = {"remote_block_ids": [9], "remote_engine_id": "p0", "remote_host": "p0"}
+    usage = {"prompt_tokens": 40, "completion_tokens": 1,
+             "prompt_tokens_details": {"cached_tokens": 32}}  # fmt: skip
+    prefill = {"id": "p", "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+               "kv_transfer_params": params, "usage": usage}  # fmt: skip
+    rejected = _stream(_completion_chunk([], "cache_threshold", first=True))
+    served = _stream(_completion_chunk([5, 6], "length", first=True), _usage(4, 2))
+    said = await _serve(Script({"d0": [rejected, served], "p0": [_whole(prefill)]}), STREAM)
+    assert said.flow.decision == "pd" and said.flow.prefill_cached == 32
+    silent = prefill | {"usage": {"prompt_tokens": 40, "completion_tokens": 1}}
+    unsaid = await _serve(Script({"d0": [rejected, served], "p0": [_whole(silent)]}), STREAM)
+    assert unsaid.flow.decision == "pd" and unsaid.flow.prefill_cached is None
+    for bad in (-1, True, "32", None):
+        odd = {"usage": {"prompt_tokens_details": {"cached_tokens": bad}}}
+        assert reported_cached(odd) is None

@@ -461,6 +461,30 @@ def test_a_remote_sample_faster_than_the_pool_could_prefill_is_a_cached_prompt()
     assert model.rate_remote == pytest.approx(22_500.0)
 
 
+def test_a_p_d_sample_counts_what_its_prefiller_lacked_when_it_said() -> None:
+    # counted whole, a prompt the prefiller held most of passes for a fast engine
+    policy = _policy()
+    model = policy.model.pools["decode"]  # 10k tokens/s; up to 20k/s is plausible
+
+    def remote(tokens: int, held: int | None, prefill: float) -> None:
+        ttft = prefill + tokens / PARAMS.transfer_tokens_per_s
+        policy.observe(
+            LatencyObservation(
+                "m", "decode", 0.0, ttft=ttft, prompt_tokens=tokens, remote=True,
+                prefill_cached=held,
+            )
+        )  # fmt: skip
+
+    remote(6_000, 4_000, 0.2)  # 2,000 new tokens in 0.2 s: 10k/s, not 30k/s
+    assert model.rate_remote == pytest.approx(RATE)
+    remote(6_000, 5_800, 0.01)  # 200 new tokens: a fixed cost more than a rate
+    assert model.rate_remote == pytest.approx(RATE)
+    remote(9_000, 0, 0.6)  # said, nothing held: 15k/s, learnt
+    assert model.rate_remote == pytest.approx(15_000.0)
+    remote(30_000, None, 0.5)  # not said: 60k/s is above the bound, not learnt
+    assert model.rate_remote == pytest.approx(15_000.0)
+
+
 def test_seeds_come_from_the_known_profile_else_the_parameter() -> None:
     h200 = _known_h200()
     assert seed_rate(h200, 1.0) == pytest.approx(1 / 29.5e-6)
