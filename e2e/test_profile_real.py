@@ -60,11 +60,6 @@ pytestmark = [
     pytest.mark.skipif(
         os.environ.get("PDO_E2E_TARGET", "sim") != "vllm", reason="vLLM target only"
     ),
-    pytest.mark.skipif(
-        os.environ.get("PDO_E2E_PROFILE") != "1",
-        reason="opt-in (PDO_E2E_PROFILE=1): a third pair of its own does not always start "
-        "in time on a 2-core host, and most of its bounds still miss there (e2e/README.md)",
-    ),
 ]
 
 BOUND = 0.25
