@@ -82,9 +82,11 @@ PROFILE_REQUESTS = 320
 WORKLOAD = ((300, 16), (700, 16), (1100, 16), (1500, 16)) * 2
 """(b)'s workload: (prompt tokens, output tokens) of each request, sent in order."""
 LEARN_TOKENS = 1024
-STREAM_TOKENS = 1900
-"""(c)'s stream: while it decodes, the routes are decided (it has its 64-token prompt
-within the pair's max_model_len, 2048)."""
+MAX_MODEL_LEN = 4096
+"""The pair's: the tiny model's whole context, room for (c)'s long stream."""
+STREAM_TOKENS = 4000
+"""(c)'s stream: while it decodes, the routes are decided (about 12 s on the idle pair;
+its 64-token prompt and these within :data:`MAX_MODEL_LEN`)."""
 LEARN_ROUNDS = 6
 NICENESS = -15
 """The CPU priority of the module's processes where the host allows it."""
@@ -131,11 +133,14 @@ def _raised_priority(niceness: int) -> Iterator[bool]:
 
 @pytest.fixture(scope="module")
 def pair(vllm_pair_factory: Any) -> Iterator[Any]:
-    """A pair of this module's own (a full-size decoder, max_model_len 2048, NIXL) and
+    """A pair of this module's own (a full-size decoder, :data:`MAX_MODEL_LEN`, NIXL) and
     everything the module starts (the profiler, the simulator, the gateway) at a raised
     CPU priority where the host allows it: on a shared machine the figures are then the
     engine's rather than its neighbours' (the pair is idle between requests)."""
-    with _raised_priority(NICENESS) as raised, vllm_pair_factory() as started:
+    with (
+        _raised_priority(NICENESS) as raised,
+        vllm_pair_factory(max_model_len=MAX_MODEL_LEN) as started,
+    ):
         sys.stderr.write(
             f"\nprofiled pair up in {started.startup_seconds:.1f} s "
             f"({'niceness ' + str(NICENESS) if raised else 'default priority'})\n"
