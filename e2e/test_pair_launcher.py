@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -56,6 +58,8 @@ def test_servers_get_their_own_ports_cores_and_nixl_settings(tmp_path: Path) -> 
     assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(decoder.side_channel_port)
     assert env["HF_HUB_OFFLINE"] == "1"
     assert env["VLLM_CACHE_ROOT"].startswith(str(tmp_path))
+    assert env["PYTHONPATH"] == str(pair_module.SITE_DIR)
+    assert (pair_module.SITE_DIR / "sitecustomize.py").is_file()
     pair.stop()
     assert tmp_path.exists()
 
@@ -110,7 +114,11 @@ def test_a_failed_start_reports_the_root_cause_above_the_tail(tmp_path: Path) ->
     decoder = pair_module.VLLMPair(config, workdir=tmp_path).decoder
     decoder.workdir.mkdir(parents=True)
     cause = "(Worker pid=7) ERROR [executor.py:1] RuntimeError: Cannot access accelerator device"
-    lines = [cause, cause, *(f"INFO line {i}" for i in range(100))]
+    quoted = (
+        "(APIServer pid=5) WARNING 11-28 19:55:35 [system_utils.py:255] Found ulimit of 20000 "
+        "... This can cause fd limit errors like `OSError: [Errno 24] Too many open files`."
+    )
+    lines = [quoted, cause, cause, *(f"INFO line {i}" for i in range(100))]
     lines.append("RuntimeError: Engine core initialization failed. See root cause above.")
     decoder.log_path.write_text("\n".join(lines))
     assert decoder.errors() == [
@@ -120,3 +128,24 @@ def test_a_failed_start_reports_the_root_cause_above_the_tail(tmp_path: Path) ->
     report = decoder.report()
     assert report.index("Cannot access accelerator") < report.index("INFO line 99")
     assert "INFO line 10\n" not in report  # only the tail of the rest
+
+
+PROBE = """
+import nixl._api as api
+real, seen = api.nixlBind.nixlAgent, []
+api.nixlBind.nixlAgent = lambda name, config: (seen.append(config), real(name, config))[1]
+api.nixl_agent("probe", api.nixl_agent_config(num_threads=4))
+print(seen[0].useProgThread, seen[0].pthrDelay)
+"""
+
+
+def test_the_servers_nixl_progress_thread_waits_between_polls(vllm_python: Path) -> None:
+    """In the vLLM venv, with the servers' ``PYTHONPATH``, a NIXL agent made as vLLM makes
+    one gets a progress-thread delay (nixl asks for none: its thread would spin)."""
+    env = {**os.environ, "PYTHONPATH": str(pair_module.SITE_DIR)}
+    env.pop("PDO_E2E_NIXL_PROGRESS_DELAY_US", None)
+    done = subprocess.run(
+        [str(vllm_python), "-c", PROBE], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["True", "1000"]

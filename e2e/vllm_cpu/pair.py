@@ -45,6 +45,7 @@ import httpx
 from pd_orchestrator.bench.peers import free_port
 
 __all__ = [
+    "SITE_DIR",
     "SMALL_DECODER_ARGS",
     "PairConfig",
     "ServerError",
@@ -107,9 +108,16 @@ def _child_config(name: str, shared_dir: Path) -> dict[str, object]:
     return config
 
 
+#: Put on every server's ``PYTHONPATH``: its ``sitecustomize`` keeps the NIXL progress
+#: thread from busy-polling (an idle server would otherwise spend a whole core).
+SITE_DIR = Path(__file__).resolve().parent / "site"
+
 _STOP_SECONDS = 20.0
 #: ``SomeError: message`` (the last part of a traceback), wherever it sits in a log line
 _EXCEPTION_LINE = re.compile(r"\b[A-Za-z_][\w.]*(?:Error|Exception): .*$")
+#: a vLLM log record below ERROR (``WARNING 11-28 19:55:35 [file.py:1] ...``): one may
+#: quote an exception (the ulimit warning quotes ``OSError: [Errno 24] ...``) but is none
+_BELOW_ERROR = re.compile(r"\b(?:DEBUG|INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d ")
 
 
 class ServerError(RuntimeError):
@@ -206,6 +214,7 @@ class VLLMServer:
         for name in ("PYTHONPATH", "VIRTUAL_ENV", "PDO_GLOBAL_CACHE_HIT_THRESHOLD"):
             env.pop(name, None)
         env.update(
+            PYTHONPATH=str(SITE_DIR),
             PYTHONHASHSEED=self.config.hash_seed,
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
@@ -261,7 +270,8 @@ class VLLMServer:
 
     def errors(self, limit: int = 12) -> list[str]:
         """The distinct exception lines of the log, first seen first (an engine that
-        fails in a worker logs the root cause far above the tail)."""
+        fails in a worker logs the root cause far above the tail); records logged
+        below ERROR are not exceptions, whatever they quote."""
         try:
             text = self.log_path.read_text(errors="replace")
         except OSError:
@@ -269,7 +279,7 @@ class VLLMServer:
         seen: dict[str, None] = {}
         for line in text.splitlines():
             match = _EXCEPTION_LINE.search(line)
-            if match is not None:
+            if match is not None and _BELOW_ERROR.search(line) is None:
                 seen.setdefault(match.group(0).strip(), None)
         return list(seen)[:limit]
 
