@@ -347,10 +347,10 @@ class VirtualFleet:
         gc.freeze()
         self._progress = progress
         self._remaining = len(workload)
-        self.warm_up = self._warming = workload.warm_up
+        warm = self.warm_up = self._warming = workload.warm_up
         self.pause = workload.pause
-        self._schedule(workload.requests[: self.warm_up or None], 0.0)
-        self._measured_requests = workload.requests[self.warm_up :] if self.warm_up else ()
+        self._measured_requests = workload.requests[warm:]
+        self._schedule(workload.requests[:warm] if warm else self._measured_requests, 0.0)
         if workload.requests:
             self.at(min(r.arrival for r in workload.requests), self._poll)
         try:
@@ -378,7 +378,7 @@ class VirtualFleet:
             workload=workload.name,
             fleet=self.spec.name,
             runner="virtual",
-            records=self._measured(workload.warm_up),
+            records=self._measured(),
             itl_samples=self.itl_samples,
             prefill_tokens=sum(s.prefill_computed_tokens for s in stats),
             kv_bytes=self.kv_bytes,
@@ -388,12 +388,12 @@ class VirtualFleet:
             busy_seconds=self._busy(),
         )
 
-    def _measured(self, warm_up: int) -> list[RequestRecord]:
-        """The records of the requests after the first ``warm_up`` (a warm-up), in
-        order, indexed from 0."""
-        records = sorted(self._records, key=lambda r: r.index)[warm_up:]
+    def _measured(self) -> list[RequestRecord]:
+        """The records of the requests after the warm-up, in order, indexed from 0."""
+        warm = self.warm_up
+        records = sorted(self._records, key=lambda r: r.index)[warm:]
         for record in records:
-            record.index -= warm_up
+            record.index -= warm
         return records
 
     def _busy(self) -> dict[str, tuple[float, int]]:
@@ -727,9 +727,8 @@ class _Flow:
             self.first_at = seen
             self.record.ttft = seen - self.record.arrival
             self.record.cached_tokens = output.num_cached_tokens
-        else:
-            if self.record.index >= self.fleet.warm_up:
-                self.fleet.itl_samples.append(seen - self.last_at)
+        elif self.record.index >= self.fleet.warm_up:  # a warm-up's gaps are not counted
+            self.fleet.itl_samples.append(seen - self.last_at)
         self.last_at = seen
         self.generated += output.new_token_ids
 

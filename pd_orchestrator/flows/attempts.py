@@ -57,7 +57,7 @@ from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.flows.sink import check_token_ids
 from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.model.route import Ask, Decline, GoPD, Local, Whole
-from pd_orchestrator.openai.responses import Kind
+from pd_orchestrator.openai.responses import Kind, cached_count
 from pd_orchestrator.openai.tokenize import token_ids, tokenize_body
 from pd_orchestrator.planner.plan import Plan
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
@@ -353,7 +353,7 @@ class Probe(_AskAll):
             outcome = "failed" if view is None else "admitted" if admits(view) else "rejected"
             self.metrics.fanout_legs.labels(outcome).inc()
             if view is not None and outcome == "admitted":
-                admitted.append((-_cached_tokens(view), order, decoder))
+                admitted.append((-(cached_count(view.usage) or 0), order, decoder))
             elif outcome == "rejected":
                 rejected.append(decoder.name)
         if not admitted:
@@ -370,13 +370,6 @@ def _probe_view(answer: Json | None, kind: Kind) -> ChunkView | None:
         return view_answer(answer, kind)
     except MalformedChunk:
         return None
-
-
-def _cached_tokens(view: ChunkView) -> int:
-    usage = view.usage or {}
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return cached if isinstance(cached, int) else 0
 
 
 def _one_token(body: Json) -> Json:

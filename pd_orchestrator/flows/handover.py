@@ -60,7 +60,7 @@ from pd_orchestrator.flows.bodies import with_threshold
 from pd_orchestrator.flows.legs import Leg, Legs
 from pd_orchestrator.flows.sink import GatewayError
 from pd_orchestrator.model.endpoints import Endpoint
-from pd_orchestrator.openai.responses import Kind
+from pd_orchestrator.openai.responses import Kind, cached_count
 from pd_orchestrator.planner.choices import next_prefiller
 from pd_orchestrator.upstream.client import Phase
 from pd_orchestrator.upstream.errors import (
@@ -242,7 +242,7 @@ class Handover:
     ) -> PrefillOutcome:
         """What the prefill answer means for the decode leg (see :meth:`_checked`)."""
         self.answered = self.clock()
-        self.prefill_cached = reported_cached(answer)
+        self.prefill_cached = cached_count(answer.get("usage"))
         try:
             outcome = self.connector.read_prefill(answer, ctx)
         except ConnectorError as exc:
@@ -345,14 +345,3 @@ class Handover:
     async def _close(self, held: list[Leg]) -> None:
         for leg in held:
             await self.legs.close(leg)
-
-
-def reported_cached(answer: Json) -> int | None:
-    """The cached prompt tokens an answer's ``usage.prompt_tokens_details`` reports
-    (None: not reported, or not a count)."""
-    usage = answer.get("usage")
-    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0:
-        return cached
-    return None

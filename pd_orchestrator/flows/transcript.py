@@ -23,7 +23,7 @@ from pd_orchestrator.flows.logprobs import (
     next_offset,
 )
 from pd_orchestrator.flows.request import ClientRequest, NamedTool
-from pd_orchestrator.openai.responses import Kind, Usage, completion_body
+from pd_orchestrator.openai.responses import Kind, Usage, cached_count, completion_body
 
 __all__ = ["Transcript", "tool_call_id"]
 
@@ -128,9 +128,7 @@ class Transcript:
             return
         prompt = usage.get("prompt_tokens")
         self.prompt_tokens = prompt if isinstance(prompt, int) else None
-        details = usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        self.cached_tokens = cached if isinstance(cached, int) else None  # None: not said
+        self.cached_tokens = cached_count(usage)  # None: not said
 
     def usage(self) -> Usage:
         """Merged usage: the original prompt, every leg's completion tokens once."""

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["Kind", "Usage", "completion_body", "stream_chunk", "usage_chunk"]
+__all__ = ["Kind", "Usage", "cached_count", "completion_body", "stream_chunk", "usage_chunk"]
 
 Kind = Literal["completion", "chat"]
 
@@ -34,6 +34,17 @@ class Usage:
             "completion_tokens": self.completion_tokens,
             "prompt_tokens_details": details,
         }
+
+
+def cached_count(usage: object) -> int | None:
+    """The cached prompt tokens a ``usage`` object reports in
+    ``prompt_tokens_details.cached_tokens`` (None: not reported, or not a count:
+    vLLM says it only when started with ``--enable-prompt-tokens-details``)."""
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0:
+        return cached
+    return None
 
 
 def _object(kind: Kind, chunk: bool) -> str:

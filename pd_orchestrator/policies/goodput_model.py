@@ -580,18 +580,14 @@ class GoodputModel:
                 after = self.handover(model, tokens) + 2 * p.hop
             held = observation.prefill_cached
             own = tokens if held is None else tokens - min(held, tokens)
-            spent = ttft - after - 2 * p.hop - model.attention_seconds(own, tokens - own)
-            if own < _MIN_SAMPLE or spent <= 0:
-                return
-            if held is not None or own / spent <= _plausible(model):
-                model.rate_remote = _learn_rate(model.rate_remote, own / spent, p.alpha)
-            return
-        if observation.cached_tokens is None:
-            return
-        uncached = tokens - observation.cached_tokens
-        spent = ttft - 2 * p.hop - model.attention_seconds(uncached, observation.cached_tokens)
-        if uncached >= _MIN_SAMPLE and spent > 0:
-            model.rate_local = _learn_rate(model.rate_local, uncached / spent, p.alpha)
+            rate = _rate_sample(model, own, tokens - own, ttft - after - 2 * p.hop)
+            if rate is not None and (held is not None or rate <= _plausible(model)):
+                model.rate_remote = _learn_rate(model.rate_remote, rate, p.alpha)
+        elif observation.cached_tokens is not None:
+            cached = observation.cached_tokens
+            rate = _rate_sample(model, tokens - cached, cached, ttft - 2 * p.hop)
+            if rate is not None:
+                model.rate_local = _learn_rate(model.rate_local, rate, p.alpha)
 
     def _learn_handover(self, observation: LatencyObservation, model: PoolModel) -> None:
         """Learn the hand-over's costs from a P/D request whose prefill answer time is
@@ -600,6 +596,13 @@ class GoodputModel:
         if after is None or not tokens or self.params.transfer_tokens_per_s is not None:
             return
         model.handover.learn(tokens, after - 2 * self.params.hop, self.params.alpha)
+
+
+def _rate_sample(model: PoolModel, new: int, held: int, seconds: float) -> float | None:
+    """The rate ``new`` tokens prefilled after ``held`` cached ones in ``seconds`` show,
+    net of the attention term (None: too few tokens to say, or no time left)."""
+    spent = seconds - model.attention_seconds(new, held)
+    return new / spent if new >= _MIN_SAMPLE and spent > 0 else None
 
 
 def _plausible(model: PoolModel) -> float:

@@ -22,12 +22,12 @@ from pd_orchestrator.config.settings import HandbackConfig, TimeoutConfig, Upstr
 from pd_orchestrator.fleet.state import FleetState
 from pd_orchestrator.flows import Flow, FlowSettings, Legs, Single, renderer_for
 from pd_orchestrator.flows.bodies import continuation_body
-from pd_orchestrator.flows.handover import reported_cached
 from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.model.route import GoPD, Route, at, threshold_of
 from pd_orchestrator.openai.protocol import parse_for
+from pd_orchestrator.openai.responses import cached_count
 from pd_orchestrator.planner.plan import Plan, Planner, RequestFacts, after_prefill
 from pd_orchestrator.policies.base import Leaf, ThresholdContext
 from pd_orchestrator.policies.plugins import builtin_registry
@@ -741,5 +741,4 @@ async def test_a_p_d_flow_tells_what_its_prefiller_said_it_had_cached() -> None:
     unsaid = await _serve(Script({"d0": [rejected, served], "p0": [_whole(silent)]}), STREAM)
     assert unsaid.flow.decision == "pd" and unsaid.flow.prefill_cached is None
     for bad in (-1, True, "32", None):
-        odd = {"usage": {"prompt_tokens_details": {"cached_tokens": bad}}}
-        assert reported_cached(odd) is None
+        assert cached_count({"prompt_tokens_details": {"cached_tokens": bad}}) is None
