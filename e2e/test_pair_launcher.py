@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import pair_module
@@ -149,3 +150,72 @@ def test_the_servers_nixl_progress_thread_waits_between_polls(vllm_python: Path)
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-2:] == ["True", "1000"]
+
+
+def _descendants(root: int) -> list[int]:
+    """The processes below ``root`` (Linux ``/proc``)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # it ended meanwhile
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [root]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
+def _allowed(pid: int) -> dict[str, set[int]]:
+    """Each thread of ``pid`` (``name/tid``) and the CPUs it may run on."""
+    threads: dict[str, set[int]] = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            status = dict(
+                line.split(":\t", 1) for line in (task / "status").read_text().splitlines()
+            )
+        except OSError:
+            continue
+        cores: set[int] = set()
+        for part in status["Cpus_allowed_list"].strip().split(","):
+            first, _, last = part.partition("-")
+            cores.update(range(int(first), int(last or first) + 1))
+        threads[f"{status['Name'].strip()}/{task.name}"] = cores
+    return threads
+
+
+@pytest.mark.timeout(600)  # the session's pair may start here
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux /proc")
+def test_no_thread_of_a_bound_server_is_moved_off_its_core(vllm_pair: Any) -> None:
+    """vLLM's NIXL worker on CPU re-binds its calling thread (the model's) to the
+    host's last core; the servers' ``sitecustomize`` keeps it on the server's own core,
+    or a prefill on core 0 waits for the decoder decoding on core 1."""
+    for server in vllm_pair.servers:
+        assert server.spec.cpu is not None and server._process is not None
+        threads = {
+            name: cores
+            for pid in _descendants(server._process.pid)
+            for name, cores in _allowed(pid).items()
+        }
+        assert any(name.startswith("VLLM::Worker") for name in threads), sorted(threads)
+        off = {
+            name: sorted(cores) for name, cores in threads.items() if server.spec.cpu not in cores
+        }
+        assert not off, f"{server.spec.name} (core {server.spec.cpu}): {off}"
+
+
+def test_a_bound_servers_affinity_calls_stay_on_its_cores(vllm_python: Path) -> None:
+    """With the servers' ``PYTHONPATH`` and a bound core, a thread asked onto another
+    core stays on the bound one; an unbound server's calls pass unchanged."""
+    probe = "import os; os.sched_setaffinity(0, {0, 1}); print(sorted(os.sched_getaffinity(0)))"
+    for bind, expected in (("0", "[0]"), ("", str(sorted({0, 1} & os.sched_getaffinity(0))))):
+        env = {**os.environ, "PYTHONPATH": str(pair_module.SITE_DIR)}
+        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        done = subprocess.run(
+            [str(vllm_python), "-c", probe], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip().splitlines()[-1] == expected, (bind, done.stdout)

@@ -60,11 +60,6 @@ pytestmark = [
     pytest.mark.skipif(
         os.environ.get("PDO_E2E_TARGET", "sim") != "vllm", reason="vLLM target only"
     ),
-    pytest.mark.skipif(
-        os.environ.get("PDO_E2E_PROFILE") != "1",
-        reason="opt-in (PDO_E2E_PROFILE=1): in a full make e2e-vllm on a 2-core host the "
-        "first P/D beside (c)'s stream outlasted the stream (e2e/README.md)",
-    ),
 ]
 
 BOUND = 0.25

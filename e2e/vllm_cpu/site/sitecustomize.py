@@ -13,6 +13,17 @@ delay only bounds how long the thread sleeps with nothing signalled.
 
 ``PDO_E2E_NIXL_PROGRESS_DELAY_US`` (microseconds, default 1000; 0 keeps nixl's
 busy poll) sets it. Nothing is imported until vLLM imports nixl.
+
+A server bound to cores (``VLLM_CPU_OMP_THREADS_BIND``, as ``pair.py`` binds the
+prefiller to core 0 and the decoder to core 1) also keeps its threads on them.
+vLLM 0.32's NIXL worker on CPU calls ``os.sched_setaffinity(0, ...)`` at start-up with
+the last core of each NUMA node ("reserved for KV transfer"); the call binds the
+calling thread, which is the worker's main thread, the one that runs the model. On a
+2-core host that moves the prefiller's model thread onto the decoder's core, and
+while the decoder decodes a prefill waits for it: a 1024-token prefill leg took 6.2 s
+beside a stream (its usual 30 to 60 ms) and answered when the stream ended. Here
+such a call is confined to the server's own cores (the cores asked for that are among
+them, else all of them).
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from types import ModuleType
 from typing import Any
 
 _DELAY_US = int(os.environ.get("PDO_E2E_NIXL_PROGRESS_DELAY_US", "1000"))
+_BIND = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
 _BINDINGS = ("nixl_cu13._bindings", "nixl_cu12._bindings", "nixl._bindings")
 
 
@@ -73,5 +85,30 @@ class _Finder(importlib.abc.MetaPathFinder):
         return None
 
 
+def bound_cores(spec: str) -> frozenset[int]:
+    """The CPUs a ``VLLM_CPU_OMP_THREADS_BIND`` value names (``0``, ``0-3``, ``0,2``,
+    ranks joined by ``|``); empty for any other value (unset, ``auto``, ``nobind``)."""
+    cores: set[int] = set()
+    for part in spec.replace("|", ",").split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or not (last.isdigit() or not last):
+            return frozenset()
+        cores.update(range(int(first), int(last or first) + 1))
+    return frozenset(cores)
+
+
+def _confine(cores: frozenset[int]) -> None:
+    """``os.sched_setaffinity`` kept within ``cores``: the cores asked for among them,
+    else all of them."""
+    real = os.sched_setaffinity
+
+    def setaffinity(pid: int, mask: Any) -> None:
+        real(pid, (set(mask) & cores) or cores)
+
+    os.sched_setaffinity = setaffinity
+
+
 if _DELAY_US > 0:
     sys.meta_path.insert(0, _Finder())
+if bound_cores(_BIND):
+    _confine(bound_cores(_BIND))
