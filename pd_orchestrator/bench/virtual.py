@@ -115,6 +115,7 @@ from pd_orchestrator.planner.plan import (
     RequestFacts,
     Served,
     after_prefill,
+    leg_seconds,
 )
 from pd_orchestrator.prefix.pending import PendingBlocks
 from pd_orchestrator.routing import RoutingProfiles
@@ -607,6 +608,7 @@ class _Flow:
         self.generated: list[int] = []
         self.first_at: float | None = None
         self.prefilled_at: float | None = None
+        self.prefill_sent: float | None = None
         self.prefiller: Endpoint | None = None
         self.prefill_cached: int | None = None
         self.last_at = 0.0
@@ -767,6 +769,8 @@ class _Flow:
                 )
 
         request = self.leg(digest, 1, 0.0, producer=True)
+        if self.prefilled_at is None:  # the original prompt's prefill leg
+            self.prefill_sent = now
         self.fleet.submit(prefiller, now + self.hop, request, on_prefill, self.fail)
 
     def pull(
@@ -813,6 +817,7 @@ class _Flow:
                 after_prefill=after_prefill(record.arrival, record.ttft, self.prefilled_at),
                 prefiller=self.prefiller,
                 prefill_cached=self.prefill_cached,
+                prefill_seconds=leg_seconds(self.prefill_sent, self.prefilled_at),
             )
             self.fleet.planner.learn(plan, facts, served)
         self.fleet.complete(self, now)

@@ -101,7 +101,7 @@ from pd_orchestrator.flows.transcript import Transcript
 from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.model.route import threshold_of
 from pd_orchestrator.openai.responses import Kind
-from pd_orchestrator.planner.plan import Plan, after_prefill
+from pd_orchestrator.planner.plan import Plan, after_prefill, leg_seconds
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
 from pd_orchestrator.upstream.client import Phase
 from pd_orchestrator.upstream.errors import UpstreamError
@@ -160,6 +160,7 @@ class Outcome:
     rejected: tuple[str, ...] = ()
     after_prefill: float | None = None
     prefill_cached: int | None = None
+    prefill_seconds: float | None = None
 
 
 class Flow:
@@ -182,6 +183,7 @@ class Flow:
         self.prefiller: Endpoint | None = None
         self.answered: float | None = None
         self.prefill_cached: int | None = None
+        self.prefill_seconds: float | None = None
         self.rejected: tuple[str, ...] = ()
         self.stream_legs = request.stream or attempt.streams
         self.route: Route | None = None
@@ -262,6 +264,7 @@ class Flow:
             self.rejected,
             after_prefill(self.request.arrival, timing.ttft, self.answered),
             self.prefill_cached,
+            self.prefill_seconds,
         )
 
     # -- the leg that serves the original prompt ------------------------------------------------
@@ -360,6 +363,7 @@ class Flow:
         self.prefiller = result.prefiller
         if self.answered is None:  # the original prompt's hand-over
             self.answered, self.prefill_cached = handover.answered, handover.prefill_cached
+            self.prefill_seconds = leg_seconds(handover.sent, handover.answered)
         return result.leg
 
     async def _local(self, body: Json, path: str, kind: Kind, *, original_prompt: bool) -> Leg:

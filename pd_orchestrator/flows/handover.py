@@ -119,6 +119,8 @@ class Handover:
     clock: Callable[[], float]
     kv_source: PeerInfo | None = None
     prefiller: Endpoint | None = field(default=None, init=False)
+    sent: float | None = field(default=None, init=False)
+    """When the last prefill leg was sent (the clock's; None: none was)."""
     answered: float | None = field(default=None, init=False)
     """When the last prefill answer came (the clock's; None: none came)."""
     prefill_cached: int | None = field(default=None, init=False)
@@ -222,7 +224,8 @@ class Handover:
     async def _prefill(self, prefiller: Endpoint, ctx: TransferContext, shape: _Shape) -> Json:
         """The prefill leg, within what is left of the prefill budget."""
         connector = self.connector
-        left = self._deadline - self.clock()
+        self.sent = self.clock()
+        left = self._deadline - self.sent
         try:
             with anyio.fail_after(max(left, 0.0)):
                 return await self.legs.post(

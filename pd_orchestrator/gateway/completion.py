@@ -271,6 +271,7 @@ class CompletionPath:
             after_prefill=outcome.after_prefill,
             prefiller=outcome.prefiller,
             prefill_cached=outcome.prefill_cached,
+            prefill_seconds=outcome.prefill_seconds,
         )
         try:
             state.planner.learn(plan, admitted.facts, served)

@@ -80,6 +80,7 @@ __all__ = [
     "Served",
     "after_prefill",
     "compatibility_class",
+    "leg_seconds",
 ]
 
 DECODE_ONLY = Local("none", "no-threshold")
@@ -353,7 +354,8 @@ class Served:
     first content (:func:`after_prefill`; None: unknown); ``prefiller``: of a P/D
     request, the prefiller that prefilled it (None: none, or unknown);
     ``prefill_cached``: of a P/D request, the prompt tokens its prefiller had cached
-    (None: not reported).
+    (None: not reported); ``prefill_seconds``: of a P/D request, seconds from its
+    prefill leg's send to the answer (:func:`leg_seconds`; None: unknown).
     """
 
     decoder: Endpoint | None
@@ -368,6 +370,7 @@ class Served:
     after_prefill: float | None = None
     prefiller: Endpoint | None = None
     prefill_cached: int | None = None
+    prefill_seconds: float | None = None
 
 
 def queued_ahead(plan: Plan, served: Served) -> bool | None:
@@ -383,6 +386,14 @@ def queued_ahead(plan: Plan, served: Served) -> bool | None:
             load = candidate.load
             return candidate.backlog > 0 or (load is not None and load.waiting > 0)
     return None
+
+
+def leg_seconds(sent: float | None, answered: float | None) -> float | None:
+    """Seconds from a leg's send at ``sent`` to its answer at ``answered`` (None: either
+    unknown, or the answer before the send, on no clock a leg runs on)."""
+    if sent is None or answered is None or answered < sent:
+        return None
+    return answered - sent
 
 
 def after_prefill(arrival: float, ttft: float | None, answered: float | None) -> float | None:
@@ -628,6 +639,7 @@ class Planner:
                 after_prefill=served.after_prefill,
                 queued=queued_ahead(plan, served),
                 prefill_cached=served.prefill_cached,
+                prefill_seconds=served.prefill_seconds,
             )
         )
         if served.prompt_tokens and facts.prompt_tokens is None:

@@ -199,6 +199,9 @@ class LatencyObservation:
     engine.
     ``prefill_cached``: of a P/D request, the prompt tokens the prefiller had cached
     (its answer's ``prompt_tokens_details``; None: not reported).
+    ``prefill_seconds``: of a P/D request, seconds from the prefill leg's send to its
+    answer (the prefill and its two hops, without what came before the leg: a
+    decoder's rejection at its threshold; None: unknown).
     """
 
     model: str
@@ -213,9 +216,13 @@ class LatencyObservation:
     after_prefill: float | None = None
     queued: bool | None = None
     prefill_cached: int | None = None
+    prefill_seconds: float | None = None
 
     def __post_init__(self) -> None:
-        timed = (("ttft", self.ttft), ("itl", self.itl), ("after_prefill", self.after_prefill))
+        timed = (
+            ("ttft", self.ttft), ("itl", self.itl), ("after_prefill", self.after_prefill),
+            ("prefill_seconds", self.prefill_seconds),
+        )  # fmt: skip
         for name, value in timed:
             if value is not None and not (math.isfinite(value) and value >= 0.0):
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value}")

@@ -42,11 +42,13 @@ wait - h``), remote ``+3h``, whole ``+h`` (``whole_p + h <= T``). So a local pat
 ``u`` within ``remote - h`` (local and remote compared alike) and ``T*s - wait - h``. One
 test breaks the rule: a drain compares ``remote`` with ``wait + local``, one ``h`` short
 (2 ms by default; kept as it is). Learning subtracts the real hops: a local sample
-``ttft - 2h``, a P/D one ``ttft - A - 2h``, ``A`` the time from the prefill's answer
-to the first content when the gateway timed it (else ``H(L) + 2h``; after a rejected
-attempt the sample also carries ``2h`` and the decoder's wait: a slow sample, which the
-rate rule below mostly ignores); the hand-over learns ``H`` from ``A - 2h``, fixed and
-per-token parts apart (:mod:`~pd_orchestrator.policies.handover_costs`).
+``ttft - 2h``, a P/D one its prefill leg's own time less ``2h``, from the leg's send to
+its answer when the gateway timed it (else ``ttft - A - 2h``, ``A`` the time from the
+prefill's answer to the first content when timed, else ``H(L) + 2h``; that also counts
+what came before the leg: after a decoder rejected the prompt at its threshold, its
+``2h`` and the decoder's wait, which on the CPU pair made a remote sample half as slow
+again); the hand-over learns ``H`` from ``A - 2h``, fixed and per-token parts apart
+(:mod:`~pd_orchestrator.policies.handover_costs`).
 
 The decision (:mod:`~pd_orchestrator.policies.goodput`) reads these: spill to
 ``argmin whole_p`` when ``d`` is crowded or queued; drain (P/D now, on the peer with the
@@ -575,12 +577,10 @@ class GoodputModel:
         if observation.queued:  # it timed the queue ahead of it as well as the engine
             return
         if observation.remote:
-            after = observation.after_prefill
-            if after is None:
-                after = self.handover(model, tokens) + 2 * p.hop
             held = observation.prefill_cached
             own = tokens if held is None else tokens - min(held, tokens)
-            rate = _rate_sample(model, own, tokens - own, ttft - after - 2 * p.hop)
+            seconds = self._prefill_leg(observation, model)
+            rate = _rate_sample(model, own, tokens - own, seconds - 2 * p.hop)
             if rate is not None and (held is not None or rate <= _plausible(model)):
                 model.rate_remote = _learn_rate(model.rate_remote, rate, p.alpha)
         elif observation.cached_tokens is not None:
@@ -588,6 +588,18 @@ class GoodputModel:
             rate = _rate_sample(model, tokens - cached, cached, ttft - 2 * p.hop)
             if rate is not None:
                 model.rate_local = _learn_rate(model.rate_local, rate, p.alpha)
+
+    def _prefill_leg(self, observation: LatencyObservation, model: PoolModel) -> float:
+        """Seconds a P/D request's prefill leg took, its two hops included: as timed from
+        its send when the gateway timed it, else its TTFT less the time after the
+        prefill's answer (:attr:`LatencyObservation.after_prefill`, else the hand-over
+        and two hops), which also counts what came before the leg."""
+        if observation.prefill_seconds is not None:
+            return observation.prefill_seconds
+        ttft, after = observation.ttft or 0.0, observation.after_prefill
+        if after is None:
+            after = self.handover(model, observation.prompt_tokens or 0) + 2 * self.params.hop
+        return ttft - after
 
     def _learn_handover(self, observation: LatencyObservation, model: PoolModel) -> None:
         """Learn the hand-over's costs from a P/D request whose prefill answer time is

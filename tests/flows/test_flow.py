@@ -742,3 +742,30 @@ async def test_a_p_d_flow_tells_what_its_prefiller_said_it_had_cached() -> None:
     assert unsaid.flow.decision == "pd" and unsaid.flow.prefill_cached is None
     for bad in (-1, True, "32", None):
         assert cached_count({"prompt_tokens_details": {"cached_tokens": bad}}) is None
+
+
+async def test_a_p_d_flow_times_its_prefill_leg_apart_from_the_rejection_before_it() -> None:
+    """The prefill leg's own time, from its send to its answer: what came before it (a
+    decoder's slow rejection at its threshold) is not part of it."""
+    params = {"remote_block_ids": [9], "remote_engine_id": "p0", "remote_host": "p0"}
+    prefill = {"id": "p", "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+               "kv_transfer_params": params, "usage": {"prompt_tokens": 40}}  # fmt: skip
+    rejected_at: list[float] = []
+
+    async def slow_rejection() -> AsyncIterator[bytes]:
+        await anyio.sleep(0.3)
+        rejected_at.append(anyio.current_time())
+        for piece in _sse(_completion_chunk([], "cache_threshold", first=True)):
+            yield piece
+
+    served = _stream(_completion_chunk([5, 6], "length", first=True), _usage(4, 2))
+    script = Script(
+        {"d0": [lambda request: MockResponse(200, chunks=slow_rejection()), served],
+         "p0": [_whole(prefill)]}
+    )  # fmt: skip
+    run = await _serve(script, STREAM)
+    flow = run.flow
+    assert flow.decision == "pd" and flow.answered is not None
+    seconds = flow.prefill_seconds
+    assert seconds is not None and seconds >= 0.0
+    assert flow.answered - seconds >= rejected_at[0]  # sent after the rejection came

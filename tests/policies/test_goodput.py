@@ -485,6 +485,26 @@ def test_a_p_d_sample_counts_what_its_prefiller_lacked_when_it_said() -> None:
     assert model.rate_remote == pytest.approx(15_000.0)
 
 
+def test_a_p_d_sample_learns_from_its_prefill_leg_when_timed() -> None:
+    # a decoder's slow rejection before the leg is no part of the prefill
+    policy = _policy()
+    model = policy.model.pools["decode"]  # 10k tokens/s
+    hops = 2 * PARAMS.hop
+
+    def remote(ttft: float, leg: float | None) -> None:
+        policy.observe(
+            LatencyObservation(
+                "m", "decode", 0.0, ttft=ttft, prompt_tokens=9_000, remote=True,
+                prefill_cached=0, after_prefill=0.05, prefill_seconds=leg,
+            )
+        )  # fmt: skip
+
+    remote(0.05 + 0.9 + hops, None)  # untimed: 0.9 s before the answer, 10k/s
+    assert model.rate_remote == pytest.approx(RATE)
+    remote(0.05 + 0.9 + hops, 0.6 + hops)  # 0.3 s of it a rejection: the leg's 15k/s
+    assert model.rate_remote == pytest.approx(15_000.0)
+
+
 def test_seeds_come_from_the_known_profile_else_the_parameter() -> None:
     h200 = _known_h200()
     assert seed_rate(h200, 1.0) == pytest.approx(1 / 29.5e-6)
