@@ -12,23 +12,25 @@ of a queue (a reading's hit rate, else this prompt's own cached share, else 0).
 Estimates, in seconds (:class:`GoodputModel`)::
 
     prefill(r, n, k) = n / r + a * n * (k + n / 2)       n new tokens after k cached
-    wait_d   = max(backlog_d, waiting_d * m) * (1 - q_d) / r_d
+    wait_d   = (backlog_d + min(waiting_d, n_d - f_d) * m) * (1 - q_d) / r_d
     local    = prefill(r_d, u, c)                          beyond wait_d
     remote   = min over p of  (backlog_p + (n_p - f_p) * m) * (1 - hit_p) / r_p
                               + prefill(r_p, u_p, L - u_p)
                + H(L) + 3h                                 beyond wait_d
-    whole_p  = max(backlog_p, n_p * m) / r_p + prefill(r_p, u_p, L - u_p)
+    whole_p  = (backlog_p + min(waiting_p, n_p - f_p) * m) / r_p + prefill(r_p, u_p, L - u_p)
     W = o * tpot,  share_d = kept_d / (W * r_d),  itl'_d = itl_d * exp(-age_d / W)
     step_d   = max(itl'_d * (1 - share_d), profile)
     mean_d   = (1 - step_d / (tpot * tpot_goal) - share_d) * W * r_d
     short_d  = the u whose local prefill takes (tpot - step_d) * o_low
     stall_d  = max(free, min(mean_d, short_d))                                    tokens
 
-``backlog_p``: the prompt tokens of the gateway's requests at ``p`` that have had no
-first token (exact); ``n_p``: requests at ``p``, ``f_p`` of them the gateway's (in
-flight), so the mean prompt stands in only for the requests the gateway did not send
-(counted whole, the queue took the mean learnt on other prompts for every request in
-it: after a warm-up on longer prompts, a third more than the gateway's own count);
+``backlog_e``: the prompt tokens of the gateway's requests at an endpoint ``e`` that
+have had no first token (exact); ``n_e``: requests at ``e`` (its reading's running and
+waiting, or the gateway's count, the larger), ``f_e`` of them the gateway's (in
+flight), ``waiting_e`` those its reading counts queued: the mean prompt stands in only
+for the requests the gateway did not send (the larger of the two counts took the mean
+learnt on other prompts for every request queued: after a warm-up on longer prompts,
+a third more than the gateway's own count at a prefiller);
 ``age_d``: seconds since the pool's last ITL sample (a sample times the streams of the
 window before it, which have finished a window or so later: after an idle spell the
 last busy spell's ITL held the stall bound at the free chunk); ``u_p``: ``L`` at a
@@ -446,12 +448,15 @@ class GoodputModel:
         return tokens - cached if cached is not None else tokens * (1.0 - self.queue_share(context))
 
     def queued(self, decoder: Candidate, tokens: int, model: PoolModel, hit: float) -> float:
-        """``wait``: seconds of prefill queued at ``decoder`` at hit rate ``hit``
-        (``tokens``: the prompt's, the mean prompt before one is learnt)."""
+        """``wait``: seconds of prefill queued at ``decoder`` at hit rate ``hit``: the
+        gateway's backlog there, plus the mean prompt (``tokens``, the prompt's, before
+        one is learnt) for each request its reading counts waiting beyond the gateway's
+        own in flight."""
         load = decoder.load
         backlog: float = decoder.backlog
         if load is not None and load.waiting:
-            backlog = max(backlog, load.waiting * (self.prompt_mean or tokens))
+            others = min(load.waiting, _outstanding(decoder) - decoder.in_flight)
+            backlog += others * (self.prompt_mean or tokens)
         return backlog * (1.0 - hit) / model.rate_local
 
     def whole_seconds(

@@ -168,9 +168,13 @@ def test_local_wait_counts_the_uncached_work_queued_at_the_decoder() -> None:
     reading = type(reading)(2, 3, 0.0, 0.0, prefix_hit_rate=0.5)
     ctx = context(tokens=4000, dec=decoder(reading=reading))
     assert _wait(policy, ctx, policy.model.pools["decode"]) == pytest.approx(3 * 2000 / RATE)
-    # the prompts the gateway sent there and that had no first token yet, when more
-    ctx = context(tokens=4000, dec=decoder(reading=reading, backlog=30_000))
+    # the five requests there are the gateway's: the prompts it sent there that had no
+    # first token yet, exact; the mean stands in for none of them
+    ctx = context(tokens=4000, dec=decoder(reading=reading, in_flight=5, backlog=30_000))
     assert _wait(policy, ctx, policy.model.pools["decode"]) == pytest.approx(15_000 / RATE)
+    # three of them: the mean for the two queued that another client sent
+    ctx = context(tokens=4000, dec=decoder(reading=reading, in_flight=3, backlog=30_000))
+    assert _wait(policy, ctx, policy.model.pools["decode"]) == pytest.approx(19_000 / RATE)
     # a reading without a hit rate (a window with no prompt, a missed scrape): the last
     # one read stands
     assert _wait(
