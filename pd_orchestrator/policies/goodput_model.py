@@ -12,21 +12,32 @@ of a queue (a reading's hit rate, else this prompt's own cached share, else 0).
 Estimates, in seconds (:class:`GoodputModel`)::
 
     prefill(r, n, k) = n / r + a * n * (k + n / 2)       n new tokens after k cached
-    wait_d   = max(backlog_d, waiting_d * m) * (1 - q_d) / r_d
+    wait_d   = (backlog_d + min(waiting_d, n_d - f_d) * m) * (1 - q_d) / r_d
     local    = prefill(r_d, u, c)                          beyond wait_d
-    remote   = min over p of  max(backlog_p, n_p * m) * (1 - hit_p) / r_p
+    remote   = min over p of  (backlog_p + (n_p - f_p) * m) * (1 - hit_p) / r_p
                               + prefill(r_p, u_p, L - u_p)
                + H(L) + 3h                                 beyond wait_d
-    whole_p  = max(backlog_p, n_p * m) / r_p + prefill(r_p, u_p, L - u_p)
-    W = o * tpot,  share_d = kept_d / (W * r_d),  step_d = max(itl_d * (1 - share_d), profile)
+    whole_p  = (backlog_p + min(waiting_p, n_p - f_p) * m) / r_p + prefill(r_p, u_p, L - u_p)
+    W = o * tpot,  share_d = kept_d / (W * r_d),  itl'_d = itl_d * exp(-age_d / W)
+    step_d   = max(itl'_d * (1 - share_d), profile)
     mean_d   = (1 - step_d / (tpot * tpot_goal) - share_d) * W * r_d
     short_d  = the u whose local prefill takes (tpot - step_d) * o_low
     stall_d  = max(free, min(mean_d, short_d))                                    tokens
 
-``n_p``: requests at ``p``; ``u_p``: ``L`` at a prefiller that also decodes, else ``L``
-less what ``p`` holds (index, else ``hit_p``); ``kept_d``: the uncached tokens kept at
-``d``, decaying with time constant ``W`` (its duty cycle); ``whole_p`` counts the queue
-whole (a spilling prefiller decodes what it serves whole, which its hit rate misses).
+``backlog_e``: the prompt tokens of the gateway's requests at an endpoint ``e`` that
+have had no first token (exact); ``n_e``: requests at ``e`` (its reading's running and
+waiting, or the gateway's count, the larger), ``f_e`` of them the gateway's (in
+flight), ``waiting_e`` those its reading counts queued: the mean prompt stands in only
+for the requests the gateway did not send (the larger of the two counts took the mean
+learnt on other prompts for every request queued: after a warm-up on longer prompts,
+a third more than the gateway's own count at a prefiller);
+``age_d``: seconds since the pool's last ITL sample (a sample times the streams of the
+window before it, which have finished a window or so later: after an idle spell the
+last busy spell's ITL held the stall bound at the free chunk); ``u_p``: ``L`` at a
+prefiller that also decodes, else ``L`` less what ``p`` holds (index, else ``hit_p``);
+``kept_d``: the uncached tokens kept at ``d``, decaying with time constant ``W`` (its
+duty cycle); ``whole_p`` counts the queue whole (a spilling prefiller decodes what it
+serves whole, which its hit rate misses).
 ``mean_d`` holds the mean stream to ``tpot * tpot_goal``; ``short_d`` bounds one local
 prefill by what a short stream beside it tolerates: a stream of ``o_low`` tokens (the
 ``1 - attainment`` quantile of the outputs, learnt; before: ``out_mean * (1 -
@@ -235,7 +246,8 @@ _SEED_TRANSFER = 300_000.0
 @dataclass(slots=True)
 class PoolModel:
     """What the model knows of one decoder pool: the local and remote prefill rates
-    (tokens/s), the ITL observed there (seconds, None before any), the free chunk
+    (tokens/s), the ITL observed there (seconds, None before any) and when its last
+    sample came (``itl_at``, on the clock of :attr:`ThresholdContext.now`), the free chunk
     of its steps (tokens a step carries at no cost), its hardware profile, the
     rate both estimates were seeded with (0: none), the attention term of its
     prefills (seconds a prefilled token spends on each token before it; 0: linear)
@@ -245,6 +257,7 @@ class PoolModel:
     rate_local: float
     rate_remote: float
     itl: float | None = None
+    itl_at: float = 0.0
     free_tokens: float = 150.0
     profile: LatencyProfile | None = None
     seed: float = 0.0
@@ -411,7 +424,7 @@ class GoodputModel:
         pool's remote rate (the ``min`` term of ``remote``)."""
         hit = self.hit_rate(prefiller) or 0.0
         tokens, rate = context.prompt_tokens, model.rate_remote
-        queued = max(prefiller.backlog, _outstanding(prefiller) * mean) * (1.0 - hit)
+        queued = _queued_tokens(prefiller, mean) * (1.0 - hit)
         own = (
             tokens if prefiller.endpoint.role.decodes else self.uncached_on(context, prefiller, hit)
         )
@@ -437,12 +450,15 @@ class GoodputModel:
         return tokens - cached if cached is not None else tokens * (1.0 - self.queue_share(context))
 
     def queued(self, decoder: Candidate, tokens: int, model: PoolModel, hit: float) -> float:
-        """``wait``: seconds of prefill queued at ``decoder`` at hit rate ``hit``
-        (``tokens``: the prompt's, the mean prompt before one is learnt)."""
+        """``wait``: seconds of prefill queued at ``decoder`` at hit rate ``hit``: the
+        gateway's backlog there, plus the mean prompt (``tokens``, the prompt's, before
+        one is learnt) for each request its reading counts waiting beyond the gateway's
+        own in flight."""
         load = decoder.load
         backlog: float = decoder.backlog
         if load is not None and load.waiting:
-            backlog = max(backlog, load.waiting * (self.prompt_mean or tokens))
+            others = min(load.waiting, _outstanding(decoder) - decoder.in_flight)
+            backlog += others * (self.prompt_mean or tokens)
         return backlog * (1.0 - hit) / model.rate_local
 
     def whole_seconds(
@@ -509,11 +525,23 @@ class GoodputModel:
         self, context: ThresholdContext, model: PoolModel, count: int, share: float
     ) -> float:
         """A decode step without prefill at the decoder with ``count`` streams: the
-        observed ITL less the prefill share, or the profile's step, the larger."""
-        observed = 0.0 if model.itl is None else model.itl * (1.0 - min(share, _MAX_SHARE))
+        observed ITL (:meth:`recent_itl`) less the prefill share, or the profile's step,
+        the larger."""
+        observed = self.recent_itl(model, context.now) * (1.0 - min(share, _MAX_SHARE))
         if model.profile is None:
             return observed
         return max(observed, self.stream_step(model, context.prompt_tokens, count))
+
+    def recent_itl(self, model: PoolModel, now: float) -> float:
+        """The pool's observed ITL as evidence of its step at ``now``: decaying with the
+        time since its last sample, with time constant ``W`` (0 before any). A sample
+        times the streams decoding over the window before it, with the prefill share of
+        that window, which :meth:`local_share` decays alike; once they have finished it
+        says nothing of the streams decoding now (after an idle spell, the ITL of the
+        last busy one would hold the stall bound at the free chunk)."""
+        if model.itl is None:
+            return 0.0
+        return model.itl * math.exp(-max(0.0, now - model.itl_at) / self.window())
 
     def stream_step(self, model: PoolModel, prompt: int, count: int) -> float:
         """A decode step with ``count`` streams and no prefill: the hardware profile's
@@ -559,6 +587,7 @@ class GoodputModel:
         alpha = self.params.alpha
         if observation.itl is not None:
             model.itl = _mean(model.itl or 0.0, observation.itl, alpha)
+            model.itl_at = max(model.itl_at, observation.now)
         if observation.prompt_tokens:
             self.prompt_mean = _mean(self.prompt_mean, observation.prompt_tokens, alpha)
         if observation.output_tokens:
@@ -656,6 +685,14 @@ def streams(candidate: Candidate) -> int:
     larger."""
     load = candidate.load
     return max(candidate.in_flight, load.running if load is not None else 0)
+
+
+def _queued_tokens(candidate: Candidate, mean: float) -> float:
+    """Prompt tokens queued at a prefiller: the gateway's own backlog (exact, the
+    prompts it sent there that have had no first token yet), plus ``mean`` tokens for
+    each request its reading counts beyond the gateway's own in flight (requests the
+    gateway did not send, whose sizes it does not know)."""
+    return candidate.backlog + (_outstanding(candidate) - candidate.in_flight) * mean
 
 
 def _outstanding(candidate: Candidate) -> int:

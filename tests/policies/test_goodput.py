@@ -106,16 +106,17 @@ def _admits(threshold: float, tokens: int, uncached: int) -> bool:
 
 def test_remote_ttft_is_the_best_prefiller_s_wait_prefill_and_transfer() -> None:
     policy = _policy()
-    busy = prefiller("p0", in_flight=3)
+    busy = prefiller("p0", in_flight=3, backlog=60_000)
     idle = prefiller("p1", reading=load(running=1))
     ctx = context(tokens=20_000, prefillers=(busy, idle))
-    # p1: 1 request of the 20k mean ahead (2 s), 20k tokens (2 s), transfer 0.2 s
+    # p1: 1 request the gateway did not send, of the 20k mean, ahead (2 s), 20k tokens
+    # (2 s), transfer 0.2 s
     assert policy.model.remote_ttft(ctx, policy.model.pools["decode"]) == pytest.approx(
         2.0 + 2.0 + 0.2
     )
     assert policy.model.remote_ttft(context(prefillers=()), policy.model.pools["decode"]) is None
-    # the gateway's backlog in tokens beats a count times the mean, and a prefiller's
-    # prefix-cache hit rate takes its share off both
+    # the gateway's backlog counts its own requests in tokens, and a prefiller's
+    # prefix-cache hit rate takes its share off it
     queued = prefiller("p2", in_flight=1, backlog=50_000)
     assert policy.model.remote_ttft(
         context(tokens=20_000, prefillers=(queued,)), policy.model.pools["decode"]
@@ -124,6 +125,23 @@ def test_remote_ttft_is_the_best_prefiller_s_wait_prefill_and_transfer() -> None
     assert policy.model.remote_ttft(
         context(tokens=20_000, prefillers=(warm,)), policy.model.pools["decode"]
     ) == pytest.approx((20_000 + 20_000) * 0.25 / RATE + 0.2)
+
+
+def test_the_mean_prompt_counts_only_the_requests_at_a_prefiller_the_gateway_did_not_send() -> None:
+    policy = _policy()
+    model = policy.model.pools["decode"]
+    policy.model.prompt_mean = 8_000  # learnt on longer prompts than these
+    # two prompts of 3,000 tokens the gateway sent, and its reading counts those two:
+    # their sizes are known, the mean stands in for none of them
+    own = prefiller("p0", in_flight=2, backlog=6_000, reading=load(running=2))
+    ctx = context(tokens=4_000, prefillers=(own,))
+    assert policy.model.remote_ttft(ctx, model) == pytest.approx((6_000 + 4_000) / RATE + 0.04)
+    # a third request another client sent: the mean's 8,000 tokens for it alone
+    shared = prefiller("p0", in_flight=2, backlog=6_000, reading=load(running=2, waiting=1))
+    ctx = context(tokens=4_000, prefillers=(shared,))
+    assert policy.model.remote_ttft(ctx, model) == pytest.approx(
+        (6_000 + 8_000 + 4_000) / RATE + 0.04
+    )
 
 
 def test_the_prefix_index_s_count_on_a_prefiller_replaces_its_hit_rate_for_the_prompt() -> None:
@@ -150,9 +168,13 @@ def test_local_wait_counts_the_uncached_work_queued_at_the_decoder() -> None:
     reading = type(reading)(2, 3, 0.0, 0.0, prefix_hit_rate=0.5)
     ctx = context(tokens=4000, dec=decoder(reading=reading))
     assert _wait(policy, ctx, policy.model.pools["decode"]) == pytest.approx(3 * 2000 / RATE)
-    # the prompts the gateway sent there and that had no first token yet, when more
-    ctx = context(tokens=4000, dec=decoder(reading=reading, backlog=30_000))
+    # the five requests there are the gateway's: the prompts it sent there that had no
+    # first token yet, exact; the mean stands in for none of them
+    ctx = context(tokens=4000, dec=decoder(reading=reading, in_flight=5, backlog=30_000))
     assert _wait(policy, ctx, policy.model.pools["decode"]) == pytest.approx(15_000 / RATE)
+    # three of them: the mean for the two queued that another client sent
+    ctx = context(tokens=4000, dec=decoder(reading=reading, in_flight=3, backlog=30_000))
+    assert _wait(policy, ctx, policy.model.pools["decode"]) == pytest.approx(19_000 / RATE)
     # a reading without a hit rate (a window with no prompt, a missed scrape): the last
     # one read stands
     assert _wait(
@@ -361,9 +383,10 @@ def test_with_prefillers_that_also_decode_only_a_remote_path_that_meets_the_targ
 def test_a_prefiller_that_also_decodes_has_no_share_of_this_prompt_cached() -> None:
     policy = _policy()
     warm = LoadSnapshot(1, 0, 0.0, 0.0, prefix_hit_rate=0.75)
-    flexible = prefiller(reading=warm, backlog=30_000, role=Role.BOTH)
+    flexible = prefiller(reading=warm, in_flight=1, backlog=30_000, role=Role.BOTH)
     # its hit rate is its own conversations': it takes three quarters off its backlog
-    # (30k queued: 0.75 s) and nothing off this prompt (2 s), plus the transfer
+    # (the gateway's one request, 30k queued: 0.75 s) and nothing off this prompt
+    # (2 s), plus the transfer
     assert policy.model.remote_ttft(
         context(tokens=20_000, prefillers=(flexible,)), policy.model.pools["decode"]
     ) == pytest.approx((30_000 * 0.25 + 20_000) / RATE + 0.2)
@@ -636,6 +659,32 @@ def test_a_crowded_decoder_steps_as_its_profile_says_whatever_the_pool_s_itl() -
         4_000,
         1_000,
     )
+
+
+def test_an_itl_observed_before_an_idle_spell_no_longer_sets_the_bare_step() -> None:
+    h200 = _known_h200()
+    policy = GoodputPolicy(PARAMS)
+    policy.model.out_mean, policy.model.prompt_mean = 100, 4_000  # W = 3 s
+    policy.model.out_low = 100  # no short stream: the mean bound binds
+    model = policy.model.pool(h200)
+    assert model.profile is not None
+    # the pool's ITL, learnt while its decoders were busy, past the goal's 15 ms
+    policy.observe(LatencyObservation("m", h200.pool, 100.0, itl=0.016))
+    assert model.itl == pytest.approx(0.016)
+    step = model.profile.step_seconds(4 * 4_050, 4)  # four streams now: about 7 ms
+    assert step < 0.016 * math.exp(-0.5)
+    # just after the sample it stands: only what a step carries for free is left
+    now = context(tokens=4_000, dec=Candidate(h200, True, 4, None), now=100.0)
+    assert policy.model.stall_limit(now, model) == model.free_tokens
+    # half a window later, it counts e^-0.5 of itself, and after an idle spell of ten
+    # windows the streams it timed have long finished: the profile's step for the
+    # four decoding now
+    later = context(tokens=4_000, dec=Candidate(h200, True, 4, None), now=101.5)
+    left = (1 - 0.016 * math.exp(-0.5) / (0.03 * 0.5)) * 3.0 * model.rate_local
+    assert policy.model.stall_limit(later, model) == pytest.approx(left)
+    idle = context(tokens=4_000, dec=Candidate(h200, True, 4, None), now=130.0)
+    left = (1 - step / (0.03 * 0.5)) * 3.0 * model.rate_local
+    assert policy.model.stall_limit(idle, model) == pytest.approx(left, rel=1e-3)
 
 
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
