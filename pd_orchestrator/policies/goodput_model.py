@@ -14,7 +14,7 @@ Estimates, in seconds (:class:`GoodputModel`)::
     prefill(r, n, k) = n / r + a * n * (k + n / 2)       n new tokens after k cached
     wait_d   = (backlog_d + min(waiting_d, n_d - f_d) * m) * (1 - q_d) / r_d
     local    = prefill(r_d, u, c)                          beyond wait_d
-    remote   = min over p of  (backlog_p + (n_p - f_p) * m) * (1 - hit_p) / r_p
+    remote   = min over p of  max(backlog_p, n_p * m) * (1 - hit_p) / r_p
                               + prefill(r_p, u_p, L - u_p)
                + H(L) + 3h                                 beyond wait_d
     whole_p  = (backlog_p + min(waiting_p, n_p - f_p) * m) / r_p + prefill(r_p, u_p, L - u_p)
@@ -27,10 +27,15 @@ Estimates, in seconds (:class:`GoodputModel`)::
 ``backlog_e``: the prompt tokens of the gateway's requests at an endpoint ``e`` that
 have had no first token (exact); ``n_e``: requests at ``e`` (its reading's running and
 waiting, or the gateway's count, the larger), ``f_e`` of them the gateway's (in
-flight), ``waiting_e`` those its reading counts queued: the mean prompt stands in only
-for the requests the gateway did not send (the larger of the two counts took the mean
-learnt on other prompts for every request queued: after a warm-up on longer prompts,
-a third more than the gateway's own count at a prefiller);
+flight), ``waiting_e`` those its reading counts queued: at a decoder (and a spilling
+prefiller served whole) the mean prompt stands in only for the queued requests the
+gateway did not send (the larger of the two counts took the mean learnt on other
+prompts for every request queued: after a warm-up on longer prompts, ten times the
+tokens really queued at a decoder); a remote path's prefiller still counts the larger
+of its backlog and all its requests at the mean (the sum, the backlog plus the mean for
+the requests beyond the gateway's own, priced prefillers dearer where a reading lagged
+behind the requests that had left: on spill fleets it sent fewer prompts whole to
+them, Mooncake 8:8 spill, a development window, x5.66 -> x3.36);
 ``age_d``: seconds since the pool's last ITL sample (a sample times the streams of the
 window before it, which have finished a window or so later: after an idle spell the
 last busy spell's ITL held the stall bound at the free chunk); ``u_p``: ``L`` at a
@@ -424,7 +429,7 @@ class GoodputModel:
         pool's remote rate (the ``min`` term of ``remote``)."""
         hit = self.hit_rate(prefiller) or 0.0
         tokens, rate = context.prompt_tokens, model.rate_remote
-        queued = _queued_tokens(prefiller, mean) * (1.0 - hit)
+        queued = max(prefiller.backlog, _outstanding(prefiller) * mean) * (1.0 - hit)
         own = (
             tokens if prefiller.endpoint.role.decodes else self.uncached_on(context, prefiller, hit)
         )
@@ -685,14 +690,6 @@ def streams(candidate: Candidate) -> int:
     larger."""
     load = candidate.load
     return max(candidate.in_flight, load.running if load is not None else 0)
-
-
-def _queued_tokens(candidate: Candidate, mean: float) -> float:
-    """Prompt tokens queued at a prefiller: the gateway's own backlog (exact, the
-    prompts it sent there that have had no first token yet), plus ``mean`` tokens for
-    each request its reading counts beyond the gateway's own in flight (requests the
-    gateway did not send, whose sizes it does not know)."""
-    return candidate.backlog + (_outstanding(candidate) - candidate.in_flight) * mean
 
 
 def _outstanding(candidate: Candidate) -> int:
