@@ -18,7 +18,7 @@ Estimates, in seconds (:class:`GoodputModel`)::
                               + prefill(r_p, u_p, L - u_p)
                + H(L) + 3h                                 beyond wait_d
     whole_p  = (backlog_p + min(waiting_p, n_p - f_p) * m) / r_p + prefill(r_p, u_p, L - u_p)
-    W = o * tpot,  share_d = kept_d / (W * r_d),  itl'_d = itl_d * exp(-age_d / W)
+    W = o * tpot,  share_d = kept_d / (W * r_d),  itl'_d = itl_d * exp(-age_d / W) (profile known)
     step_d   = max(itl'_d * (1 - share_d), profile)
     mean_d   = (1 - step_d / (tpot * tpot_goal) - share_d) * W * r_d
     short_d  = the u whose local prefill takes (tpot - step_d) * o_low
@@ -38,7 +38,8 @@ behind the requests that had left: on spill fleets it sent fewer prompts whole t
 them, Mooncake 8:8 spill, a development window, x5.66 -> x3.36);
 ``age_d``: seconds since the pool's last ITL sample (a sample times the streams of the
 window before it, which have finished a window or so later: after an idle spell the
-last busy spell's ITL held the stall bound at the free chunk); ``u_p``: ``L`` at a
+last busy spell's ITL held the stall bound at the free chunk; without a profile the
+ITL does not age, as nothing else measures the step); ``u_p``: ``L`` at a
 prefiller that also decodes, else ``L`` less what ``p`` holds (index, else ``hit_p``);
 ``kept_d``: the uncached tokens kept at ``d``, decaying with time constant ``W`` (its
 duty cycle); ``whole_p`` counts the queue whole (a spilling prefiller decodes what it
@@ -538,14 +539,20 @@ class GoodputModel:
         return max(observed, self.stream_step(model, context.prompt_tokens, count))
 
     def recent_itl(self, model: PoolModel, now: float) -> float:
-        """The pool's observed ITL as evidence of its step at ``now``: decaying with the
-        time since its last sample, with time constant ``W`` (0 before any). A sample
-        times the streams decoding over the window before it, with the prefill share of
-        that window, which :meth:`local_share` decays alike; once they have finished it
-        says nothing of the streams decoding now (after an idle spell, the ITL of the
-        last busy one would hold the stall bound at the free chunk)."""
+        """The pool's observed ITL as evidence of its step at ``now`` (0 before any).
+        With a profile, decaying with the time since its last sample, with time constant
+        ``W``, towards the profile's step (the larger of the two sets the bare step): a
+        sample times the streams decoding over the window before it, with the prefill
+        share of that window, which :meth:`local_share` decays alike; once they have
+        finished it says nothing of the streams decoding now (after an idle spell, the
+        ITL of the last busy one would hold the stall bound at the free chunk). Without
+        a profile it stands as learnt: it is the only measure of the step, and decayed
+        to nothing it would price every step beside a decoding stream as free (on the
+        CPU pair a cold prompt was then prefilled beside a stream)."""
         if model.itl is None:
             return 0.0
+        if model.profile is None:
+            return model.itl
         return model.itl * math.exp(-max(0.0, now - model.itl_at) / self.window())
 
     def stream_step(self, model: PoolModel, prompt: int, count: int) -> float:

@@ -669,6 +669,18 @@ def test_an_itl_observed_before_an_idle_spell_no_longer_sets_the_bare_step() -> 
     assert policy.model.stall_limit(idle, model) == pytest.approx(left, rel=1e-3)
 
 
+def test_without_a_profile_the_observed_itl_does_not_age() -> None:
+    # the only measure of the step: aged to nothing, a stream's step would look free
+    policy = _policy()
+    model = policy.model.pools["decode"]
+    assert model.profile is None
+    model.itl, model.itl_at = 0.016, 100.0  # learnt while busy, past the goal's 15 ms
+    for now in (100.0, 130.0, 1_000.0):
+        assert policy.model.recent_itl(model, now) == pytest.approx(0.016)
+    busy = context(tokens=4_000, dec=decoder(in_flight=1), now=1_000.0)
+    assert policy.model.stall_limit(busy, model) == model.free_tokens
+
+
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 
 
