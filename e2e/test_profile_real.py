@@ -425,6 +425,26 @@ def _status(gateway: str) -> dict[str, Any]:
     return dict(httpx.get(f"{gateway}/status", timeout=30).json())
 
 
+def _streaming(gateway: str) -> bool:
+    """Whether the gateway counts a request in flight at the decoder (the stream): what
+    ``goodput`` reads as a stream decoding there. The client's count alone is not it:
+    once, on a quiet host, the client read a stream's first tokens when the gateway had
+    sent all 4000 of them."""
+    return any(e["in_flight"] >= 1 for e in _status(gateway)["endpoints"] if e["role"] == "decode")
+
+
+def _stream_on(gateway: str, streams: list[_Stream], rng: random.Random) -> bool:
+    """A stream decoding as the gateway counts it, with more than :data:`STREAM_MARGIN`
+    tokens to go: the last of ``streams``, else a new one (at most :data:`MAX_STREAMS`);
+    False when they ran out."""
+    while not (streams and streams[-1].decoding(STREAM_MARGIN) and _streaming(gateway)):
+        if len(streams) == MAX_STREAMS:
+            return False
+        streams.append(_Stream(gateway, _prompt(rng, 64)))
+        streams[-1].wait_decoding()
+    return True
+
+
 def _learnt(status: dict[str, Any]) -> dict[str, Any]:
     """What the ``goodput`` policy holds for the decoder's pool (the only decoder)."""
     (pool,) = {e["pool"] for e in status["endpoints"] if e["role"] == "decode"}
@@ -478,11 +498,8 @@ def served(profiled: Profiled, tmp_path_factory: pytest.TempPathFactory) -> Serv
         streams: list[_Stream] = []
         try:
             for prompt in [warm, *cold[2 * LEARN_ROUNDS :]]:
-                if not streams or not streams[-1].decoding(STREAM_MARGIN):
-                    if len(streams) == MAX_STREAMS:
-                        break
-                    streams.append(_Stream(gateway.url, _prompt(rng, 64)))
-                    streams[-1].wait_decoding()
+                if not _stream_on(gateway.url, streams, rng):
+                    break
                 busy += _decisions(gateway.url, [prompt])
         finally:
             for stream in streams:
