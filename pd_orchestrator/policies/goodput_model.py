@@ -29,17 +29,12 @@ have had no first token (exact); ``n_e``: requests at ``e`` (its reading's runni
 waiting, or the gateway's count, the larger), ``f_e`` of them the gateway's (in
 flight), ``waiting_e`` those its reading counts queued: at a decoder (and a spilling
 prefiller served whole) the mean prompt stands in only for the queued requests the
-gateway did not send (the larger of the two counts took the mean learnt on other
-prompts for every request queued: after a warm-up on longer prompts, ten times the
-tokens really queued at a decoder); a remote path's prefiller still counts the larger
-of its backlog and all its requests at the mean (the sum, the backlog plus the mean for
-the requests beyond the gateway's own, priced prefillers dearer where a reading lagged
-behind the requests that had left: on spill fleets it sent fewer prompts whole to
-them, Mooncake 8:8 spill, a development window, x5.66 -> x3.36);
-``age_d``: seconds since the pool's last ITL sample (a sample times the streams of the
-window before it, which have finished a window or so later: after an idle spell the
-last busy spell's ITL held the stall bound at the free chunk; without a profile the
-ITL does not age, as nothing else measures the step); ``u_p``: ``L`` at a
+gateway did not send, whose sizes it does not know; a remote path's prefiller counts
+the larger of its backlog and all its requests at the mean (the sum overcounts where
+a reading lags behind requests that have left);
+``age_d``: seconds since the pool's last ITL sample (:meth:`GoodputModel.recent_itl`:
+a sample times streams that have finished a window or so later; without a profile
+the ITL does not age, as nothing else measures the step); ``u_p``: ``L`` at a
 prefiller that also decodes, else ``L`` less what ``p`` holds (index, else ``hit_p``);
 ``kept_d``: the uncached tokens kept at ``d``, decaying with time constant ``W`` (its
 duty cycle); ``whole_p`` counts the queue whole (a spilling prefiller decodes what it
@@ -620,7 +615,7 @@ class GoodputModel:
         if observation.remote:
             held = observation.prefill_cached
             own = tokens if held is None else tokens - min(held, tokens)
-            seconds = self._prefill_leg(observation, model)
+            seconds = self._prefill_leg(observation, model, ttft)
             rate = _rate_sample(model, own, tokens - own, seconds - 2 * p.hop)
             if rate is not None and (held is not None or rate <= _plausible(model)):
                 model.rate_remote = _learn_rate(model.rate_remote, rate, p.alpha)
@@ -630,14 +625,14 @@ class GoodputModel:
             if rate is not None:
                 model.rate_local = _learn_rate(model.rate_local, rate, p.alpha)
 
-    def _prefill_leg(self, observation: LatencyObservation, model: PoolModel) -> float:
+    def _prefill_leg(self, observation: LatencyObservation, model: PoolModel, ttft: float) -> float:
         """Seconds a P/D request's prefill leg took, its two hops included: as timed from
-        its send when the gateway timed it, else its TTFT less the time after the
-        prefill's answer (:attr:`LatencyObservation.after_prefill`, else the hand-over
-        and two hops), which also counts what came before the leg."""
+        its send when the gateway timed it, else its TTFT ``ttft`` less the time after
+        the prefill's answer (:attr:`LatencyObservation.after_prefill`, else the
+        hand-over and two hops), which also counts what came before the leg."""
         if observation.prefill_seconds is not None:
             return observation.prefill_seconds
-        ttft, after = observation.ttft or 0.0, observation.after_prefill
+        after = observation.after_prefill
         if after is None:
             after = self.handover(model, observation.prompt_tokens or 0) + 2 * self.params.hop
         return ttft - after

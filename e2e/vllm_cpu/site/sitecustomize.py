@@ -37,7 +37,6 @@ from types import ModuleType
 from typing import Any
 
 _DELAY_US = int(os.environ.get("PDO_E2E_NIXL_PROGRESS_DELAY_US", "1000"))
-_BIND = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
 _BINDINGS = ("nixl_cu13._bindings", "nixl_cu12._bindings", "nixl._bindings")
 
 
@@ -110,5 +109,6 @@ def _confine(cores: frozenset[int]) -> None:
 
 if _DELAY_US > 0:
     sys.meta_path.insert(0, _Finder())
-if bound_cores(_BIND):
-    _confine(bound_cores(_BIND))
+_CORES = bound_cores(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", ""))
+if _CORES:
+    _confine(_CORES)
