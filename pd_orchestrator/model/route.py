@@ -10,6 +10,9 @@ stable ``reason`` usable as a metric label (``fixed``, ``decoder-busy``...):
 - :class:`GoPD`: P/D at once, no decode attempt (threshold 1: no decoder admits),
   the decode leg on ``peer`` when one is named (a ranked decoder the same
   prefillers reach), else on the chosen decoder;
+
+  an :class:`Ask` or a :class:`GoPD` may name the ``prefiller`` its P/D leg goes to
+  first (the one the policy's estimate assumed), else the prefill ranking's first;
 - :class:`Whole`: serve the request whole, prefill and decode, on ``prefiller``, a
   prefiller whose pool spills (threshold 0 there);
 - :class:`Decline`: the spilling prefiller the routing picked does not take the
@@ -38,6 +41,7 @@ class Ask:
     policy: str
     reason: str
     admission_only: bool = False
+    prefiller: str | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 < self.threshold < 1.0:
@@ -64,6 +68,7 @@ class GoPD:
     reason: str
     peer: str | None = None
     admission_only: bool = False
+    prefiller: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,16 +94,19 @@ Route = Ask | Local | GoPD | Whole | Decline
 """What a policy answers for one request (see the module docstring)."""
 
 
-def at(threshold: float, policy: str, reason: str) -> Ask | Local | GoPD:
+def at(
+    threshold: float, policy: str, reason: str, prefiller: str | None = None
+) -> Ask | Local | GoPD:
     """The route that sends ``threshold`` (in [0, 1]): 0 is :class:`Local`, 1 is
-    :class:`GoPD` on the chosen decoder, anything between :class:`Ask`."""
+    :class:`GoPD` on the chosen decoder, anything between :class:`Ask` (either with
+    ``prefiller`` first for its P/D leg)."""
     if not 0.0 <= threshold <= 1.0:
         raise ValueError(f"threshold {threshold} is outside [0, 1] ({policy})")
     if threshold == 0.0:
         return Local(policy, reason)
     if threshold == 1.0:
-        return GoPD(policy, reason)
-    return Ask(threshold, policy, reason)
+        return GoPD(policy, reason, prefiller=prefiller)
+    return Ask(threshold, policy, reason, prefiller=prefiller)
 
 
 def threshold_of(route: Route) -> float:

@@ -298,8 +298,14 @@ class Plan:
         return self.routing.sequence
 
     def prefillers_for(self, decoder: Endpoint) -> tuple[Endpoint, ...]:
-        """Prefillers whose KV can reach ``decoder``, best first (may be empty)."""
-        return self.prefillers.for_decoder(decoder)
+        """Prefillers whose KV can reach ``decoder``, best first (may be empty): the
+        route's ``prefiller`` first when it names one of them, then the ranking's order."""
+        ranked = self.prefillers.for_decoder(decoder)
+        named = self.route.prefiller if isinstance(self.route, Ask | GoPD) else None
+        if named is None or not ranked or ranked[0].name == named:
+            return ranked
+        first = tuple(e for e in ranked if e.name == named)
+        return (*first, *(e for e in ranked if e.name != named)) if first else ranked
 
     def next_decoder(self, failed: Collection[str], fleet: FleetView) -> Endpoint | None:
         """Where the request goes after the endpoints in ``failed`` failed it

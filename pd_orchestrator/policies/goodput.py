@@ -24,6 +24,10 @@ changes nothing; the planner tells the model what the request's final route kept
    ``u* >= L``, ``stall`` when the stall bound set it, else ``cost-model``). No
    compatible prefiller: :class:`Local`, ``no-prefiller``.
 
+A P/D route (2. and 3.) names the prefiller ``remote`` assumed (the soonest by its
+``min`` term; none where every one is as soon), so the leg goes where the estimate
+priced it rather than to the prefill ranking's first pick.
+
 **routed spill**: with a spilling pool the policy ranks the spilling prefillers beside
 the decoders (:attr:`GoodputPolicy.ranks_spill`). At such a pick it decides as for a
 decoder (its queue's cached share the larger of its hit rate and the prompt's own);
@@ -185,11 +189,12 @@ class GoodputPolicy:
         """The route for ``context``'s decoder and what it keeps (module docstring)."""
         m, p, tokens = self.model, self.params, context.prompt_tokens
         model = m.pool(context.decoder.endpoint)
-        remote = m.remote_ttft(context, model)
-        if remote is None:
+        path = m.remote_path(context, model)
+        if path is None:
             if not context.decoder.endpoint.spill:
                 return Local(self.name, "no-prefiller"), None
-            remote = math.inf  # a spilling pick with no other prefiller: no remote path
+            path = (math.inf, None)  # a spilling pick with no other prefiller: no remote path
+        remote, via = path
         hit = m.hit_rate(context.decoder)
         cached = context.cached_tokens
         uncached = m.uncached(context)
@@ -204,7 +209,7 @@ class GoodputPolicy:
             local = wait + model.local_seconds(uncached, tokens)
             known = hit is not None or cached is not None
             if dedicated and self._drains(local, remote, target, known=known):
-                return GoPD(self.name, "drain", self.soonest(context, wait)), None
+                return GoPD(self.name, "drain", self.soonest(context, wait), prefiller=via), None
             late = context.decoder.endpoint.spill and local + p.hop > target  # keeps none
             return Local(self.name, "queued"), None if late else uncached
         by_ttft = self._ttft_limit(model, tokens, wait, remote, target, dedicated=dedicated)
@@ -216,7 +221,7 @@ class GoodputPolicy:
         if keep >= tokens:
             return Local(self.name, "local"), kept
         reason = "stall" if by_stall < by_ttft else "cost-model"
-        return at(clamp_ratio(1.0 - (keep + 0.5) / tokens), self.name, reason), kept
+        return at(clamp_ratio(1.0 - (keep + 0.5) / tokens), self.name, reason, via), kept
 
     def _ttft_limit(
         self, model: PoolModel, tokens: int, wait: float, remote: float, target: float, *,

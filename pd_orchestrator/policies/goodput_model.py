@@ -411,12 +411,28 @@ class GoodputModel:
 
     def remote_ttft(self, context: ThresholdContext, model: PoolModel) -> float | None:
         """``remote``: the TTFT through the best compatible prefiller (None: none)."""
+        path = self.remote_path(context, model)
+        return None if path is None else path[0]
+
+    def remote_path(
+        self, context: ThresholdContext, model: PoolModel
+    ) -> tuple[float, str | None] | None:
+        """``remote`` and the prefiller it assumes: the first of the compatible
+        prefillers that answers soonest by the ``min`` term; None where every one
+        answers as soon, or where that one also serves streams (a spilling pool's, or
+        one that decodes: a prefill there stalls its streams, which ``remote`` does
+        not price, and the prefill ranking's queue depth and KV usage count them), so
+        the ranking picks. None when there is no prefiller."""
         if not context.prefillers:
             return None
         tokens, p = context.prompt_tokens, self.params
         mean = self.prompt_mean or tokens
-        prefill = min(self._remote_seconds(context, c, mean, model) for c in context.prefillers)
-        return prefill + self.handover(model, tokens) + 3 * p.hop
+        seconds = [self._remote_seconds(context, c, mean, model) for c in context.prefillers]
+        prefill = min(seconds)
+        best = context.prefillers[seconds.index(prefill)].endpoint
+        streams = best.spill or best.role.decodes
+        named = None if streams or prefill == max(seconds) else best.name
+        return prefill + self.handover(model, tokens) + 3 * p.hop, named
 
     def _remote_seconds(
         self, context: ThresholdContext, prefiller: Candidate, mean: float, model: PoolModel

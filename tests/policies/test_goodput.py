@@ -16,7 +16,7 @@ from pd_orchestrator.flows.transcript import Transcript
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.load import Candidate, LoadSnapshot
 from pd_orchestrator.model.measured import knowledge_for
-from pd_orchestrator.model.route import Decline, GoPD, Local, Route, Whole, threshold_of
+from pd_orchestrator.model.route import Ask, Decline, GoPD, Local, Route, Whole, threshold_of
 from pd_orchestrator.openai.protocol import CompletionRequest, parse_request
 from pd_orchestrator.policies import LatencyObservation, ThresholdContext
 from pd_orchestrator.policies.base import ContextReads
@@ -124,6 +124,25 @@ def test_remote_ttft_is_the_best_prefiller_s_wait_prefill_and_transfer() -> None
     assert policy.model.remote_ttft(
         context(tokens=20_000, prefillers=(warm,)), policy.model.pools["decode"]
     ) == pytest.approx((20_000 + 20_000) * 0.25 / RATE + 0.2)
+
+
+def test_a_p_d_route_names_the_prefiller_its_remote_estimate_assumed() -> None:
+    policy = _policy()
+    policy.model.out_mean = policy.model.out_low = 10  # 1000 tokens of room beside streams
+    busy = decoder(in_flight=30)
+    queued = prefiller("p0", in_flight=1, backlog=2_000)
+    idle = prefiller("p1", reading=load())
+    route = _decided(policy, context(tokens=6_000, dec=busy, prefillers=(queued, idle)))
+    assert route.reason == "stall" and isinstance(route, Ask)
+    assert route.prefiller == "p1"  # not the snapshot's first, 0.2 s of backlog there
+    # every prefiller as soon: none named, the prefill ranking picks
+    even = (prefiller("p0", reading=load()), idle)
+    route = _decided(policy, context(tokens=6_000, dec=busy, prefillers=even))
+    assert route.reason == "stall" and isinstance(route, Ask) and route.prefiller is None
+    # the soonest serves streams too (its pool spills): the ranking, which counts them
+    spilling = replace(idle, endpoint=replace(idle.endpoint, spill=True))
+    route = _decided(policy, context(tokens=6_000, dec=busy, prefillers=(queued, spilling)))
+    assert isinstance(route, Ask) and route.prefiller is None
 
 
 def test_the_prefix_index_s_count_on_a_prefiller_replaces_its_hit_rate_for_the_prompt() -> None:

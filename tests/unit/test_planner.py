@@ -551,3 +551,36 @@ def test_a_policy_that_reads_the_cache_may_ask_it_of_a_prefiller_too() -> None:
     cache.asked.clear()
     assert context.cached_on(FLEET[3]) == 100  # never more than the prompt
     assert cache.asked == [("k", "hp0")]  # asked only when the policy asks
+
+
+class _Naming(_Fixed):
+    """Answers a threshold that names ``prefiller`` for the P/D leg."""
+
+    def __init__(self, prefiller: str | None, threshold: float = 0.5) -> None:
+        super().__init__()
+        self.prefiller, self.threshold = prefiller, threshold
+
+    def answer(self, context: ThresholdContext) -> Route:
+        return at(self.threshold, "static", "fixed", self.prefiller)
+
+
+@pytest.mark.parametrize("threshold", [0.5, 1.0])
+def test_the_p_d_leg_goes_first_to_the_prefiller_the_route_names(threshold: float) -> None:
+    decoders = [_endpoint("d0", Role.DECODE, "g")]
+    prefillers = [_endpoint(f"p{i}", Role.PREFILL, "g") for i in range(3)]
+    fleet = [Candidate(e) for e in [*decoders, *prefillers]]
+    plain = _planner().plan(_request(), fleet, 0.0, 0)
+    ranked = [e.name for e in plain.prefillers_for(decoders[0])]
+    named = ranked[-1]
+    plan = _planner(policy=_Naming(named, threshold)).plan(_request(), fleet, 0.0, 0)
+    assert isinstance(plan.route, Ask | GoPD) and plan.route.prefiller == named
+    # the named one first, the others in the ranking's order (the next attempts)
+    assert [e.name for e in plan.prefillers_for(plan.decoder)] == [named, *ranked[:-1]]
+
+
+def test_a_named_prefiller_that_cannot_reach_the_decoder_changes_nothing() -> None:
+    candidates = [Candidate(e) for e in FLEET]
+    plain = _planner().plan(_request(), candidates, 0.0, 0)
+    plan = _planner(policy=_Naming("ap0")).plan(_request(), candidates, 0.0, 0)
+    assert plan.decoder.group == "nvidia"  # ap0 is in the amd group
+    assert plan.prefillers_for(plan.decoder) == plain.prefillers_for(plain.decoder)
