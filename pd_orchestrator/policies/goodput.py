@@ -25,8 +25,9 @@ changes nothing; the planner tells the model what the request's final route kept
    compatible prefiller: :class:`Local`, ``no-prefiller``.
 
 A P/D route (2. and 3.) names the prefiller ``remote`` assumed (the soonest by its
-``min`` term; none where every one is as soon), so the leg goes where the estimate
-priced it rather than to the prefill ranking's first pick.
+``min`` term; none where every one is as soon or that one also serves streams:
+:meth:`GoodputModel.remote_path`), so the leg goes where the estimate priced it
+rather than to the prefill ranking's first pick.
 
 **routed spill**: with a spilling pool the policy ranks the spilling prefillers beside
 the decoders (:attr:`GoodputPolicy.ranks_spill`). At such a pick it decides as for a
