@@ -138,6 +138,27 @@ def test_parse_metrics(text: str, model: str | None, reading: MetricsReading) ->
     assert parse_metrics(text, model) == reading
 
 
+def _histogram(name: str, buckets: int) -> str:
+    """A vLLM-shaped histogram family: HELP, TYPE, buckets, sum and count."""
+    labels = 'engine="0",model_name="m"'
+    lines = [f"# HELP {name} A histogram.", f"# TYPE {name} histogram"]
+    lines += [f'{name}_bucket{{{labels},le="{2**i}"}} {i}.0' for i in range(buckets)]
+    lines += [f"{name}_sum{{{labels}}} 1.0", f"{name}_count{{{labels}}} 2.0"]
+    return "\n".join(lines) + "\n"
+
+
+def test_the_load_series_read_among_a_server_s_other_series() -> None:
+    # what a vLLM server also exposes, and names that begin like the load series
+    decoys = {"vllm:num_requests_running_max": 99.0, "vllm:kv_cache_usage": 0.99}
+    other = _histogram("vllm:time_to_first_token_seconds", 400)
+    text = other + exposition({**BASE, **COUNTERS}) + exposition(decoys) + other
+    reading = parse_metrics(text, "m")
+    alone = parse_metrics(exposition({**BASE, **COUNTERS}), "m")
+    assert reading == alone
+    assert (reading.running, reading.waiting, reading.kv_usage) == (2.0, 1.0, 0.25)
+    assert (reading.prefix_queries, reading.prefix_hits, reading.preemptions) == (100.0, 40.0, 3.0)
+
+
 @pytest.mark.parametrize(
     ("text", "fragment"),
     [
