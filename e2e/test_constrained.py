@@ -36,6 +36,11 @@ from test_gateway_pd import (
 
 pytestmark = pytest.mark.timeout(900)
 
+PREEMPTION_ROUNDS = 8
+"""Rounds of requests that overflow the decoder's KV together before a preemption test
+gives up: a round preempts nothing when the host stalls and the requests reach the
+decoder one after another (the 2-core host stalls for seconds beside the pair's
+streams; 4 rounds once preempted nothing in a whole suite)."""
 SCHEMA = {
     "type": "object",
     "properties": {"answer": {"type": "string", "enum": ["yes", "no", "maybe"]}},
@@ -242,11 +247,11 @@ def test_a_preempted_constrained_request_is_recomputed_by_its_decoder(
     decoder = target.decoders[0]
     handbacks = metric(gateway, "pd_orchestrator_handbacks_total")
     rejected = metric(decoder, "vllm:cache_threshold_rejections_total", phase="preemption")
-    for _ in range(4):
+    for _ in range(PREEMPTION_ROUNDS):
         if asyncio.run(_preempted_round(target, gateway, extra)):
             break
     else:
-        pytest.fail("the decoder preempted nothing in 4 rounds")
+        pytest.fail(f"the decoder preempted nothing in {PREEMPTION_ROUNDS} rounds")
     assert metric(gateway, "pd_orchestrator_handbacks_total") == handbacks
     after = metric(decoder, "vllm:cache_threshold_rejections_total", phase="preemption")
     assert after == rejected
@@ -348,11 +353,11 @@ def test_a_preempted_structured_output_or_logprobs_request_is_handed_back_and_co
     decoder = target.decoders[0]
     rejected = metric(decoder, "vllm:cache_threshold_rejections_total", phase="preemption")
     resumable = metric(gateway, "pd_orchestrator_constrained_requests_total", threshold="resumable")
-    for _ in range(4):
+    for _ in range(PREEMPTION_ROUNDS):
         if asyncio.run(_handed_back_round(target, gateway, RESUMED[constraint])):
             break
     else:
-        pytest.fail("the gateway handed nothing back in 4 rounds")
+        pytest.fail(f"the gateway handed nothing back in {PREEMPTION_ROUNDS} rounds")
     after = metric(decoder, "vllm:cache_threshold_rejections_total", phase="preemption")
     assert after > rejected
     now = metric(gateway, "pd_orchestrator_constrained_requests_total", threshold="resumable")
@@ -435,10 +440,10 @@ def test_a_preempted_named_tool_call_is_handed_back_and_continued_as_the_same_ca
             pytest.skip("the target's servers run no tool-call parser (--tool-call-parser)")
     _admission_only_known(gateway, "resumes")
     resumable = metric(gateway, "pd_orchestrator_constrained_requests_total", threshold="resumable")
-    for _ in range(4):
+    for _ in range(PREEMPTION_ROUNDS):
         if asyncio.run(_named_tool_round(target, gateway)):
             break
     else:
-        pytest.fail("the gateway handed nothing back in 4 rounds")
+        pytest.fail(f"the gateway handed nothing back in {PREEMPTION_ROUNDS} rounds")
     now = metric(gateway, "pd_orchestrator_constrained_requests_total", threshold="resumable")
     assert now > resumable
