@@ -171,7 +171,7 @@ def nginx(executable: str, backends: Sequence[str], affinity: bool) -> Iterator[
             "-c",
             str(path),
         ]
-        with subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True) as process:
+        with subprocess.Popen(argv, stdin=subprocess.DEVNULL, process_group=0) as process:
             try:
                 url = f"http://127.0.0.1:{port}"
                 _wait_http(f"{url}/health", process)

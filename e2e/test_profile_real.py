@@ -19,10 +19,10 @@ busy 2-core machine. Then:
     and sends a cold long one P/D.
 
 Every figure is printed (``pytest -s``) and named in the assertion that reads it.
-The checks a shared 2-core host does not meet yet (held-out batch sizes, the
-simulator's TTFT and ITL, the learnt rates) are expected failures, not strict
-(:data:`NOISE_BOUND`); e2e/README.md lists the figures seen and why. The held-out
-lengths, the flag and goodput's routes must hold.
+The checks a busy 2-core host does not meet every time (the simulator's TTFT and
+ITL, the learnt rates: each compares timings taken a minute apart) are expected
+failures, not strict (:data:`NOISE_BOUND`); e2e/README.md lists the figures seen and
+why. The held-out lengths and batch sizes, the flag and goodput's routes must hold.
 """
 
 from __future__ import annotations
@@ -65,10 +65,11 @@ BOUND = 0.25
 """The largest relative error each check allows."""
 NOISE_BOUND = pytest.mark.xfail(
     strict=False,
-    reason="not yet met on a shared 2-core host (see e2e/README.md, Profiling the CPU pair)",
+    reason="not met every time on a busy 2-core host (see e2e/README.md, Profiling the CPU pair)",
 )
-"""The checks that still miss :data:`BOUND` on a loaded CI host: they run and print
-their figures, and do not fail the suite."""
+"""The checks that still miss :data:`BOUND` at times on a busy host (each compares
+timings taken a minute apart): they run and print their figures, and do not fail
+the suite."""
 FIT_LENGTHS = (64, 256, 512, 1024)
 HELD_LENGTHS = (384, 768)
 FIT_BATCHES = (1, 4)
@@ -89,9 +90,9 @@ its 64-token prompt and these within :data:`MAX_MODEL_LEN`)."""
 LEARN_ROUNDS = 6
 STREAM_TRIES = 6
 """Fresh streams a decision beside a stream is tried with before it counts as not
-decided (each is closed once its decision is answered). Seen: 0 to 3 tries of 10
-failed in a run, the first after the hand-overs most often (a stream over before
-``/status`` counted it, or a P/D answered after the stream ended, 6 to 8 s late)."""
+decided (each is closed once its decision is answered). Since the pair runs in the
+test's session (e2e/vllm_cpu/pair.py), every decision of a run was framed by its first
+stream; before, a host stall could end a stream unseen or answer a P/D after it."""
 NICENESS = -15
 """The CPU priority of the module's processes where the host allows it."""
 TOKEN_IDS = (100, 4000)
@@ -248,31 +249,22 @@ def _medians(points: Iterable[Any], key: Callable[[Any], tuple[int, int]]) -> di
     return {k: statistics.median(v) for k, v in groups.items()}
 
 
-def _check_held_out(profiled: Profiled, axis: str, bound: float = BOUND) -> None:
+def _check_held_out(profiled: Profiled, axis: str) -> None:
     """Each held-out setting of ``axis`` (its samples' median) against the fit's
-    prediction; the median of those errors within ``bound``."""
+    prediction; the median of those errors within :data:`BOUND`."""
     settings = _held_out(profiled.profile, profiled.points)[axis]
     assert len(settings) >= 2, settings
     for name, measured, predicted in settings:
         print(f"(a) {name}: {measured * 1e3:.2f} ms, fit {predicted * 1e3:.2f} ms")
     error = statistics.median(_relative(p, m) for _, m, p in settings)
     print(f"(a) held-out {axis}: median error {error:.1%}")
-    assert error <= bound, f"held-out {axis}: median error {error:.1%}"
+    assert error <= BOUND, f"held-out {axis}: median error {error:.1%}"
 
 
-def test_the_fit_predicts_held_out_lengths_within_twice_the_bound(profiled: Profiled) -> None:
-    """What a busy host still meets (a held-out prefill of 192 new tokens takes 10 to
-    20 ms there, which the host's jitter moves by a quarter): a fit off by more is
-    wrong, not noisy."""
-    _check_held_out(profiled, "lengths", 2 * BOUND)
-
-
-@NOISE_BOUND
 def test_the_fit_predicts_held_out_lengths(profiled: Profiled) -> None:
     _check_held_out(profiled, "lengths")
 
 
-@NOISE_BOUND
 def test_the_fit_predicts_held_out_batch_sizes(profiled: Profiled) -> None:
     _check_held_out(profiled, "batches")
 
@@ -426,9 +418,8 @@ def _beside_a_stream(
     try: a cold one served once is warm), each try told in ``tries``: the gateway counts the
     stream in flight at the decoder before the decision is sent and still after it is
     answered, so the stream decoded throughout. None when :data:`STREAM_TRIES` streams
-    never framed a decision (on a 2-core host a decoding stream takes a core and starves
-    the whole host, whose other processes have stalled for up to 4.5 s: a stream's
-    client cannot tell how far it is, and a decision may be answered after it ended)."""
+    never framed a decision (a stream's client cannot tell how far it is, and a decision
+    may be answered after it ended)."""
     for _ in range(STREAM_TRIES):
         with _stream(gateway, _prompt(rng, 64)) as stream:
             started = time.monotonic()
@@ -502,12 +493,6 @@ def served(profiled: Profiled, tmp_path_factory: pytest.TempPathFactory) -> Serv
     return Served(idle, sent, busy, tries, expected, learnt)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="not reliable yet: in some runs the gateway's /status counted no stream in flight "
-    "for a minute while streams ran through it, and a decision was not framed in six tries "
-    "(e2e/README.md)",
-)
 def test_goodput_keeps_a_warm_prompt_local_and_sends_a_cold_long_one_pd(served: Served) -> None:
     print(f"(c) routes idle {served.idle}, sent P/D {served.sent}; while a stream decodes, "
           f"warm then cold: {served.busy}; the streams: {served.tries}")  # fmt: skip

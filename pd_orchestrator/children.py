@@ -7,6 +7,14 @@ for that line (bounded), :func:`stop_child` stops the child's whole process grou
 (SIGTERM, then SIGKILL after a grace period). Output other than the READY line goes
 to a log file whose tail is quoted when a child fails to start.
 
+A child gets its own process group but stays in the caller's session. On Linux
+with autogroup scheduling (``kernel.sched_autogroup_enabled``, the default on
+desktop and many cloud kernels) every session is a scheduling group of its own,
+shared out evenly against the others: a child in a new session that busy-polls (a
+vLLM engine does, between steps) kept every process of the caller's session off
+both cores of a 2-core host for up to 7 s at a time. In one session the processes
+are shared out one by one.
+
 Log files: with a ``log_dir`` the caller owns them (a :class:`RunDirectory`'s
 ``logs/`` for instance). Without one, the log is a temporary file that
 :func:`stop_child` deletes; a child that fails to start keeps its log, and the
@@ -121,7 +129,7 @@ def _started(
         stdin=subprocess.DEVNULL,
         env={**os.environ, **(env or {})},
         text=True,
-        start_new_session=True,
+        process_group=0,  # killable as a group; the session's scheduling (above)
         preexec_fn=_parent_death_signal() if die_with_parent else None,
     )
     log.close()

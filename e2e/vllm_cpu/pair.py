@@ -244,7 +244,11 @@ class VLLMServer:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
+                # its own process group in the caller's session: a server in a new
+                # session is a scheduling group of its own (autogroup), and its
+                # busy-polling engine kept the other processes off the cores for
+                # seconds (pd_orchestrator/children.py)
+                process_group=0,
             )
 
     def wait_ready(self, deadline: float) -> None:

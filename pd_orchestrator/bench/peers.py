@@ -146,7 +146,7 @@ def start_process(name: str, argv: Sequence[str], url: str) -> Child:
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
-        start_new_session=True,
+        process_group=0,  # one session, one scheduling group: see children.py
         text=True,
     )
     log.close()

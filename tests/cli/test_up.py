@@ -274,7 +274,7 @@ def test_a_sighup_while_up_starts_is_applied_once_ready(tmp_path: Path) -> None:
         stderr=subprocess.DEVNULL,
         text=True,
         env={**os.environ, "TMPDIR": str(tmpdir)},
-        start_new_session=True,
+        process_group=0,
     ) as process:
         try:
             _wait(lambda: any(tmpdir.iterdir()), "the run directory")  # SIGHUP is handled
