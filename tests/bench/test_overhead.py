@@ -7,11 +7,9 @@ depends on (vLLM's, token ids included) and that answers are memoized.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -22,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pd_orchestrator.bench.wrk import MARKER, lua_script, parse_output, wrk_command
 from pd_orchestrator.children import Child, start_child, stop_child
 from pd_orchestrator.sim.tokenizer import SimTokenizer
+from tests.bench.scripts import BENCHMARKS, benchmark_script
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 BACKEND = BENCHMARKS / "minimal_backend.py"
 MODEL = "test-model"
 TOKENS = 16
@@ -244,18 +242,9 @@ def test_metrics_and_memoized_answers(client: httpx.Client) -> None:
 # -- the benchmark's answer check ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def bench() -> Iterator[ModuleType]:
-    """The benchmark script as a module (its dataclasses need it in ``sys.modules``)."""
-    spec = importlib.util.spec_from_file_location(
-        "overhead_bench", BENCHMARKS / "overhead_bench.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
+    """The benchmark script as a module."""
+    with benchmark_script("overhead_bench") as module:
         yield module
-    finally:
-        del sys.modules[spec.name]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

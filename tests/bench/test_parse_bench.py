@@ -3,10 +3,7 @@ bodies the gateway's models accept, read the same values, and reject what they r
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -15,21 +12,13 @@ import orjson
 import pytest
 
 from pd_orchestrator.openai.protocol import RequestError, parse_for
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "parse_bench.py"
+from tests.bench.scripts import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def bench() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location("parse_bench", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
+    with benchmark_script("parse_bench") as module:
         yield module
-    finally:
-        del sys.modules[spec.name]
 
 
 FIELDS = ("model", "max_tokens", "n", "stream", "cache_hit_threshold", "cache_hit_admission_only")
