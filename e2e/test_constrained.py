@@ -38,9 +38,10 @@ pytestmark = pytest.mark.timeout(900)
 
 PREEMPTION_ROUNDS = 8
 """Rounds of requests that overflow the decoder's KV together before a preemption test
-gives up: a round preempts nothing when the host stalls and the requests reach the
-decoder one after another (the 2-core host stalls for seconds beside the pair's
-streams; 4 rounds once preempted nothing in a whole suite)."""
+gives up: a round preempts nothing when the requests reach the decoder one after
+another (4 rounds once preempted nothing in a whole suite, while the pair's servers
+ran in sessions of their own and starved the test's processes for seconds; see
+e2e/vllm_cpu/pair.py)."""
 SCHEMA = {
     "type": "object",
     "properties": {"answer": {"type": "string", "enum": ["yes", "no", "maybe"]}},
