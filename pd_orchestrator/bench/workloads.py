@@ -420,8 +420,14 @@ def _mooncake_request(
 def shared_prefix(
     options: WorkloadOptions, groups: int = 16, users: int = 64, output: int = 256
 ) -> Workload:
-    """Groups x users sharing one system prompt per group; Poisson arrivals."""
+    """Groups x users sharing one system prompt per group; Poisson arrivals.
+
+    More requests than ``groups * users`` (``options.requests``) add users to every
+    group, so a longer draw is not cut short; a draw of at most that many is the same
+    whatever its length."""
     rng = random.Random(options.seed)
+    if options.requests is not None:
+        users = max(users, -(-options.requests // groups))
     systems = [
         Segment(content_key("system", g), options.tokens(rng.randint(2048, 6000)))
         for g in range(groups)

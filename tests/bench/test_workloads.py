@@ -162,6 +162,19 @@ def test_shared_prefix_shape() -> None:
     assert arrivals == sorted(arrivals)
 
 
+def test_shared_prefix_longer_draw_adds_users_and_keeps_shorter_draws() -> None:
+    long = build_workload("shared-prefix", WorkloadOptions(requests=3000, seed=3))
+    sessions = {r.session for r in long.requests}
+    assert len(long) == 3000 and len(sessions) == 3000  # one question per user
+    assert len({r.segments[0] for r in long.requests}) == 16
+    assert "16 groups x 188 users" in long.description
+    # a draw within 16 x 64 is the same as before longer draws existed
+    short = build_workload("shared-prefix", WorkloadOptions(requests=400, seed=3))
+    full = build_workload("shared-prefix", WorkloadOptions(seed=3))
+    assert short.requests == full.requests[:400]
+    assert "16 groups x 64 users" in short.description
+
+
 def test_multi_turn_shape() -> None:
     workload = build_workload("multi-turn", WorkloadOptions())
     sessions: dict[str, list[BenchRequest]] = {}
