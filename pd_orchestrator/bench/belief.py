@@ -74,7 +74,7 @@ class ProfileError:
             pools = {e.pool: goodput.model.pool(e) for e in endpoints}
             for pool in pools.values():
                 if transfer is None:  # the pool's hand-over: its per-token part is the link's
-                    pool.handover.per_token /= self.transfer
+                    pool.handover.slope /= self.transfer
                 pool.rate_local *= self.prefill
                 pool.rate_remote *= self.prefill
                 pool.seed *= self.prefill

@@ -84,6 +84,13 @@ class Candidate:
     admission_only: bool = False
     resumes: bool = False
 
+    @property
+    def streams(self) -> int:
+        """Requests running at the endpoint: the gateway's own count or the reading's,
+        the larger."""
+        load = self.load
+        return max(self.in_flight, load.running if load is not None else 0)
+
     @classmethod
     def from_status(
         cls,

@@ -384,13 +384,20 @@ def queued_ahead(plan: Plan, served: Served) -> bool | None:
     it went P/D, else its decoder) had prompts queued when ``plan`` was made: tokens
     the gateways counted queued there, or requests its reading showed waiting (None:
     that endpoint is not in the plan's snapshot, or unknown)."""
-    endpoint = served.prefiller if served.remote else served.decoder
+    candidate = _planned(plan, served.prefiller if served.remote else served.decoder)
+    if candidate is None:
+        return None
+    load = candidate.load
+    return candidate.backlog > 0 or (load is not None and load.waiting > 0)
+
+
+def _planned(plan: Plan, endpoint: Endpoint | None) -> Candidate | None:
+    """``endpoint`` as ``plan``'s snapshot saw it (None: not in it, or no endpoint)."""
     if endpoint is None:
         return None
     for candidate in plan.candidates:
         if candidate.endpoint.name == endpoint.name:
-            load = candidate.load
-            return candidate.backlog > 0 or (load is not None and load.waiting > 0)
+            return candidate
     return None
 
 
@@ -631,6 +638,7 @@ class Planner:
         resolver = self.threshold
         if resolver is None:
             return
+        planned = _planned(plan, decoder)
         resolver.observe(
             LatencyObservation(
                 facts.model,
@@ -646,6 +654,7 @@ class Planner:
                 queued=queued_ahead(plan, served),
                 prefill_cached=served.prefill_cached,
                 prefill_seconds=served.prefill_seconds,
+                streams=None if planned is None else planned.streams,
             )
         )
         if served.prompt_tokens and facts.prompt_tokens is None:

@@ -202,6 +202,9 @@ class LatencyObservation:
     ``prefill_seconds``: of a P/D request, seconds from the prefill leg's send to its
     answer (the prefill and its two hops, without what came before the leg: a
     decoder's rejection at its threshold; None: unknown).
+    ``streams``: requests running at the serving decoder when the request was
+    planned, itself not counted (None: unknown): the batch its ``itl`` was timed in,
+    about.
     """
 
     model: str
@@ -217,6 +220,7 @@ class LatencyObservation:
     queued: bool | None = None
     prefill_cached: int | None = None
     prefill_seconds: float | None = None
+    streams: int | None = None
 
     def __post_init__(self) -> None:
         timed = (

@@ -58,7 +58,6 @@ from pd_orchestrator.policies.goodput_model import (
     GoodputParams,
     PoolModel,
     on_clock,
-    streams,
 )
 from pd_orchestrator.routing.interfaces import PluginContext
 from pd_orchestrator.routing.registry import PluginType
@@ -157,7 +156,7 @@ class GoodputPolicy:
         if not spills:
             return None
         m, p, tokens = self.model, self.params, context.prompt_tokens
-        step = m.stream_step(model, tokens, streams(context.decoder) + 1)
+        step = m.stream_step(model, tokens, context.decoder.streams + 1)
         if not queued and step <= p.tpot * p.tpot_goal:
             return None
         best: tuple[tuple[float, float], str] | None = None
@@ -166,7 +165,7 @@ class GoodputPolicy:
             ttft = m.whole_seconds(context, candidate, pool)
             if ttft + p.hop > target:
                 continue
-            own = m.stream_step(pool, tokens, streams(candidate) + 1)
+            own = m.stream_step(pool, tokens, candidate.streams + 1)
             if own < step or (queued and ttft < wait):
                 key = (ttft, own)
                 if best is None or key < best[0]:

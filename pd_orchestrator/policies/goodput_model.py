@@ -20,6 +20,7 @@ Estimates, in seconds (:class:`GoodputModel`)::
     whole_p  = (backlog_p + min(waiting_p, n_p - f_p) * m) / r_p + prefill(r_p, u_p, L - u_p)
     W = o * tpot,  share_d = kept_d / (W * r_d),  itl'_d = itl_d * exp(-age_d / W) (profile known)
     step_d   = max(itl'_d * (1 - share_d), profile)
+             = max(itl_d, S(n_d)) * (1 - share_d)          (no profile)
     mean_d   = (1 - step_d / (tpot * tpot_goal) - share_d) * W * r_d
     short_d  = the u whose local prefill takes (tpot - step_d) * o_low
     stall_d  = max(free, min(mean_d, short_d))                                    tokens
@@ -32,9 +33,14 @@ prefiller served whole) the mean prompt stands in only for the queued requests t
 gateway did not send, whose sizes it does not know; a remote path's prefiller counts
 the larger of its backlog and all its requests at the mean (the sum overcounts where
 a reading lags behind requests that have left);
-``age_d``: seconds since the pool's last ITL sample (:meth:`GoodputModel.recent_itl`:
-a sample times streams that have finished a window or so later; without a profile
-the ITL does not age, as nothing else measures the step); ``u_p``: ``L`` at a
+``S(n)``: the ITL learnt against the streams ``n`` a batch holds, a line (fixed and
+per stream, :mod:`~pd_orchestrator.policies.octave_line`) through the pool's ITL
+samples, each at the streams its decoder ran when the request was planned, plus
+itself (flat while the samples span one octave; before any, ``S`` is ``itl_d``);
+``n_d``: the streams decoding at ``d``; ``age_d``: seconds since the pool's last ITL
+sample (:meth:`GoodputModel.recent_itl`: a sample times streams that have finished
+a window or so later; without a profile the ITL does not age, as nothing else
+measures the step); ``u_p``: ``L`` at a
 prefiller that also decodes, else ``L`` less what ``p`` holds (index, else ``hit_p``);
 ``kept_d``: the uncached tokens kept at ``d``, decaying with time constant ``W`` (its
 duty cycle); ``whole_p`` counts the queue whole (a spilling prefiller decodes what it
@@ -60,7 +66,7 @@ prefill's answer to the first content when timed, else ``H(L) + 2h``; that also 
 what came before the leg: after a decoder rejected the prompt at its threshold, its
 ``2h`` and the decoder's wait, which on the CPU pair made a remote sample half as slow
 again); the hand-over learns ``H`` from ``A - 2h``, fixed and per-token parts apart
-(:mod:`~pd_orchestrator.policies.handover_costs`).
+(:mod:`~pd_orchestrator.policies.octave_line`).
 
 The decision (:mod:`~pd_orchestrator.policies.goodput`) reads these: spill to
 ``argmin whole_p`` when ``d`` is crowded or queued; drain (P/D now, on the peer with the
@@ -110,7 +116,7 @@ from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.model.hardware import LatencyProfile
 from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.policies.base import LatencyObservation, ThresholdContext
-from pd_orchestrator.policies.handover_costs import HandoverCosts
+from pd_orchestrator.policies.octave_line import OctaveLine
 from pd_orchestrator.routing.registry import NoParams
 
 __all__ = [
@@ -122,7 +128,6 @@ __all__ = [
     "on_clock",
     "profile_of",
     "seed_rate",
-    "streams",
 ]
 
 _Positive = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
@@ -251,9 +256,10 @@ class PoolModel:
     sample came (``itl_at``, on the clock of :attr:`ThresholdContext.now`), the free chunk
     of its steps (tokens a step carries at no cost), its hardware profile, the
     rate both estimates were seeded with (0: none), the attention term of its
-    prefills (seconds a prefilled token spends on each token before it; 0: linear)
-    and the hand-over's cost (:class:`HandoverCosts`, fixed and per token, learnt
-    apart)."""
+    prefills (seconds a prefilled token spends on each token before it; 0: linear),
+    the hand-over's cost (:class:`OctaveLine`, fixed and per token, learnt apart)
+    and, learnt where no profile is known, the ITL against the streams a batch
+    holds (``steps``, fixed and per stream; empty before any)."""
 
     rate_local: float
     rate_remote: float
@@ -263,9 +269,8 @@ class PoolModel:
     profile: LatencyProfile | None = None
     seed: float = 0.0
     attn: float = 0.0
-    handover: HandoverCosts = field(
-        default_factory=lambda: HandoverCosts(0.0, 1.0 / _SEED_TRANSFER)
-    )
+    handover: OctaveLine = field(default_factory=lambda: OctaveLine(0.0, 1.0 / _SEED_TRANSFER))
+    steps: OctaveLine = field(default_factory=OctaveLine)
 
     def attention_seconds(self, new: float, held: float) -> float:
         """The attention term of a prefill of ``new`` tokens after ``held`` cached ones:
@@ -321,9 +326,9 @@ def _seeded_pool(profile: LatencyProfile | None, params: GoodputParams) -> PoolM
     if attn is None:
         attn = profile.attn if profile is not None else 0.0
     if profile is not None:
-        handover = HandoverCosts(profile.a_kv, profile.transfer_seconds(1) - profile.a_kv)
+        handover = OctaveLine(profile.a_kv, profile.transfer_seconds(1) - profile.a_kv)
     else:
-        handover = HandoverCosts(0.0, params.time_scale / _SEED_TRANSFER)
+        handover = OctaveLine(0.0, params.time_scale / _SEED_TRANSFER)
     return PoolModel(rate, rate, profile=profile, seed=rate, attn=attn, handover=handover)
 
 
@@ -361,7 +366,7 @@ class GoodputModel:
         decoder: at ``transfer_tokens_per_s`` when set (no fixed cost), else the pool's
         (its profile's, else the seed's)."""
         rate = self.params.transfer_tokens_per_s
-        return tokens / rate if rate is not None else model.handover.seconds(tokens)
+        return tokens / rate if rate is not None else model.handover.at(tokens)
 
     def learnt(self) -> dict[str, dict[str, float | None]]:
         """Per pool, what the model holds now (rates in tokens/s, seconds otherwise)."""
@@ -371,7 +376,7 @@ class GoodputModel:
                 "rate_remote": round(pool.rate_remote, 1),
                 "itl": pool.itl,
                 "handover_fixed": pool.handover.fixed,
-                "handover_per_token": pool.handover.per_token,
+                "handover_per_token": pool.handover.slope,
             }
             for name, pool in sorted(self.pools.items())
         }
@@ -520,7 +525,7 @@ class GoodputModel:
         free. The observed ITL carries the current share, so the bare step is ``itl *
         (1 - share)``; ``mean_d`` is what is left of the allowed share over a window,
         in tokens."""
-        count = streams(context.decoder)
+        count = context.decoder.streams
         if count == 0:
             return math.inf
         p = self.params
@@ -543,11 +548,16 @@ class GoodputModel:
     ) -> float:
         """A decode step without prefill at the decoder with ``count`` streams: the
         observed ITL (:meth:`recent_itl`) less the prefill share, or the profile's step,
-        the larger."""
-        observed = self.recent_itl(model, context.now) * (1.0 - min(share, _MAX_SHARE))
-        if model.profile is None:
-            return observed
-        return max(observed, self.stream_step(model, context.prompt_tokens, count))
+        the larger; with no profile, the larger of the observed ITL and the one learnt
+        at ``count`` (:meth:`stream_step`), less the share (both carry it: under rising
+        load the mean ITL lags behind the batch, and a step read from it lets prefills
+        land beside more streams than it priced)."""
+        bare = 1.0 - min(share, _MAX_SHARE)
+        observed = self.recent_itl(model, context.now)
+        step = self.stream_step(model, context.prompt_tokens, count)
+        if model.profile is None:  # the learnt step, like the ITL, carries the share
+            return max(observed, step) * bare
+        return max(observed * bare, step)
 
     def recent_itl(self, model: PoolModel, now: float) -> float:
         """The pool's observed ITL as evidence of its step at ``now`` (0 before any).
@@ -567,11 +577,12 @@ class GoodputModel:
         return model.itl * math.exp(-max(0.0, now - model.itl_at) / self.window())
 
     def stream_step(self, model: PoolModel, prompt: int, count: int) -> float:
-        """A decode step with ``count`` streams and no prefill: the hardware profile's
+        """A decode step with ``count`` streams: the hardware profile's, with no prefill
         (each stream of the mean prompt, ``prompt`` before one is learnt, and half the
-        mean output), else the pool's observed ITL (0 before any)."""
+        mean output); else the ITL learnt against the batch (``steps``) at ``count``,
+        else the pool's observed ITL (0 before any)."""
         if model.profile is None:
-            return model.itl or 0.0
+            return model.steps.at(count) if model.steps.octaves else model.itl or 0.0
         per_stream = (self.prompt_mean or prompt) + self.output_tokens() / 2
         return model.profile.step_seconds(round(count * per_stream), count)
 
@@ -611,6 +622,8 @@ class GoodputModel:
         if observation.itl is not None:
             model.itl = _mean(model.itl or 0.0, observation.itl, alpha)
             model.itl_at = max(model.itl_at, observation.now)
+            if model.profile is None and observation.streams is not None:
+                model.steps.learn(observation.streams + 1, observation.itl, alpha)
         if observation.prompt_tokens:
             self.prompt_mean = _mean(self.prompt_mean, observation.prompt_tokens, alpha)
         if observation.output_tokens:
@@ -701,13 +714,6 @@ def _queue_share(hit: float | None, cached: int | None, tokens: int, *, routed: 
     if routed and own is not None:
         return max(hit, own)
     return hit
-
-
-def streams(candidate: Candidate) -> int:
-    """Requests running at an endpoint: the gateway's own count or a reading, the
-    larger."""
-    load = candidate.load
-    return max(candidate.in_flight, load.running if load is not None else 0)
 
 
 def _outstanding(candidate: Candidate) -> int:

@@ -73,7 +73,7 @@ def test_a_transfer_error_multiplies_the_believed_link_rate_only() -> None:
     right_fleet, right = _fleet_policy(None)
     wrong_fleet, wrong = _fleet_policy(ProfileError(transfer=5.0))
     truth, belief = _pool(right_fleet, right), _pool(wrong_fleet, wrong)
-    assert belief.handover.per_token == pytest.approx(truth.handover.per_token / 5)
+    assert belief.handover.slope == pytest.approx(truth.handover.slope / 5)
     assert belief.handover.fixed == truth.handover.fixed
     assert belief.rate_local == truth.rate_local
     # a link rate set in the parameters is the one multiplied

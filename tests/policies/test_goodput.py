@@ -28,7 +28,7 @@ from pd_orchestrator.policies.goodput_model import (
     profile_of,
     seed_rate,
 )
-from pd_orchestrator.policies.handover_costs import HandoverCosts
+from pd_orchestrator.policies.octave_line import OctaveLine
 from tests.policies.helpers import build, context, decoder, load, prefiller
 
 RATE = 10_000.0  # tokens/s, local and remote
@@ -700,6 +700,38 @@ def test_without_a_profile_the_observed_itl_does_not_age() -> None:
     assert policy.model.stall_limit(busy, model) == model.free_tokens
 
 
+def test_without_a_profile_the_step_is_learnt_against_the_batch() -> None:
+    """ITLs timed at 2 to 8 streams (5 ms + 0.25 ms a stream) price a step at 40
+    streams (15 ms) that the mean ITL (about 6 ms) does not: a prompt a quiet decoder
+    keeps goes P/D from a crowded one."""
+    policy = _policy()
+    policy.model.out_mean, policy.model.out_low = 100, 100  # W = 3 s; the mean bound binds
+    model = policy.model.pools["decode"]
+    model.itl = None
+    for _ in range(100):
+        for streams in (1, 3, 7):
+            itl = 0.005 + 0.00025 * (streams + 1)
+            policy.observe(LatencyObservation("m", "decode", 0.0, itl=itl, streams=streams))
+    assert model.itl is not None and model.itl < 0.0065
+    assert model.steps.at(40) == pytest.approx(0.015, rel=0.01)
+    assert policy.model.stream_step(model, 4_000, 40) == model.steps.at(40)
+    quiet = context(tokens=4_000, cached=2_000, dec=decoder(in_flight=4))
+    left = (1 - max(model.itl, model.steps.at(4)) / (0.03 * 0.5)) * 3.0 * RATE
+    assert policy.model.stall_limit(quiet, model) == pytest.approx(left)
+    assert _admits(threshold_of(_decided(policy, quiet)), 4_000, 2_000)
+    crowded = context(tokens=4_000, cached=2_000, dec=decoder(in_flight=40))
+    assert policy.model.stall_limit(crowded, model) < 100  # the goal is spent
+    assert not _admits(threshold_of(_decided(policy, crowded)), 4_000, 2_000)
+
+
+def test_an_octave_line_with_no_seed_takes_its_first_sample_whole() -> None:
+    line = OctaveLine()
+    line.learn(4, 0.008, alpha=0.05)
+    assert (line.fixed, line.slope) == (0.008, 0.0)  # one octave: flat
+    line.learn(4, 0.1, alpha=0.05)  # far off: clipped to x1.5 before the step
+    assert line.at(4) == pytest.approx(0.008 + 0.05 * 0.004)
+
+
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 
 
@@ -959,25 +991,25 @@ def test_a_decoder_that_never_reports_cached_counts_is_named_with_the_flag(
 def test_the_hand_over_s_fixed_and_per_token_costs_are_learnt_apart() -> None:
     """A hand-over of 150 ms plus 2 us a token (orchestration dominates, as NIXL
     traces show), learnt from a seed with no fixed cost and 3.3 us a token."""
-    costs = HandoverCosts(0.0, 1 / 300_000)
+    costs = OctaveLine(0.0, 1 / 300_000)
     lengths = (512, 1_024, 2_048, 4_096, 8_192, 16_384)
     for _ in range(200):
         for tokens in lengths:
             costs.learn(tokens, 0.150 + 2e-6 * tokens, alpha=0.1)
     assert costs.fixed == pytest.approx(0.150, rel=0.1)
-    assert costs.per_token == pytest.approx(2e-6, rel=0.1)
+    assert costs.slope == pytest.approx(2e-6, rel=0.1)
 
 
 def test_one_far_hand_over_sample_moves_the_costs_by_a_bounded_step() -> None:
-    costs = HandoverCosts(0.010, 3e-6)
+    costs = OctaveLine(0.010, 3e-6)
     for tokens in (1_024, 8_192):
-        costs.learn(tokens, costs.seconds(tokens), alpha=0.1)
-    before = costs.seconds(8_192)
+        costs.learn(tokens, costs.at(tokens), alpha=0.1)
+    before = costs.at(8_192)
     costs.learn(8_192, 100.0, alpha=0.1)  # a hand-over stalled behind something else
-    assert before < costs.seconds(8_192) <= before * (1 + 0.1 * 0.5) + 1e-12
+    assert before < costs.at(8_192) <= before * (1 + 0.1 * 0.5) + 1e-12
     costs.learn(8_192, float("nan"), alpha=0.1)  # ignored
     costs.learn(0, 1.0, alpha=0.1)
-    assert costs.seconds(8_192) <= before * 1.05 + 1e-12
+    assert costs.at(8_192) <= before * 1.05 + 1e-12
 
 
 def test_p_d_samples_teach_the_hand_over_apart_from_the_remote_rate() -> None:
@@ -997,7 +1029,7 @@ def test_p_d_samples_teach_the_hand_over_apart_from_the_remote_rate() -> None:
                 )
             )  # fmt: skip
     assert model.handover.fixed == pytest.approx(0.100, rel=0.1)
-    assert model.handover.per_token == pytest.approx(1e-6, rel=0.15)
+    assert model.handover.slope == pytest.approx(1e-6, rel=0.15)
     assert model.rate_remote == pytest.approx(rate, rel=0.01)  # the hand-over is not prefill
 
 

@@ -1,5 +1,7 @@
 """The planner tells the threshold policy whether a served request's prefill waited
-behind a queue: its TTFT then times the queue too, and no rate learns from it."""
+behind a queue (its TTFT then times the queue too, and no rate learns from it) and
+how many streams its decoder ran when it was planned (the batch its ITL was timed
+in)."""
 
 from __future__ import annotations
 
@@ -39,14 +41,14 @@ WAITING = LoadSnapshot(running=4, waiting=2, kv_usage=0.3, observed_at=0.0)
 RUNNING = LoadSnapshot(running=4, waiting=0, kv_usage=0.3, observed_at=0.0)
 
 
-def _queued(served: Served) -> bool | None:
+def _observed(served: Served) -> LatencyObservation:
     recorder = _Recorder()
     planner = Planner(
         build_profiles(RoutingConfig(), builtin_registry()),
         ThresholdResolver(recorder),
     )
     candidates = [
-        Candidate(D_BACKLOG, backlog=3_000),
+        Candidate(D_BACKLOG, in_flight=6, backlog=3_000),
         Candidate(D_IDLE, load=RUNNING),
         Candidate(D_WAITING, load=WAITING),
         Candidate(P_BUSY, backlog=8_000),
@@ -56,7 +58,11 @@ def _queued(served: Served) -> bool | None:
     plan = planner.plan(facts, candidates, 1.0, 1)
     planner.learn(plan, facts, served)
     (observation,) = recorder.seen
-    return observation.queued
+    return observation
+
+
+def _queued(served: Served) -> bool | None:
+    return _observed(served).queued
 
 
 def test_a_local_sample_is_queued_when_its_decoder_had_tokens_or_requests_waiting() -> None:
@@ -73,3 +79,9 @@ def test_a_p_d_sample_is_judged_by_its_prefiller_not_its_decoder() -> None:
 def test_an_endpoint_the_plan_did_not_see_is_unknown() -> None:
     assert _queued(Served(D_UNREAD, 2.0, ttft=0.5, remote=False)) is None
     assert _queued(Served(D_IDLE, 2.0, ttft=0.5, remote=True)) is None  # prefiller unknown
+
+
+def test_the_streams_its_decoder_ran_are_the_gateway_s_or_the_reading_s_the_larger() -> None:
+    assert _observed(Served(D_BACKLOG, 2.0, itl=0.01, remote=False)).streams == 6
+    assert _observed(Served(D_IDLE, 2.0, itl=0.01, remote=True, prefiller=P_IDLE)).streams == 4
+    assert _observed(Served(D_UNREAD, 2.0, itl=0.01, remote=False)).streams is None
