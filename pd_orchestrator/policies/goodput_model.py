@@ -369,7 +369,8 @@ class GoodputModel:
         return tokens / rate if rate is not None else model.handover.at(tokens)
 
     def learnt(self) -> dict[str, dict[str, float | None]]:
-        """Per pool, what the model holds now (rates in tokens/s, seconds otherwise)."""
+        """Per pool, what the model holds now (rates in tokens/s, seconds otherwise;
+        the step learnt against the batch None where none is, as with a profile)."""
         return {
             name: {
                 "rate_local": round(pool.rate_local, 1),
@@ -377,6 +378,8 @@ class GoodputModel:
                 "itl": pool.itl,
                 "handover_fixed": pool.handover.fixed,
                 "handover_per_token": pool.handover.slope,
+                "step_fixed": pool.steps.fixed if pool.steps.octaves else None,
+                "step_per_stream": pool.steps.slope if pool.steps.octaves else None,
             }
             for name, pool in sorted(self.pools.items())
         }

@@ -714,6 +714,8 @@ def test_without_a_profile_the_step_is_learnt_against_the_batch() -> None:
             policy.observe(LatencyObservation("m", "decode", 0.0, itl=itl, streams=streams))
     assert model.itl is not None and model.itl < 0.0065
     assert model.steps.at(40) == pytest.approx(0.015, rel=0.01)
+    learnt = policy.model.learnt()["decode"]
+    assert learnt["step_per_stream"] == pytest.approx(0.00025, rel=0.01)
     assert policy.model.stream_step(model, 4_000, 40) == model.steps.at(40)
     quiet = context(tokens=4_000, cached=2_000, dec=decoder(in_flight=4))
     left = (1 - max(model.itl, model.steps.at(4)) / (0.03 * 0.5)) * 3.0 * RATE
