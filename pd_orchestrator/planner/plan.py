@@ -379,16 +379,15 @@ class Served:
     prefill_seconds: float | None = None
 
 
-def queued_ahead(plan: Plan, served: Served) -> bool | None:
-    """Whether the endpoint that prefilled ``served``'s prompt (its prefiller when
-    it went P/D, else its decoder) had prompts queued when ``plan`` was made: tokens
-    the gateways counted queued there, or requests its reading showed waiting (None:
-    that endpoint is not in the plan's snapshot, or unknown)."""
-    candidate = _planned(plan, served.prefiller if served.remote else served.decoder)
-    if candidate is None:
+def _queued(prefilled: Candidate | None) -> bool | None:
+    """Whether the endpoint that prefilled a served prompt (its prefiller when it went
+    P/D, else its decoder), as the plan's snapshot saw it, had prompts queued when the
+    plan was made: tokens the gateways counted queued there, or requests its reading
+    showed waiting (None: that endpoint is not in the snapshot, or unknown)."""
+    if prefilled is None:
         return None
-    load = candidate.load
-    return candidate.backlog > 0 or (load is not None and load.waiting > 0)
+    load = prefilled.load
+    return prefilled.backlog > 0 or (load is not None and load.waiting > 0)
 
 
 def _planned(plan: Plan, endpoint: Endpoint | None) -> Candidate | None:
@@ -639,6 +638,7 @@ class Planner:
         if resolver is None:
             return
         planned = _planned(plan, decoder)
+        prefilled = _planned(plan, served.prefiller) if served.remote else planned
         resolver.observe(
             LatencyObservation(
                 facts.model,
@@ -651,7 +651,7 @@ class Planner:
                 output_tokens=served.output_tokens,
                 remote=served.remote,
                 after_prefill=served.after_prefill,
-                queued=queued_ahead(plan, served),
+                queued=_queued(prefilled),
                 prefill_cached=served.prefill_cached,
                 prefill_seconds=served.prefill_seconds,
                 streams=None if planned is None else planned.streams,
