@@ -80,6 +80,8 @@ sys.path.insert(0, str(HERE))
 from minimal_backend import COMPLETION_TOKENS, MODEL  # noqa: E402
 
 TARGETS = ("direct", "gateway", "vllm-router", "smg")
+FLOORS = ("floor-asgi", "floor-raw")
+"""The Python floor of a relay (``floor_relay.py``): measured only when named."""
 BASELINE = "gateway-baseline"
 """The gateway of another checkout (``--baseline DIR``), measured like a peer."""
 PEERS = ("smg", "vllm-router")
@@ -305,6 +307,13 @@ def start_gateway(
     return _stopped_with(stack, child)
 
 
+def start_floor(stack: ExitStack, backend_url: str, name: str, cpus: str | None) -> Child:
+    """A floor relay (``floor_relay.py``, ``name`` is ``floor-MODE``) to the backend."""
+    mode = name.removeprefix("floor-")
+    argv = [sys.executable, str(HERE / "floor_relay.py"), "--mode", mode, "--upstream", backend_url]
+    return _stopped_with(stack, start_child(name, pinned(argv, cpus), timeout=30))
+
+
 def _executable(peer: Peer) -> str:
     """``peer``'s script from its cached venv, saying so when it is built first."""
     if not (cache_root() / peer.venv_name / "bin" / peer.script).exists():
@@ -408,6 +417,8 @@ def start_targets(stack: ExitStack, args: argparse.Namespace) -> dict[str, Child
             stack, backend.url, config, args.baseline, BASELINE, cpus=relay
         ),
     }
+    for floor in FLOORS:
+        starters[floor] = partial(start_floor, stack, backend.url, floor, relay)
     for count in args.workers:
         if count > 1:
             cpus = cpu_sets(args.pin, count)[0]
@@ -512,7 +523,7 @@ def ratios(figures: Sequence[Figures], cases: Sequence[Case]) -> list[Ratio]:
     table = {(f.target, f.case): f for f in figures}
     low, high = min(c.concurrency for c in cases), max(c.concurrency for c in cases)
     found: list[Ratio] = []
-    for peer in (*PEERS, BASELINE):
+    for peer in (*PEERS, BASELINE, *FLOORS):
         for case in cases:
             gateway, other = table.get(("gateway", case)), table.get((peer, case))
             if gateway is None or other is None:
@@ -679,9 +690,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument(
         "--targets",
-        type=_csv(str, TARGETS),
+        type=_csv(str, TARGETS + FLOORS),
         default=list(TARGETS),
-        help="comma list of direct, gateway, vllm-router, smg (default: all)",
+        help="comma list of direct, gateway, vllm-router, smg (default: these four), "
+        "floor-asgi, floor-raw (the Python floor of a relay, floor_relay.py)",
     )
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument(
@@ -742,7 +754,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--rounds and --duration must be >= 1, --warmup >= 0, --wrk-threads >= 1")
     if any(c < 1 for c in args.concurrency) or any(w < 1 for w in args.workers):
         parser.error("--concurrency and --workers values must be >= 1")
-    args.targets = [t for t in TARGETS if t in args.targets]
+    args.targets = [t for t in TARGETS + FLOORS if t in args.targets]
     args.targets += [f"{WORKERS_PREFIX}{w}" for w in dict.fromkeys(args.workers) if w > 1]
     if args.baseline is not None:
         args.targets.append(BASELINE)

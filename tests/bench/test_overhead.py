@@ -327,3 +327,39 @@ def test_ratios_set_workers_against_one_and_cpu_against_the_peers(bench: ModuleT
 def test_workers_add_their_targets(bench: ModuleType) -> None:
     args = bench.parse_args(["--targets", "direct,gateway", "--workers", "1,2,2,4"])
     assert args.targets == ["direct", "gateway", "gateway-w2", "gateway-w4"]
+
+
+# -- the Python floor of a relay ----------------------------------------------------------------
+FLOOR = BENCHMARKS / "floor_relay.py"
+
+
+@pytest.fixture(scope="module", params=["asgi", "raw"])
+def floor(request: pytest.FixtureRequest, backend: Child) -> Iterator[Child]:
+    """A floor relay of each mode in front of the minimal backend."""
+    argv = [sys.executable, str(FLOOR), "--mode", request.param, "--upstream", backend.url]
+    child = start_child(f"floor-{request.param}", argv, timeout=30)
+    try:
+        yield child
+    finally:
+        stop_child(child)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_floor_relay_passes_the_backend_s_answer_through(
+    bench: ModuleType, backend: Child, floor: Child, stream: bool
+) -> None:
+    body = bench.request_body(stream, "relay me", model=MODEL)
+    headers = {"content-type": "application/json"}
+    with httpx.Client(timeout=5.0) as client:
+        relayed = client.post(f"{floor.url}/v1/completions", content=body, headers=headers)
+        direct = client.post(f"{backend.url}/v1/completions", content=body, headers=headers)
+        assert bench.check_answer(relayed, stream=stream) is None
+        assert relayed.content == direct.content  # memoized: the same bytes, passed through
+        again = client.post(f"{floor.url}/v1/completions", content=body, headers=headers)
+        assert again.content == relayed.content  # and again on the kept-alive connections
+
+
+def test_floors_are_targets_only_when_named(bench: ModuleType) -> None:
+    assert not set(bench.parse_args([]).targets) & set(bench.FLOORS)
+    args = bench.parse_args(["--targets", "floor-raw,gateway,floor-asgi"])
+    assert args.targets == ["gateway", "floor-asgi", "floor-raw"]

@@ -1,0 +1,188 @@
+"""The Python floor of a relay: what relaying costs with nothing else to do.
+
+Not a product: a lower bound for the overhead benchmark (``--targets
+floor-asgi,floor-raw``). Each request is forwarded as it came (method, path, body)
+to one upstream through the gateway's own HTTP client
+(:class:`pd_orchestrator.upstream.transport.HttpTransport`, keep-alive pooled), and
+the answer is passed back byte for byte: no parse of the body, no plan, no
+reshaping, no metrics, no learning, no limits. Two front ends:
+
+* ``asgi``: uvicorn with httptools and uvloop, as the gateway serves (its own
+  protocol class aside), and a twenty-line ASGI app: the floor of the gateway's
+  stack, so the gateway's figure less this one is what its own work costs;
+* ``raw``: an ``asyncio.Protocol`` with httptools' request parser on uvloop, one
+  task per request: the floor of any Python relay on this event loop, so this one
+  less SMG's or vllm-router's is what Python itself costs.
+
+Run as a script (prints ``READY http://127.0.0.1:PORT`` once listening)::
+
+    python benchmarks/floor_relay.py --mode asgi --upstream http://127.0.0.1:8000 --port 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import socket
+from collections.abc import Callable
+from typing import Any, cast
+
+import httptools
+import uvicorn
+import uvloop
+
+from pd_orchestrator.upstream.transport import HttpTransport, Origin, Request, Timeouts
+
+TIMEOUTS = Timeouts(connect=5.0, read=60.0, pool=5.0)
+STREAM = "text/event-stream"
+Scope = dict[str, Any]
+Message = dict[str, Any]
+
+
+class Upstream:
+    """The one upstream every request goes to, through the gateway's HTTP client."""
+
+    def __init__(self, url: str) -> None:
+        self.origin = Origin.of(url)
+        self.transport = HttpTransport()
+
+    async def send(self, method: str, path: str, body: bytes) -> Any:
+        return await self.transport.send(Request(method, self.origin, path, body), TIMEOUTS)
+
+
+def _content_type(headers: list[tuple[str, str]]) -> str:
+    for name, value in headers:
+        if name == "content-type":
+            return value
+    return "application/json"
+
+
+# -- ASGI on uvicorn ---------------------------------------------------------------------
+def asgi_app(upstream: Upstream) -> Callable[..., Any]:
+    async def app(scope: Scope, receive: Callable[[], Any], send: Callable[[Message], Any]) -> None:
+        if scope["type"] != "http":
+            return
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        response = await upstream.send(scope["method"], scope["path"], body)
+        kind = _content_type(response.headers)
+        head = [(b"content-type", kind.encode())]
+        if not kind.startswith(STREAM):
+            data = await response.read()
+            head.append((b"content-length", str(len(data)).encode()))
+            await send({"type": "http.response.start", "status": response.status, "headers": head})
+            await send({"type": "http.response.body", "body": data})
+            return
+        await send({"type": "http.response.start", "status": response.status, "headers": head})
+        async for piece in response:
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    return app
+
+
+async def serve_asgi(sock: socket.socket, upstream: Upstream) -> None:
+    config = uvicorn.Config(
+        asgi_app(upstream), loop="none", http="httptools", lifespan="off",
+        access_log=False, log_level="warning",
+    )  # fmt: skip
+    await uvicorn.Server(config).serve(sockets=[sock])
+
+
+# -- a raw asyncio protocol --------------------------------------------------------------
+_RUNNING: set[asyncio.Future[None]] = set()
+
+
+class _Relay(asyncio.Protocol):
+    """One client connection: requests parsed by httptools, each relayed by a task."""
+
+    def __init__(self, upstream: Upstream) -> None:
+        self.upstream = upstream
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.url = b""
+        self.body: list[bytes] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            if self.transport is not None:
+                self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+
+    def on_message_begin(self) -> None:
+        self.url, self.body = b"", []
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        method = self.parser.get_method().decode()
+        keep = self.parser.should_keep_alive()
+        path = httptools.parse_url(self.url).path.decode()
+        task = asyncio.ensure_future(self.relay(method, path, b"".join(self.body), keep))
+        _RUNNING.add(task)  # a task the loop alone holds may be collected mid-request
+        task.add_done_callback(_RUNNING.discard)
+
+    async def relay(self, method: str, path: str, body: bytes, keep: bool) -> None:
+        response = await self.upstream.send(method, path, body)
+        kind = _content_type(response.headers)
+        head = f"HTTP/1.1 {response.status} OK\r\ncontent-type: {kind}\r\n"
+        if not kind.startswith(STREAM):
+            data = await response.read()
+            self._write(f"{head}content-length: {len(data)}\r\n\r\n".encode() + data)
+        else:
+            self._write(f"{head}transfer-encoding: chunked\r\n\r\n".encode())
+            async for piece in response:
+                self._write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            self._write(b"0\r\n\r\n")
+        if not keep and self.transport is not None:
+            self.transport.close()
+
+    def _write(self, data: bytes) -> None:
+        if self.transport is not None:
+            self.transport.write(data)
+
+
+async def serve_raw(sock: socket.socket, upstream: Upstream) -> None:
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: _Relay(upstream), sock=sock, backlog=4096)
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with server:
+        await stop.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument("--mode", choices=("asgi", "raw"), required=True)
+    parser.add_argument("--upstream", required=True, help="the backend's base URL")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    args = parser.parse_args(argv)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    sock.listen(4096)
+    print(f"READY http://{args.host}:{sock.getsockname()[1]}", flush=True)
+    serve = serve_asgi if args.mode == "asgi" else serve_raw
+    uvloop.run(serve(sock, Upstream(args.upstream)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
