@@ -363,3 +363,16 @@ def test_floors_are_targets_only_when_named(bench: ModuleType) -> None:
     assert not set(bench.parse_args([]).targets) & set(bench.FLOORS)
     args = bench.parse_args(["--targets", "floor-raw,gateway,floor-asgi"])
     assert args.targets == ["gateway", "floor-asgi", "floor-raw"]
+
+
+@pytest.mark.parametrize("target", ["gateway", "floor"])
+def test_the_request_path_bench_serves_each_request_and_counts_its_calls(target: str) -> None:
+    import subprocess
+
+    argv = [sys.executable, str(BENCHMARKS / "request_path.py"), "--target", target,
+            "--requests", "40", "--concurrency", "2", "--profile", "--top", "3"]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=50, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]  # it fails on an answer not 200
+    assert f"{target} whole: 40 requests, CPU " in done.stdout
+    calls = float(done.stdout.split("calls per request (profiled): ")[1].split()[0])
+    assert calls > 20
