@@ -12,7 +12,14 @@ reshaping, no metrics, no learning, no limits. Two front ends:
   stack, so the gateway's figure less this one is what its own work costs;
 * ``raw``: an ``asyncio.Protocol`` with httptools' request parser on uvloop, one
   task per request: the floor of any Python relay on this event loop, so this one
-  less SMG's or vllm-router's is what Python itself costs.
+  less SMG's or vllm-router's is what Python itself costs;
+* ``decode``: ``asgi`` plus the least a decode-first gateway must do to a request
+  that its decoder serves: the body parsed (orjson) and validated (the gateway's
+  own request model), the threshold and the token ids asked for, the body encoded;
+  the answer (or each streamed event) parsed, checked for ``cache_threshold`` (a
+  502 here: a gateway would hand it over), its token ids taken out and encoded
+  again; a request counter and a latency histogram (prometheus-client). What a
+  lean path for the commonest request would cost at best.
 
 Run as a script (prints ``READY http://127.0.0.1:PORT`` once listening)::
 
@@ -25,13 +32,17 @@ import argparse
 import asyncio
 import signal
 import socket
+import time
 from collections.abc import Callable
 from typing import Any, cast
 
 import httptools
+import orjson
 import uvicorn
 import uvloop
+from prometheus_client import Counter, Histogram
 
+from pd_orchestrator.openai.protocol import RequestError, parse_for
 from pd_orchestrator.upstream.transport import HttpTransport, Origin, Request, Timeouts
 
 TIMEOUTS = Timeouts(connect=5.0, read=60.0, pool=5.0)
@@ -85,12 +96,100 @@ def asgi_app(upstream: Upstream) -> Callable[..., Any]:
     return app
 
 
-async def serve_asgi(sock: socket.socket, upstream: Upstream) -> None:
+async def serve_asgi(sock: socket.socket, upstream: Upstream, lean: bool = False) -> None:
+    app = decode_app(upstream) if lean else asgi_app(upstream)
     config = uvicorn.Config(
-        asgi_app(upstream), loop="none", http="httptools", lifespan="off",
+        app, loop="none", http="httptools", lifespan="off",
         access_log=False, log_level="warning",
     )  # fmt: skip
     await uvicorn.Server(config).serve(sockets=[sock])
+
+
+# -- the least a decode-first gateway does ------------------------------------------------
+THRESHOLD = 0.7
+REQUESTS = Counter("floor_requests", "Requests answered", ["decision"])
+LATENCY = Histogram("floor_request_seconds", "Seconds to the answer's end")
+_HIDDEN = ("token_ids", "prompt_token_ids")
+
+
+def upstream_body(body: dict[str, Any]) -> bytes:
+    """The decoder's leg: the client's body with the threshold and the token ids."""
+    leg = dict(body)
+    leg["cache_hit_threshold"] = THRESHOLD
+    leg["return_token_ids"] = True
+    if leg.get("stream"):
+        leg["stream_options"] = {"include_usage": True}
+    return orjson.dumps(leg)
+
+
+def reshape(answer: dict[str, Any]) -> bool:
+    """Take the token ids out of ``answer`` in place; whether the decoder declined it."""
+    declined = False
+    for choice in answer.get("choices") or ():
+        declined = declined or choice.get("finish_reason") == "cache_threshold"
+        for name in _HIDDEN:
+            choice.pop(name, None)
+    return declined
+
+
+DECLINED = b'{"error": {"message": "the decoder declined: cache_threshold", "code": 502}}'
+
+
+def decode_app(upstream: Upstream) -> Callable[..., Any]:
+    async def app(scope: Scope, receive: Callable[[], Any], send: Callable[[Message], Any]) -> None:
+        if scope["type"] != "http":
+            return
+        started = time.monotonic()
+        raw, more = b"", True
+        while more:
+            message = await receive()
+            raw += message.get("body", b"")
+            more = message.get("more_body", False)
+
+        async def whole(status: int, data: bytes) -> None:
+            head = [(b"content-type", b"application/json"),
+                    (b"content-length", str(len(data)).encode())]  # fmt: skip
+            await send({"type": "http.response.start", "status": status, "headers": head})
+            await send({"type": "http.response.body", "body": data})
+
+        try:
+            body = orjson.loads(raw)
+            parse_for("completion" if scope["path"] == "/v1/completions" else "chat", body)
+        except (orjson.JSONDecodeError, RequestError) as exc:
+            await whole(400, orjson.dumps({"error": {"message": str(exc), "code": 400}}))
+            return
+        response = await upstream.send("POST", scope["path"], upstream_body(body))
+        if not body.get("stream"):
+            answer = orjson.loads(await response.read())
+            if reshape(answer):
+                await whole(502, DECLINED)
+                return
+            await whole(response.status, orjson.dumps(answer))
+        else:
+            head = [(b"content-type", STREAM.encode())]
+            await send({"type": "http.response.start", "status": response.status, "headers": head})
+            rest = b""
+            async for piece in response:
+                events = (rest + piece).split(b"\n\n")
+                rest = events.pop()
+                out = []
+                for event in events:
+                    data = event[6:]
+                    if data == b"[DONE]":
+                        out.append(b"data: [DONE]\n\n")
+                        continue
+                    chunk = orjson.loads(data)
+                    reshape(chunk)
+                    if chunk.get("choices") or body.get("stream_options"):
+                        out.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                if out:
+                    await send({"type": "http.response.body", "body": b"".join(out),
+                                "more_body": True})  # fmt: skip
+            await send({"type": "http.response.body", "body": b""})
+        REQUESTS.labels("decode").inc()
+        LATENCY.observe(time.monotonic() - started)
+
+    return app
 
 
 # -- a raw asyncio protocol --------------------------------------------------------------
@@ -169,7 +268,7 @@ async def serve_raw(sock: socket.socket, upstream: Upstream) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
-    parser.add_argument("--mode", choices=("asgi", "raw"), required=True)
+    parser.add_argument("--mode", choices=("asgi", "raw", "decode"), required=True)
     parser.add_argument("--upstream", required=True, help="the backend's base URL")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
@@ -179,8 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     sock.bind((args.host, args.port))
     sock.listen(4096)
     print(f"READY http://{args.host}:{sock.getsockname()[1]}", flush=True)
-    serve = serve_asgi if args.mode == "asgi" else serve_raw
-    uvloop.run(serve(sock, Upstream(args.upstream)))
+    upstream = Upstream(args.upstream)
+    if args.mode == "raw":
+        uvloop.run(serve_raw(sock, upstream))
+    else:
+        uvloop.run(serve_asgi(sock, upstream, lean=args.mode == "decode"))
     return 0
 
 
