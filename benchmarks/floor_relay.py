@@ -1,25 +1,27 @@
 """The Python floor of a relay: what relaying costs with nothing else to do.
 
-Not a product: a lower bound for the overhead benchmark (``--targets
-floor-asgi,floor-raw``). Each request is forwarded as it came (method, path, body)
-to one upstream through the gateway's own HTTP client
-(:class:`pd_orchestrator.upstream.transport.HttpTransport`, keep-alive pooled), and
-the answer is passed back byte for byte: no parse of the body, no plan, no
-reshaping, no metrics, no learning, no limits. Two front ends:
+Not a product: lower bounds for the overhead benchmark (``--targets
+floor-asgi,floor-raw,floor-decode``) and ``request_path.py``. Every request goes to
+one upstream through the gateway's own HTTP client
+(:class:`pd_orchestrator.upstream.transport.HttpTransport`, keep-alive pooled). Three
+modes:
 
 * ``asgi``: uvicorn with httptools and uvloop, as the gateway serves (its own
-  protocol class aside), and a twenty-line ASGI app: the floor of the gateway's
-  stack, so the gateway's figure less this one is what its own work costs;
-* ``raw``: an ``asyncio.Protocol`` with httptools' request parser on uvloop, one
-  task per request: the floor of any Python relay on this event loop, so this one
-  less SMG's or vllm-router's is what Python itself costs;
+  protocol class aside), and a twenty-line ASGI app that passes the request and
+  the answer through byte for byte (no parse, no plan, no metrics): the floor of
+  the gateway's stack, so the gateway's figure less this one is what its own work
+  costs;
+* ``raw``: the same pass-through on an ``asyncio.Protocol`` with httptools' request
+  parser on uvloop, one task per request: the floor of any Python relay on this
+  event loop, so this one less SMG's or vllm-router's is what Python itself costs;
 * ``decode``: ``asgi`` plus the least a decode-first gateway must do to a request
   that its decoder serves: the body parsed (orjson) and validated (the gateway's
-  own request model), the threshold and the token ids asked for, the body encoded;
-  the answer (or each streamed event) parsed, checked for ``cache_threshold`` (a
-  502 here: a gateway would hand it over), its token ids taken out and encoded
-  again; a request counter and a latency histogram (prometheus-client). What a
-  lean path for the commonest request would cost at best.
+  own request model), the threshold and the token ids asked for, the leg's body
+  encoded; the answer, or each streamed event, parsed, its finish reason read for
+  ``cache_threshold`` (a whole answer declined is a 502 here, where a gateway would
+  hand it over), its token ids taken out and encoded again; a request counter by
+  outcome and a latency histogram (prometheus-client). What a lean path for the
+  commonest request would cost at best.
 
 Run as a script (prints ``READY http://127.0.0.1:PORT`` once listening)::
 
@@ -96,8 +98,8 @@ def asgi_app(upstream: Upstream) -> Callable[..., Any]:
     return app
 
 
-async def serve_asgi(sock: socket.socket, upstream: Upstream, lean: bool = False) -> None:
-    app = decode_app(upstream) if lean else asgi_app(upstream)
+async def serve_asgi(sock: socket.socket, app: Callable[..., Any]) -> None:
+    """Serve ``app`` with uvicorn (httptools, on the running loop) on ``sock``."""
     config = uvicorn.Config(
         app, loop="none", http="httptools", lifespan="off",
         access_log=False, log_level="warning",
@@ -168,7 +170,7 @@ def decode_app(upstream: Upstream) -> Callable[..., Any]:
         else:
             head = [(b"content-type", STREAM.encode())]
             await send({"type": "http.response.start", "status": response.status, "headers": head})
-            rest = b""
+            rest, declined = b"", False
             async for piece in response:
                 events = (rest + piece).split(b"\n\n")
                 rest = events.pop()
@@ -179,13 +181,16 @@ def decode_app(upstream: Upstream) -> Callable[..., Any]:
                         out.append(b"data: [DONE]\n\n")
                         continue
                     chunk = orjson.loads(data)
-                    reshape(chunk)
+                    declined = reshape(chunk) or declined
                     if chunk.get("choices") or body.get("stream_options"):
                         out.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
                 if out:
                     await send({"type": "http.response.body", "body": b"".join(out),
                                 "more_body": True})  # fmt: skip
             await send({"type": "http.response.body", "body": b""})
+            if declined:  # a gateway would hand the stream over here
+                REQUESTS.labels("declined").inc()
+                return
         REQUESTS.labels("decode").inc()
         LATENCY.observe(time.monotonic() - started)
 
@@ -282,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "raw":
         uvloop.run(serve_raw(sock, upstream))
     else:
-        uvloop.run(serve_asgi(sock, upstream, lean=args.mode == "decode"))
+        app = decode_app if args.mode == "decode" else asgi_app
+        uvloop.run(serve_asgi(sock, app(upstream)))
     return 0
 
 
