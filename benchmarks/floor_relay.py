@@ -45,7 +45,13 @@ import uvloop
 from prometheus_client import Counter, Histogram
 
 from pd_orchestrator.openai.protocol import RequestError, parse_for
-from pd_orchestrator.upstream.transport import HttpTransport, Origin, Request, Timeouts
+from pd_orchestrator.upstream.transport import (
+    HttpTransport,
+    Origin,
+    Request,
+    Response,
+    Timeouts,
+)
 
 TIMEOUTS = Timeouts(connect=5.0, read=60.0, pool=5.0)
 STREAM = "text/event-stream"
@@ -60,7 +66,7 @@ class Upstream:
         self.origin = Origin.of(url)
         self.transport = HttpTransport()
 
-    async def send(self, method: str, path: str, body: bytes) -> Any:
+    async def send(self, method: str, path: str, body: bytes) -> Response:
         return await self.transport.send(Request(method, self.origin, path, body), TIMEOUTS)
 
 
@@ -71,25 +77,37 @@ def _content_type(headers: list[tuple[str, str]]) -> str:
     return "application/json"
 
 
+async def read_body(receive: Callable[[], Any]) -> bytes:
+    """The request's whole body from its ASGI messages."""
+    body, more = b"", True
+    while more:
+        message = await receive()
+        body += message.get("body", b"")
+        more = message.get("more_body", False)
+    return body
+
+
+async def send_whole(
+    send: Callable[[Message], Any], status: int, data: bytes, kind: bytes = b"application/json"
+) -> None:
+    """A whole answer: its head with the length, then its body."""
+    head = [(b"content-type", kind), (b"content-length", str(len(data)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": data})
+
+
 # -- ASGI on uvicorn ---------------------------------------------------------------------
 def asgi_app(upstream: Upstream) -> Callable[..., Any]:
     async def app(scope: Scope, receive: Callable[[], Any], send: Callable[[Message], Any]) -> None:
         if scope["type"] != "http":
             return
-        body, more = b"", True
-        while more:
-            message = await receive()
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
+        body = await read_body(receive)
         response = await upstream.send(scope["method"], scope["path"], body)
         kind = _content_type(response.headers)
-        head = [(b"content-type", kind.encode())]
         if not kind.startswith(STREAM):
-            data = await response.read()
-            head.append((b"content-length", str(len(data)).encode()))
-            await send({"type": "http.response.start", "status": response.status, "headers": head})
-            await send({"type": "http.response.body", "body": data})
+            await send_whole(send, response.status, await response.read(), kind.encode())
             return
+        head = [(b"content-type", kind.encode())]
         await send({"type": "http.response.start", "status": response.status, "headers": head})
         async for piece in response:
             await send({"type": "http.response.body", "body": piece, "more_body": True})
@@ -142,35 +160,25 @@ def decode_app(upstream: Upstream) -> Callable[..., Any]:
         if scope["type"] != "http":
             return
         started = time.monotonic()
-        raw, more = b"", True
-        while more:
-            message = await receive()
-            raw += message.get("body", b"")
-            more = message.get("more_body", False)
-
-        async def whole(status: int, data: bytes) -> None:
-            head = [(b"content-type", b"application/json"),
-                    (b"content-length", str(len(data)).encode())]  # fmt: skip
-            await send({"type": "http.response.start", "status": status, "headers": head})
-            await send({"type": "http.response.body", "body": data})
-
         try:
-            body = orjson.loads(raw)
+            body = orjson.loads(await read_body(receive))
             parse_for("completion" if scope["path"] == "/v1/completions" else "chat", body)
         except (orjson.JSONDecodeError, RequestError) as exc:
-            await whole(400, orjson.dumps({"error": {"message": str(exc), "code": 400}}))
+            error = {"error": {"message": str(exc), "code": 400}}
+            await send_whole(send, 400, orjson.dumps(error))
             return
         response = await upstream.send("POST", scope["path"], upstream_body(body))
         if not body.get("stream"):
             answer = orjson.loads(await response.read())
             if reshape(answer):
-                await whole(502, DECLINED)
+                await send_whole(send, 502, DECLINED)
                 return
-            await whole(response.status, orjson.dumps(answer))
+            await send_whole(send, response.status, orjson.dumps(answer))
         else:
             head = [(b"content-type", STREAM.encode())]
             await send({"type": "http.response.start", "status": response.status, "headers": head})
             rest, declined = b"", False
+            usage = bool(body.get("stream_options"))  # the client asked for the usage chunk
             async for piece in response:
                 events = (rest + piece).split(b"\n\n")
                 rest = events.pop()
@@ -182,7 +190,7 @@ def decode_app(upstream: Upstream) -> Callable[..., Any]:
                         continue
                     chunk = orjson.loads(data)
                     declined = reshape(chunk) or declined
-                    if chunk.get("choices") or body.get("stream_options"):
+                    if chunk.get("choices") or usage:
                         out.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
                 if out:
                     await send({"type": "http.response.body", "body": b"".join(out),
