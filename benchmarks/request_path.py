@@ -125,6 +125,8 @@ async def measure(args: argparse.Namespace, backend_url: str) -> None:
         calls = sum(entry[1] for entry in stats.stats.values())  # type: ignore[attr-defined]
         print(f"calls per request (profiled): {calls / total:.0f}")
         stats.sort_stats("tottime").print_stats(args.top)
+        if args.dump is not None:
+            stats.dump_stats(args.dump)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -137,6 +139,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=16, help="loops sending at once")
     parser.add_argument("--profile", action="store_true", help="cProfile the measured requests")
     parser.add_argument("--top", type=int, default=30, help="functions the profile lists")
+    parser.add_argument("--dump", type=Path, help="with --profile: write the pstats file here")
     args = parser.parse_args(argv)
     if args.requests < 1 or args.concurrency < 1:
         parser.error("--requests and --concurrency must be >= 1")
