@@ -16,7 +16,7 @@ counts as a call). Run each target pinned to one CPU (``taskset -c 1``) and comp
 targets run one after the other: on a shared machine one run moves by a third.
 
     .venv/bin/python benchmarks/request_path.py [--target gateway|floor-asgi|floor-decode]
-        [--stream] [--requests 8000] [--concurrency 16] [--profile]
+        [--stream] [--requests 8000] [--concurrency 16] [--profile [--dump FILE]]
 """
 
 from __future__ import annotations

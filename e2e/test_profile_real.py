@@ -94,8 +94,9 @@ evenly, not a few repeated: a p50 of a few distinct lengths lies between two of
 them, where a little noise moves it by the gap."""
 LEARN_TOKENS = 1024
 LEARN_PER_PASS = 1
-SETTLE_SECONDS = 15.0
 """(c)'s cold prompts kept local, and as many sent P/D, after each profile run."""
+SETTLE_SECONDS = 15.0
+"""How long (c) waits at most for the gateway to read the pair idle after a run."""
 MAX_MODEL_LEN = 4096
 """The pair's: the tiny model's whole context, room for (c)'s long stream."""
 STREAM_TOKENS = 4000
@@ -232,7 +233,7 @@ class Timeline:
 def timeline(pair: Any, tmp_path_factory: pytest.TempPathFactory) -> Timeline:
     """:data:`PASSES` profile runs; after each, a part of (b)'s workload on the decoder
     and a part of (c)'s learning through a ``goodput`` gateway (started after the first
-    run, from seeds four times below its rate; :func:`_learning`); then (c)'s
+    run, from seeds four times below its rate; :class:`_Learning`); then (c)'s
     decisions beside a stream. The profile is fitted to every run's fit settings."""
     folder = tmp_path_factory.mktemp("profile")
     started = time.monotonic()
