@@ -1,9 +1,9 @@
 """The Python floor of a relay: what relaying costs with nothing else to do.
 
 Not a product: lower bounds for the overhead benchmark (``--targets
-floor-asgi,floor-raw,floor-decode``) and ``request_path.py``. Every request goes to
-one upstream through the gateway's own HTTP client
-(:class:`pd_orchestrator.upstream.transport.HttpTransport`, keep-alive pooled). Three
+floor-asgi,floor-raw,floor-decode,floor-plan``) and ``request_path.py``. Every request
+goes to one upstream through the gateway's own HTTP client
+(:class:`pd_orchestrator.upstream.transport.HttpTransport`, keep-alive pooled). Four
 modes:
 
 * ``asgi``: uvicorn with httptools and uvloop, as the gateway serves (its own
@@ -21,7 +21,13 @@ modes:
   ``cache_threshold`` (a whole answer declined is a 502 here, where a gateway would
   hand it over), its token ids taken out and encoded again; a request counter by
   outcome and a latency histogram (prometheus-client). What a lean path for the
-  commonest request would cost at best.
+  commonest request would cost at best;
+* ``plan``: ``decode`` with the gateway's own decision in place of the parse and the
+  fixed threshold: its admission (the body's limits, the request's parse, its facts),
+  its planner's whole plan over the fleet (the overhead benchmark's config: the
+  routing pipeline, the threshold policy) and its planner's learning from the
+  answer's usage and TTFT. What a lean flow under today's plan would cost: the
+  gateway's figure less this one is what its general flow costs on top.
 
 Run as a script (prints ``READY http://127.0.0.1:PORT`` once listening)::
 
@@ -32,11 +38,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import signal
 import socket
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
 
 import httptools
 import orjson
@@ -44,7 +52,15 @@ import uvicorn
 import uvloop
 from prometheus_client import Counter, Histogram
 
+from pd_orchestrator.config.settings import GatewayConfig
+from pd_orchestrator.flows.sink import GatewayError
+from pd_orchestrator.gateway.admission import Body, RequestIds, admit, header_map, json_object
+from pd_orchestrator.gateway.app import Gateway
+from pd_orchestrator.gateway.limits import check_json
+from pd_orchestrator.model.route import threshold_of
+from pd_orchestrator.openai.errors import error_body
 from pd_orchestrator.openai.protocol import RequestError, parse_for
+from pd_orchestrator.planner.plan import Served as Taught
 from pd_orchestrator.upstream.transport import (
     HttpTransport,
     Origin,
@@ -132,10 +148,10 @@ LATENCY = Histogram("floor_request_seconds", "Seconds to the answer's end")
 _HIDDEN = ("token_ids", "prompt_token_ids")
 
 
-def upstream_body(body: dict[str, Any]) -> bytes:
+def upstream_body(body: dict[str, Any], threshold: float = THRESHOLD) -> bytes:
     """The decoder's leg: the client's body with the threshold and the token ids."""
     leg = dict(body)
-    leg["cache_hit_threshold"] = THRESHOLD
+    leg["cache_hit_threshold"] = threshold
     leg["return_token_ids"] = True
     if leg.get("stream"):
         leg["stream_options"] = {"include_usage": True}
@@ -155,21 +171,69 @@ def reshape(answer: dict[str, Any]) -> bool:
 DECLINED = b'{"error": {"message": "the decoder declined: cache_threshold", "code": 502}}'
 
 
-def decode_app(upstream: Upstream) -> Callable[..., Any]:
+class Refused(Exception):
+    """A request refused before any leg: ``status`` and the error's JSON body."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(status)
+        self.status = status
+        self.body = body
+
+
+@dataclass(slots=True)
+class Served:
+    """What the decoder's answer said, for learning: seconds to the first content, and
+    the usage it reported (None: none)."""
+
+    ttft: float | None = None
+    usage: dict[str, Any] | None = None
+
+
+class Decider(Protocol):
+    """How a decoding floor decides a request: the client's body (raw) to the body to
+    send on and its threshold, and a ticket that :meth:`learn` gets back."""
+
+    def decide(self, scope: Scope, raw: bytes) -> tuple[dict[str, Any], float, Any]: ...
+
+    def learn(self, ticket: Any, served: Served) -> None: ...
+
+
+class Fixed:
+    """``decode``'s decision: the body parsed and validated, a fixed threshold, nothing
+    learnt."""
+
+    def decide(self, scope: Scope, raw: bytes) -> tuple[dict[str, Any], float, Any]:
+        try:
+            body = orjson.loads(raw)
+            parse_for("completion" if scope["path"] == "/v1/completions" else "chat", body)
+        except (orjson.JSONDecodeError, RequestError) as exc:
+            error = {"error": {"message": str(exc), "code": 400}}
+            raise Refused(400, orjson.dumps(error)) from None
+        return body, THRESHOLD, None
+
+    def learn(self, ticket: Any, served: Served) -> None:
+        return None
+
+
+def decode_app(upstream: Upstream, decider: Decider | None = None) -> Callable[..., Any]:
+    """The ``decode`` floor (``decider`` None: :class:`Fixed`), or any other way to
+    decide the leg (``plan``: :class:`Planned`)."""
+    decide = decider or Fixed()
+
     async def app(scope: Scope, receive: Callable[[], Any], send: Callable[[Message], Any]) -> None:
         if scope["type"] != "http":
             return
         started = time.monotonic()
         try:
-            body = orjson.loads(await read_body(receive))
-            parse_for("completion" if scope["path"] == "/v1/completions" else "chat", body)
-        except (orjson.JSONDecodeError, RequestError) as exc:
-            error = {"error": {"message": str(exc), "code": 400}}
-            await send_whole(send, 400, orjson.dumps(error))
+            body, threshold, ticket = decide.decide(scope, await read_body(receive))
+        except Refused as exc:
+            await send_whole(send, exc.status, exc.body)
             return
-        response = await upstream.send("POST", scope["path"], upstream_body(body))
+        response = await upstream.send("POST", scope["path"], upstream_body(body, threshold))
+        served = Served()
         if not body.get("stream"):
             answer = orjson.loads(await response.read())
+            served.ttft, served.usage = time.monotonic() - started, answer.get("usage")
             if reshape(answer):
                 await send_whole(send, 502, DECLINED)
                 return
@@ -190,6 +254,11 @@ def decode_app(upstream: Upstream) -> Callable[..., Any]:
                         continue
                     chunk = orjson.loads(data)
                     declined = reshape(chunk) or declined
+                    if chunk.get("choices"):
+                        if served.ttft is None:
+                            served.ttft = time.monotonic() - started
+                    else:
+                        served.usage = chunk.get("usage")
                     if chunk.get("choices") or usage:
                         out.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
                 if out:
@@ -201,8 +270,49 @@ def decode_app(upstream: Upstream) -> Callable[..., Any]:
                 return
         REQUESTS.labels("decode").inc()
         LATENCY.observe(time.monotonic() - started)
+        decide.learn(ticket, served)
 
     return app
+
+
+class Planned:
+    """``plan``'s decision: the gateway's own admission (the body's checks, the
+    request's parse and facts), its planner's whole plan over the fleet of ``config``
+    (routing pipeline, threshold policy), and its planner's learning from the answer,
+    as the gateway does them; the leg goes to the one upstream whichever decoder the
+    plan named (in the overhead benchmark's config every endpoint is that upstream)."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.state = Gateway(config).state
+        self.ids = RequestIds()
+        self.ordinals = itertools.count()
+
+    def decide(self, scope: Scope, raw: bytes) -> tuple[dict[str, Any], float, Any]:
+        state, path = self.state, scope["path"]
+        kind = "completion" if path == "/v1/completions" else "chat"
+        try:
+            body = json_object(raw)
+            check_json(body, state.config.limits, kind)
+            now = time.monotonic()
+            headers = header_map(scope["headers"])
+            admitted = admit(state, kind, path, Body(raw, body), headers, now, self.ids)
+            candidates = state.scraper.candidates(state.fleet.snapshot(), now)
+            plan = state.planner.plan(admitted.facts, candidates, now, next(self.ordinals))
+        except GatewayError as exc:
+            error = error_body(exc.message, exc.status, param=exc.param)
+            raise Refused(exc.status, orjson.dumps(error)) from None
+        return admitted.request.body, threshold_of(plan.route), (admitted, plan)
+
+    def learn(self, ticket: Any, served: Served) -> None:
+        admitted, plan = ticket
+        usage = served.usage or {}
+        details = usage.get("prompt_tokens_details") or {}
+        cached = self.state.cache_reports.resolve(plan.decoder.name, details.get("cached_tokens"))
+        taught = Taught(
+            plan.decoder, time.monotonic(), served.ttft, None, usage.get("prompt_tokens"),
+            cached_tokens=cached, output_tokens=usage.get("completion_tokens") or 0, remote=False,
+        )  # fmt: skip
+        self.state.planner.learn(plan, admitted.facts, taught)
 
 
 # -- a raw asyncio protocol --------------------------------------------------------------
@@ -279,12 +389,29 @@ async def serve_raw(sock: socket.socket, upstream: Upstream) -> None:
         await stop.wait()
 
 
+def app_of(mode: str, upstream: Upstream, url: str, model: str | None = None) -> Callable[..., Any]:
+    """The ASGI app of ``mode`` (``asgi``, ``decode`` or ``plan``) relaying to
+    ``upstream`` (at ``url``: ``plan``'s fleet is the overhead benchmark's config of it,
+    serving ``model``, by default the benchmark's)."""
+    if mode == "asgi":
+        return asgi_app(upstream)
+    if mode == "decode":
+        return decode_app(upstream)
+    import overhead_bench
+
+    from pd_orchestrator.config.loader import parse_config
+
+    config = overhead_bench.gateway_config(url, model or overhead_bench.MODEL)
+    return decode_app(upstream, Planned(parse_config(config)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
-    parser.add_argument("--mode", choices=("asgi", "raw", "decode"), required=True)
+    parser.add_argument("--mode", choices=("asgi", "raw", "decode", "plan"), required=True)
     parser.add_argument("--upstream", required=True, help="the backend's base URL")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--model", help="plan: the model the fleet serves (the benchmark's)")
     args = parser.parse_args(argv)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -295,8 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "raw":
         uvloop.run(serve_raw(sock, upstream))
     else:
-        app = decode_app if args.mode == "decode" else asgi_app
-        uvloop.run(serve_asgi(sock, app(upstream)))
+        uvloop.run(serve_asgi(sock, app_of(args.mode, upstream, args.upstream, args.model)))
     return 0
 
 

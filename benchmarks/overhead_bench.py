@@ -80,7 +80,7 @@ sys.path.insert(0, str(HERE))
 from minimal_backend import COMPLETION_TOKENS, MODEL  # noqa: E402
 
 TARGETS = ("direct", "gateway", "vllm-router", "smg")
-FLOORS = ("floor-asgi", "floor-raw", "floor-decode")
+FLOORS = ("floor-asgi", "floor-raw", "floor-decode", "floor-plan")
 """The Python floor of a relay (``floor_relay.py``): measured only when named."""
 BASELINE = "gateway-baseline"
 """The gateway of another checkout (``--baseline DIR``), measured like a peer."""
@@ -693,7 +693,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=_csv(str, TARGETS + FLOORS),
         default=list(TARGETS),
         help="comma list of direct, gateway, vllm-router, smg (default: these four), "
-        "floor-asgi, floor-raw, floor-decode (the Python floor of a relay, floor_relay.py)",
+        "floor-asgi, floor-raw, floor-decode, floor-plan (the Python floor of a relay, "
+        "floor_relay.py)",
     )
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument(

@@ -6,7 +6,8 @@ minimal backend (``minimal_backend.py``), builds the gateway
 (:class:`~pd_orchestrator.gateway.app.Gateway`, the overhead benchmark's config) or
 one of the floor relay's ASGI apps (``floor_relay.py``: ``floor-asgi``, the same
 upstream client and nothing else; ``floor-decode``, the least a decode-first
-gateway does), and calls the ASGI app directly from ``--concurrency`` loops, each sending
+gateway does; ``floor-plan``, that with the gateway's own admission, plan and
+learning), and calls the ASGI app directly from ``--concurrency`` loops, each sending
 the overhead benchmark's request one after another (an in-memory ``receive`` and
 ``send``; the request's connection offers the gateway's disconnect hook, as its
 protocol does). It prints the CPU time this process spent per request (the backend
@@ -15,8 +16,9 @@ time and the Python and builtin calls per request (each resumption of a coroutin
 counts as a call). Run each target pinned to one CPU (``taskset -c 1``) and compare
 targets run one after the other: on a shared machine one run moves by a third.
 
-    .venv/bin/python benchmarks/request_path.py [--target gateway|floor-asgi|floor-decode]
-        [--stream] [--requests 8000] [--concurrency 16] [--profile [--dump FILE]]
+    .venv/bin/python benchmarks/request_path.py
+        [--target gateway|floor-asgi|floor-decode|floor-plan] [--stream]
+        [--requests 8000] [--concurrency 16] [--profile [--dump FILE]]
 """
 
 from __future__ import annotations
@@ -90,8 +92,8 @@ def build(target: str, backend_url: str) -> tuple[App, Callable[[], Awaitable[No
         gateway = Gateway(parse_config(overhead_bench.gateway_config(backend_url)))
         return gateway.app(), gateway.upstream.aclose  # type: ignore[return-value]
     upstream = floor_relay.Upstream(backend_url)
-    app = floor_relay.decode_app if target == "floor-decode" else floor_relay.asgi_app
-    return app(upstream), upstream.transport.aclose
+    app = floor_relay.app_of(target.removeprefix("floor-"), upstream, backend_url)
+    return app, upstream.transport.aclose
 
 
 async def measure(args: argparse.Namespace, backend_url: str) -> None:
@@ -132,7 +134,9 @@ async def measure(args: argparse.Namespace, backend_url: str) -> None:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument(
-        "--target", choices=("gateway", "floor-asgi", "floor-decode"), default="gateway"
+        "--target",
+        choices=("gateway", "floor-asgi", "floor-decode", "floor-plan"),
+        default="gateway",
     )
     parser.add_argument("--stream", action="store_true", help="streamed answers")
     parser.add_argument("--requests", type=int, default=8000)

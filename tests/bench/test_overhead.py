@@ -333,10 +333,11 @@ def test_workers_add_their_targets(bench: ModuleType) -> None:
 FLOOR = BENCHMARKS / "floor_relay.py"
 
 
-@pytest.fixture(scope="module", params=["asgi", "raw", "decode"])
+@pytest.fixture(scope="module", params=["asgi", "raw", "decode", "plan"])
 def floor(request: pytest.FixtureRequest, backend: Child) -> Iterator[Child]:
     """A floor relay of each mode in front of the minimal backend."""
-    argv = [sys.executable, str(FLOOR), "--mode", request.param, "--upstream", backend.url]
+    argv = [sys.executable, str(FLOOR), "--mode", request.param, "--upstream", backend.url,
+            "--model", MODEL]  # fmt: skip
     child = start_child(f"floor-{request.param}", argv, timeout=30)
     try:
         yield child
@@ -356,7 +357,7 @@ def test_a_floor_relay_passes_the_backend_s_answer_through(
         assert bench.check_answer(relayed, stream=stream) is None
         again = client.post(f"{floor.url}/v1/completions", content=body, headers=headers)
         assert again.content == relayed.content  # and again on the kept-alive connections
-    if floor.name != "floor-decode":  # memoized: the same bytes, passed through
+    if floor.name not in ("floor-decode", "floor-plan"):  # memoized: the same bytes
         assert relayed.content == direct.content
     elif stream:  # the same events, the token ids asked for and taken out again
         assert [_content(e) for e in _events(relayed)] == [_content(e) for e in _events(direct)]
@@ -371,11 +372,38 @@ def _content(answer: dict[str, Any]) -> Any:
 
 def test_floors_are_targets_only_when_named(bench: ModuleType) -> None:
     assert not set(bench.parse_args([]).targets) & set(bench.FLOORS)
-    args = bench.parse_args(["--targets", "floor-raw,gateway,floor-decode,floor-asgi"])
-    assert args.targets == ["gateway", "floor-asgi", "floor-raw", "floor-decode"]
+    args = bench.parse_args(["--targets", "floor-raw,gateway,floor-plan,floor-decode,floor-asgi"])
+    assert args.targets == ["gateway", "floor-asgi", "floor-raw", "floor-decode", "floor-plan"]
 
 
-@pytest.mark.parametrize("target", ["gateway", "floor-asgi", "floor-decode"])
+def test_the_plan_floor_admits_plans_and_learns_as_the_gateway_does(bench: ModuleType) -> None:
+    """``floor-plan``'s decision is the gateway's: its admission refuses what the
+    gateway refuses, in the same shape; its plan names the overhead benchmark's decoder
+    with the configured policy's threshold; what it learns reaches the planner."""
+    from pd_orchestrator.config.loader import parse_config
+
+    with benchmark_script("floor_relay") as floor_relay:
+        planned = floor_relay.Planned(parse_config(bench.gateway_config("http://127.0.0.1:9")))
+        scope = {"path": "/v1/completions", "headers": [(b"content-type", b"application/json")]}
+        raw = json.dumps({"model": bench.MODEL, "prompt": "plan me", "max_tokens": 4}).encode()
+        body, threshold, (admitted, plan) = planned.decide(scope, raw)
+        assert body["prompt"] == "plan me" and plan.decoder.name == "backend-decode"
+        assert threshold == pytest.approx(0.7)  # the schema's default policy, static 0.7
+        refused = {b"{": 400, json.dumps({"model": "other", "prompt": "x"}).encode(): 404}
+        for bad, status in refused.items():
+            with pytest.raises(floor_relay.Refused) as caught:
+                planned.decide(scope, bad)
+            assert caught.value.status == status
+            assert set(json.loads(caught.value.body)["error"]) >= {"message", "type", "code"}
+        resolver = planned.state.planner.threshold
+        assert resolver.prompt_length.ratio(bench.MODEL) == 4.0  # the prior, chars/token
+        usage = {"prompt_tokens": 7, "completion_tokens": 4,
+                 "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+        planned.learn((admitted, plan), floor_relay.Served(0.01, usage))
+        assert resolver.prompt_length.ratio(bench.MODEL) < 4.0  # "plan me": 1 char a token
+
+
+@pytest.mark.parametrize("target", ["gateway", "floor-asgi", "floor-decode", "floor-plan"])
 def test_the_request_path_bench_serves_each_request_and_counts_its_calls(target: str) -> None:
     import subprocess
 
