@@ -548,11 +548,12 @@ class Served:
     learnt: dict[str, Any]
 
 
-def _settled(gateway: str, since: float) -> None:
-    """Until the gateway has read every endpoint idle (nothing running or waiting) in a
-    reading taken after ``since`` (monotonic seconds; this host's clock and the
-    gateway's): the decisions after a profile run see the pair as it is, not the last
-    reading of the run's streams. Bounded (:data:`SETTLE_SECONDS`)."""
+def _settled(gateway: str, since: float) -> bool:
+    """Wait until the gateway has read every endpoint idle (nothing running or waiting)
+    in a reading taken after ``since`` (monotonic seconds; this host's clock and the
+    gateway's): the decisions after a profile run then see the pair as it is, not the
+    last reading of the run's streams. False after :data:`SETTLE_SECONDS` without such
+    a reading (the decisions go on; the routes' check reads what they were)."""
     deadline = time.monotonic() + SETTLE_SECONDS
     while time.monotonic() < deadline:
         now = time.monotonic()
@@ -562,9 +563,9 @@ def _settled(gateway: str, since: float) -> None:
             and load["age"] <= now - since
             for load in loads
         ):  # fmt: skip
-            return
+            return True
         time.sleep(0.1)
-    raise AssertionError(f"the gateway did not read the pair idle in {SETTLE_SECONDS} s")
+    return False
 
 
 class _Learning:
@@ -588,7 +589,8 @@ class _Learning:
         return [_prompt(self.rng, LEARN_TOKENS) for _ in range(LEARN_PER_PASS)]
 
     def after_a_run(self, gateway: str) -> None:
-        _settled(gateway, time.monotonic())
+        if not _settled(gateway, time.monotonic()):
+            print(f"(c) the gateway read no idle pair within {SETTLE_SECONDS} s of a run")
         self.idle += _decisions(gateway, self._cold())
         self.sent += _decisions(gateway, self._cold(), threshold=1.0)
 
