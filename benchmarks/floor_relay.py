@@ -254,12 +254,12 @@ def decode_app(upstream: Upstream, decider: Decider | None = None) -> Callable[.
                         continue
                     chunk = orjson.loads(data)
                     declined = reshape(chunk) or declined
-                    if chunk.get("choices"):
-                        if served.ttft is None:
-                            served.ttft = time.monotonic() - started
-                    else:
+                    choices = chunk.get("choices")
+                    if not choices:
                         served.usage = chunk.get("usage")
-                    if chunk.get("choices") or usage:
+                    elif served.ttft is None:
+                        served.ttft = time.monotonic() - started
+                    if choices or usage:
                         out.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
                 if out:
                     await send({"type": "http.response.body", "body": b"".join(out),

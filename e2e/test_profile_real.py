@@ -202,9 +202,8 @@ def _joined(runs: list[Measured]) -> Points:
                     for name in ("prefill", "decode", "mixed", "handover")))  # fmt: skip
 
 
-def _fitted(runs: list[Measured], path: Path) -> Profiled:
-    """The profile of the fit's settings over ``runs``, written to ``path`` (no pair
-    yet: :func:`timeline` gives it)."""
+def _fitted(pair: Any, runs: list[Measured], path: Path) -> Profiled:
+    """The profile of the fit's settings over ``runs`` of ``pair``, written to ``path``."""
     points = _joined(runs)
     part = _fit_part(points)
     source = dict(runs[0].source, requests=sum(int(r.source["requests"]) for r in runs))
@@ -213,7 +212,7 @@ def _fitted(runs: list[Measured], path: Path) -> Profiled:
         capacity_tokens=int(source.get("capacity_tokens") or 845_000),
     )  # fmt: skip
     dump_measured(Measured(profile, part, source), path)
-    return Profiled(None, points, source, profile, path)
+    return Profiled(pair, points, source, profile, path)
 
 
 @dataclass(frozen=True)
@@ -241,7 +240,7 @@ def timeline(pair: Any, tmp_path_factory: pytest.TempPathFactory) -> Timeline:
     workload = [(_prompt(rng, length), tokens) for length, tokens in WORKLOAD]
     rng.shuffle(workload)
     runs = [_run_profile(pair, folder / "run-0.yaml")]
-    first = _fitted(runs, folder / "run-0-fit.yaml")
+    first = _fitted(pair, runs, folder / "run-0-fit.yaml")
     seed = _profile_rate(first.profile, LEARN_TOKENS) / 4
     target = vllm_target(pair)
     config = target.gateway_config(**_goodput_config(seed))
@@ -256,7 +255,7 @@ def timeline(pair: Any, tmp_path_factory: pytest.TempPathFactory) -> Timeline:
                 runs.append(_run_profile(pair, folder / f"run-{index}.yaml"))
             replay += _replay(pair.decoder.url, workload[index * per_pass : (index + 1) * per_pass])
             learning.after_a_run(gateway.url)
-        profiled = _fitted(runs, folder / "cpu-pair.yaml")
+        profiled = _fitted(pair, runs, folder / "cpu-pair.yaml")
         served = learning.finish(gateway.url, seed, _profile_rate(profiled.profile, LEARN_TOKENS))
     p = profiled.profile
     sys.stderr.write(
@@ -266,7 +265,6 @@ def timeline(pair: Any, tmp_path_factory: pytest.TempPathFactory) -> Timeline:
         f"ns/pair); step {(p.a_dec + p.weights) * 1e3:.2f} ms + {p.ctx_read * 1e9:.1f} ns/"
         f"context token; hand-over {p.a_kv * 1e3:.1f} ms\n"
     )
-    profiled = Profiled(pair, profiled.points, profiled.source, profiled.profile, profiled.path)
     return Timeline(profiled, workload, replay, served)
 
 
