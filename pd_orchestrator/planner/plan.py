@@ -390,6 +390,16 @@ def _queued(prefilled: Candidate | None) -> bool | None:
     return prefilled.backlog > 0 or (load is not None and load.waiting > 0)
 
 
+def _alone(prefilled: Candidate | None) -> bool | None:
+    """Whether the endpoint that prefilled a served prompt, as the plan's snapshot saw
+    it, had nothing else there when the plan was made: no request running or waiting
+    by the gateways' counts and its fresh reading (None: not in the snapshot, or no
+    fresh reading, so another gateway's requests may have been there)."""
+    if prefilled is None or prefilled.load is None:
+        return None
+    return prefilled.streams == 0 and not _queued(prefilled)
+
+
 def _planned(plan: Plan, endpoint: Endpoint | None) -> Candidate | None:
     """``endpoint`` as ``plan``'s snapshot saw it (None: not in it, or no endpoint)."""
     if endpoint is None:
@@ -652,6 +662,7 @@ class Planner:
                 remote=served.remote,
                 after_prefill=served.after_prefill,
                 queued=_queued(prefilled),
+                alone=_alone(prefilled),
                 prefill_cached=served.prefill_cached,
                 prefill_seconds=served.prefill_seconds,
                 streams=None if planned is None else planned.streams,

@@ -197,6 +197,10 @@ class LatencyObservation:
     or the prefiller of a P/D request) had prompts queued ahead of it when the
     request was planned (None: unknown): such a TTFT times the queue as well as the
     engine.
+    ``alone``: whether that endpoint had nothing else running or queued there when the
+    request was planned, by the gateway's counts and a fresh reading (None: unknown,
+    or no fresh reading): such a TTFT times the engine alone, up to its jitter; one
+    beside other work is slower by what that work took, a bound on the rate.
     ``prefill_cached``: of a P/D request, the prompt tokens the prefiller had cached
     (its answer's ``prompt_tokens_details``; None: not reported).
     ``prefill_seconds``: of a P/D request, seconds from the prefill leg's send to its
@@ -218,6 +222,7 @@ class LatencyObservation:
     remote: bool | None = None
     after_prefill: float | None = None
     queued: bool | None = None
+    alone: bool | None = None
     prefill_cached: int | None = None
     prefill_seconds: float | None = None
     streams: int | None = None

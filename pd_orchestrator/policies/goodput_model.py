@@ -79,7 +79,16 @@ Learning (:meth:`GoodputModel.observe`, :meth:`GoodputModel.keep`): per pool, th
 maximum: the sample is first clipped into ``[r / k, k * r]`` (``k = 1.5``), then
 ``r <- max(x, r + alpha * (x - r))`` (a fast sample lifts it at once, by at most ``k``,
 queueing pulls it down slowly, by at most ``alpha * (1 - 1/k)`` of it a sample), so no
-one sample, however far off, moves a rate by more than x1.5. A local sample is learnt
+one sample, however far off, moves a rate by more than x1.5. That suits a sample timed
+beside other work (streams decoding, other prompts prefilling), which is slower than
+the engine by what that work took: a bound, not a measure. A sample timed on an
+endpoint with nothing else running or queued there (:attr:`LatencyObservation.alone`)
+measures the engine up to its jitter, which is two-sided; the decaying maximum of
+such samples sits above the engine's rate by about that jitter (on the CPU pair,
+1.3x to 1.6x in the runs that missed the profile by more than a quarter), so the rate
+moves instead to the peak of the last sixteen of them, the fastest of their medians per
+octave of new tokens (across lengths, where the engine runs fastest, as the maximum
+had it; at one length, the middle of its samples), by at most x1.5. A local sample is learnt
 only when the decoder reported its cached count (``prompt_tokens_details``; None:
 unknown, not learnt, as a warm prompt would pass for a whole prefill). A rate learns
 only from a request whose prefilling endpoint (the decoder, or the P/D request's
@@ -106,6 +115,7 @@ Measurements behind these choices: benchmarks/README.md.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated
@@ -232,12 +242,47 @@ def _learn_quantile(quantile: float, sample: float, level: float, alpha: float) 
     return quantile * math.exp(alpha * (level - 1.0 if below else level))
 
 
-def _learn_rate(rate: float, sample: float, alpha: float) -> float:
-    """The bounded decaying maximum of the module docstring: ``sample`` clipped into
-    ``[rate / k, k * rate]`` (``k``: :data:`_MAX_STEP`; unclipped before any rate)."""
+def _learn_rate(
+    rate: float,
+    sample: float,
+    alpha: float,
+    alone: list[tuple[int, float]] | None = None,
+    tokens: int = 0,
+) -> float:
+    """One sample of a rate, as the module docstring says: a sample timed beside other
+    work (``alone`` None) by the bounded decaying maximum, ``sample`` clipped into
+    ``[rate / k, k * rate]`` (``k``: :data:`_MAX_STEP`; unclipped before any rate); one
+    timed on an endpoint with nothing else there, of ``tokens`` new tokens, joins
+    ``alone`` (the last :data:`_ALONE` such samples, with their tokens), and the rate
+    moves to their peak (:func:`_peak`) by at most ``k``."""
+    if alone is not None:
+        alone.append((tokens, sample))
+        del alone[:-_ALONE]
+        sample = _peak(alone)
+        if rate <= 0:
+            return sample
+        return min(max(sample, rate / _MAX_STEP), rate * _MAX_STEP)
     if rate > 0:
         sample = min(max(sample, rate / _MAX_STEP), rate * _MAX_STEP)
     return max(sample, rate + alpha * (sample - rate))
+
+
+def _peak(alone: list[tuple[int, float]]) -> float:
+    """The fastest of the samples' medians per octave of their tokens: across lengths
+    the rate is the one where the engine runs fastest (where a fixed cost weighs
+    least and the attention term has not yet grown, what the decaying maximum
+    followed), at one length the middle of its samples, so a jitter either way
+    moves it by nothing once most of them agree."""
+    octaves: dict[int, list[float]] = {}
+    for tokens, rate in alone:
+        octaves.setdefault(tokens.bit_length(), []).append(rate)
+    return max(statistics.median(rates) for rates in octaves.values())
+
+
+_ALONE = 16
+"""The samples timed alone a rate keeps (:func:`_learn_rate`): enough for a median at
+each of a few lengths, few enough that an engine that changed is followed within a
+few dozen requests."""
 
 
 _MAX_STEP = 1.5
@@ -259,7 +304,8 @@ class PoolModel:
     prefills (seconds a prefilled token spends on each token before it; 0: linear),
     the hand-over's cost (:class:`OctaveLine`, fixed and per token, learnt apart)
     and, learnt where no profile is known, the ITL against the streams a batch
-    holds (``steps``, fixed and per stream; empty before any)."""
+    holds (``steps``, fixed and per stream; empty before any); ``alone_local`` and
+    ``alone_remote``, each rate's last samples timed alone (:func:`_learn_rate`)."""
 
     rate_local: float
     rate_remote: float
@@ -271,6 +317,8 @@ class PoolModel:
     attn: float = 0.0
     handover: OctaveLine = field(default_factory=lambda: OctaveLine(0.0, 1.0 / _SEED_TRANSFER))
     steps: OctaveLine = field(default_factory=OctaveLine)
+    alone_local: list[tuple[int, float]] = field(default_factory=list)
+    alone_remote: list[tuple[int, float]] = field(default_factory=list)
 
     def attention_seconds(self, new: float, held: float) -> float:
         """The attention term of a prefill of ``new`` tokens after ``held`` cached ones:
@@ -370,7 +418,8 @@ class GoodputModel:
 
     def learnt(self) -> dict[str, dict[str, float | None]]:
         """Per pool, what the model holds now (rates in tokens/s, seconds otherwise;
-        the step learnt against the batch None where none is, as with a profile)."""
+        the step learnt against the batch None where none is, as with a profile; the
+        samples timed alone each rate keeps, a count)."""
         return {
             name: {
                 "rate_local": round(pool.rate_local, 1),
@@ -380,6 +429,8 @@ class GoodputModel:
                 "handover_per_token": pool.handover.slope,
                 "step_fixed": pool.steps.fixed if pool.steps.octaves else None,
                 "step_per_stream": pool.steps.slope if pool.steps.octaves else None,
+                "alone_local": len(pool.alone_local),
+                "alone_remote": len(pool.alone_remote),
             }
             for name, pool in sorted(self.pools.items())
         }
@@ -650,12 +701,16 @@ class GoodputModel:
             seconds = self._prefill_leg(observation, model, ttft)
             rate = _rate_sample(model, own, tokens - own, seconds - 2 * p.hop)
             if rate is not None and (held is not None or rate <= _plausible(model)):
-                model.rate_remote = _learn_rate(model.rate_remote, rate, p.alpha)
+                alone = model.alone_remote if observation.alone else None
+                model.rate_remote = _learn_rate(model.rate_remote, rate, p.alpha, alone, own)
         elif observation.cached_tokens is not None:
             cached = observation.cached_tokens
             rate = _rate_sample(model, tokens - cached, cached, ttft - 2 * p.hop)
             if rate is not None:
-                model.rate_local = _learn_rate(model.rate_local, rate, p.alpha)
+                alone = model.alone_local if observation.alone else None
+                model.rate_local = _learn_rate(
+                    model.rate_local, rate, p.alpha, alone, tokens - cached
+                )
 
     def _prefill_leg(self, observation: LatencyObservation, model: PoolModel, ttft: float) -> float:
         """Seconds a P/D request's prefill leg took, its two hops included: as timed from

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import math
+import random
+import statistics
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -963,6 +965,73 @@ def test_one_far_sample_with_a_known_count_moves_a_rate_by_a_bounded_step() -> N
         )
     )  # fmt: skip
     assert model.rate_local >= (1 - 0.2) * 1.5 * before
+
+
+def _learnt_from(
+    samples: list[float],
+    *,
+    alone: bool | None,
+    remote: bool = False,
+    tokens: list[int] | None = None,
+) -> float:
+    """The rate a pool seeded four times below :data:`RATE` learns from ``samples``
+    (rates, tokens/s) of cold prompts (4,000 tokens, else ``tokens``), each timed alone
+    or not."""
+    policy = _policy()
+    model = policy.model.pools["decode"] = PoolModel(RATE / 4, RATE / 4, itl=0.01)
+    for rate, length in zip(samples, tokens or [4_000] * len(samples), strict=True):
+        seconds = length / rate
+        policy.observe(
+            LatencyObservation(
+                "m", "decode", 0.0, ttft=seconds + (0.05 if remote else 0.0), itl=0.01,
+                prompt_tokens=length, cached_tokens=0, prefill_cached=0, remote=remote,
+                after_prefill=0.05 if remote else None, alone=alone,
+            )
+        )  # fmt: skip
+    return model.rate_remote if remote else model.rate_local
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_samples_timed_alone_teach_the_engine_s_rate_not_its_fastest(remote: bool) -> None:
+    """An engine alone jitters both ways (a fifth, request to request, on the CPU
+    pair); the decaying maximum of such samples sat above its rate by about that,
+    their median sits on it (2,000 draws of twelve samples each)."""
+    rng = random.Random(7)
+    alone, beside = [], []
+    for _ in range(2_000):
+        samples = [RATE * math.exp(rng.gauss(0.0, 0.2)) for _ in range(12)]
+        alone.append(_learnt_from(samples, alone=True, remote=remote) / RATE)
+        beside.append(_learnt_from(samples, alone=None, remote=remote) / RATE)
+    assert statistics.median(alone) == pytest.approx(1.0, abs=0.03)
+    assert sum(abs(r - 1.0) > 0.25 for r in alone) < 0.02 * len(alone)
+    assert statistics.median(beside) > 1.15  # what the change removed
+
+
+def test_samples_timed_alone_at_several_lengths_teach_the_fastest_length_s_rate() -> None:
+    """A fixed cost makes short prompts look slow (and attention long ones): the rate
+    of a linear model is where the engine runs fastest, as the decaying maximum
+    found it, each length's jitter taken by its median."""
+    lengths = [600, 1_500, 3_000, 6_000, 12_000, 24_000] * 2
+    shape = {600: 0.6, 1_500: 0.8, 3_000: 0.95, 6_000: 1.0, 12_000: 0.9, 24_000: 0.7}
+    samples = [RATE * shape[n] for n in lengths]
+    assert _learnt_from(samples, alone=True, tokens=lengths) == pytest.approx(RATE)
+    jitter = [1.1] * 6 + [0.9] * 6  # each length once fast, once slow
+    jittered = [s * j for s, j in zip(samples, jitter, strict=True)]
+    assert _learnt_from(jittered, alone=True, tokens=lengths) == pytest.approx(RATE)
+
+
+def test_samples_timed_alone_climb_from_low_seeds_in_bounded_steps() -> None:
+    assert _learnt_from([RATE], alone=True) == pytest.approx(1.5 * RATE / 4)
+    assert _learnt_from([RATE] * 4, alone=True) == pytest.approx(RATE)
+
+
+def test_one_far_sample_timed_alone_moves_a_settled_rate_by_nothing() -> None:
+    settled = [RATE] * 5
+    assert _learnt_from([*settled, 10 * RATE], alone=True) == pytest.approx(RATE)
+    assert _learnt_from([*settled, RATE / 10], alone=True) == pytest.approx(RATE)
+    assert _learnt_from([*settled, *[RATE / 10] * 4], alone=True) == pytest.approx(RATE)
+    # as many slower as settled is a changed engine: the rate follows, by a bounded step
+    assert _learnt_from([*settled, *[RATE / 10] * 5], alone=True) == pytest.approx(RATE / 1.5)
 
 
 def test_a_decoder_is_known_to_report_cached_counts_once_it_says_one() -> None:

@@ -1,7 +1,7 @@
 """The planner tells the threshold policy whether a served request's prefill waited
-behind a queue (its TTFT then times the queue too, and no rate learns from it) and
-how many streams its decoder ran when it was planned (the batch its ITL was timed
-in)."""
+behind a queue (its TTFT then times the queue too, and no rate learns from it),
+whether it ran alone on its endpoint (its TTFT then measures the engine) and how
+many streams its decoder ran when it was planned (the batch its ITL was timed in)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,11 @@ def _endpoint(name: str, role: Role) -> Endpoint:
     return Endpoint(name, f"http://{name}:1", role)
 
 
-D_BACKLOG, D_IDLE, D_WAITING, D_UNREAD = (_endpoint(f"d{i}", Role.DECODE) for i in range(4))
-P_BUSY, P_IDLE = (_endpoint(f"p{i}", Role.PREFILL) for i in range(2))
+D_BACKLOG, D_IDLE, D_WAITING, D_UNREAD, D_QUIET, D_OWN = (
+    _endpoint(f"d{i}", Role.DECODE) for i in range(6)
+)
+P_BUSY, P_IDLE, P_QUIET = (_endpoint(f"p{i}", Role.PREFILL) for i in range(3))
+QUIET = LoadSnapshot(running=0, waiting=0, kv_usage=0.0, observed_at=0.0)
 WAITING = LoadSnapshot(running=4, waiting=2, kv_usage=0.3, observed_at=0.0)
 RUNNING = LoadSnapshot(running=4, waiting=0, kv_usage=0.3, observed_at=0.0)
 
@@ -53,6 +56,9 @@ def _observed(served: Served) -> LatencyObservation:
         Candidate(D_WAITING, load=WAITING),
         Candidate(P_BUSY, backlog=8_000),
         Candidate(P_IDLE),
+        Candidate(D_QUIET, load=QUIET),
+        Candidate(D_OWN, in_flight=1, load=QUIET),  # the reading missed one of its own
+        Candidate(P_QUIET, load=QUIET),
     ]
     facts = RequestFacts("m", 400)
     plan = planner.plan(facts, candidates, 1.0, 1)
@@ -85,3 +91,20 @@ def test_the_streams_its_decoder_ran_are_the_gateway_s_or_the_reading_s_the_larg
     assert _observed(Served(D_BACKLOG, 2.0, itl=0.01, remote=False)).streams == 6
     assert _observed(Served(D_IDLE, 2.0, itl=0.01, remote=True, prefiller=P_IDLE)).streams == 4
     assert _observed(Served(D_UNREAD, 2.0, itl=0.01, remote=False)).streams is None
+
+
+def _alone(served: Served) -> bool | None:
+    return _observed(served).alone
+
+
+def test_a_sample_is_alone_only_when_counts_and_a_fresh_reading_show_nothing_else() -> None:
+    assert _alone(Served(D_QUIET, 2.0, ttft=0.5, remote=False)) is True
+    assert _alone(Served(D_IDLE, 2.0, ttft=0.5, remote=False)) is False  # streams running
+    assert _alone(Served(D_OWN, 2.0, ttft=0.5, remote=False)) is False  # the gateway's own
+    assert _alone(Served(D_BACKLOG, 2.0, ttft=0.5, remote=False)) is None  # no reading
+    assert _alone(Served(D_UNREAD, 2.0, ttft=0.5, remote=False)) is None
+
+
+def test_a_p_d_sample_is_alone_by_its_prefiller() -> None:
+    assert _alone(Served(D_IDLE, 2.0, ttft=0.5, remote=True, prefiller=P_QUIET)) is True
+    assert _alone(Served(D_QUIET, 2.0, ttft=0.5, remote=True, prefiller=P_IDLE)) is None
