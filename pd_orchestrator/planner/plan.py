@@ -390,14 +390,15 @@ def _queued(prefilled: Candidate | None) -> bool | None:
     return prefilled.backlog > 0 or (load is not None and load.waiting > 0)
 
 
-def _alone(prefilled: Candidate | None) -> bool | None:
+def _alone(prefilled: Candidate | None, queued: bool | None) -> bool | None:
     """Whether the endpoint that prefilled a served prompt, as the plan's snapshot saw
-    it, had nothing else there when the plan was made: no request running or waiting
-    by the gateways' counts and its fresh reading (None: not in the snapshot, or no
-    fresh reading, so another gateway's requests may have been there)."""
+    it, had nothing else there when the plan was made: no request running by the
+    gateways' counts and its fresh reading, nothing ``queued`` (:func:`_queued`'s;
+    None: not in the snapshot, or no fresh reading, so another gateway's requests may
+    have been there)."""
     if prefilled is None or prefilled.load is None:
         return None
-    return prefilled.streams == 0 and not _queued(prefilled)
+    return prefilled.streams == 0 and not queued
 
 
 def _planned(plan: Plan, endpoint: Endpoint | None) -> Candidate | None:
@@ -649,6 +650,7 @@ class Planner:
             return
         planned = _planned(plan, decoder)
         prefilled = _planned(plan, served.prefiller) if served.remote else planned
+        queued = _queued(prefilled)
         resolver.observe(
             LatencyObservation(
                 facts.model,
@@ -661,8 +663,8 @@ class Planner:
                 output_tokens=served.output_tokens,
                 remote=served.remote,
                 after_prefill=served.after_prefill,
-                queued=_queued(prefilled),
-                alone=_alone(prefilled),
+                queued=queued,
+                alone=_alone(prefilled, queued),
                 prefill_cached=served.prefill_cached,
                 prefill_seconds=served.prefill_seconds,
                 streams=None if planned is None else planned.streams,

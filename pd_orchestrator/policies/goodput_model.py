@@ -242,29 +242,30 @@ def _learn_quantile(quantile: float, sample: float, level: float, alpha: float) 
     return quantile * math.exp(alpha * (level - 1.0 if below else level))
 
 
-def _learn_rate(
-    rate: float,
-    sample: float,
-    alpha: float,
-    alone: list[tuple[int, float]] | None = None,
-    tokens: int = 0,
-) -> float:
-    """One sample of a rate, as the module docstring says: a sample timed beside other
-    work (``alone`` None) by the bounded decaying maximum, ``sample`` clipped into
-    ``[rate / k, k * rate]`` (``k``: :data:`_MAX_STEP`; unclipped before any rate); one
-    timed on an endpoint with nothing else there, of ``tokens`` new tokens, joins
-    ``alone`` (the last :data:`_ALONE` such samples, with their tokens), and the rate
-    moves to their peak (:func:`_peak`) by at most ``k``."""
-    if alone is not None:
-        alone.append((tokens, sample))
-        del alone[:-_ALONE]
-        sample = _peak(alone)
-        if rate <= 0:
-            return sample
-        return min(max(sample, rate / _MAX_STEP), rate * _MAX_STEP)
-    if rate > 0:
-        sample = min(max(sample, rate / _MAX_STEP), rate * _MAX_STEP)
+def _learn_rate(rate: float, sample: float, alpha: float) -> float:
+    """The bounded decaying maximum of the module docstring, for a sample timed beside
+    other work: ``sample`` clipped into ``[rate / k, k * rate]`` (:func:`_clipped`)."""
+    sample = _clipped(rate, sample)
     return max(sample, rate + alpha * (sample - rate))
+
+
+def _learn_measured(
+    rate: float, sample: float, tokens: int, alone: list[tuple[int, float]]
+) -> float:
+    """A sample timed on an endpoint with nothing else there, of ``tokens`` new
+    tokens: it joins ``alone`` (the last :data:`_ALONE` such samples, with their
+    tokens), and the rate moves to their peak (:func:`_peak`), clipped as any sample."""
+    alone.append((tokens, sample))
+    del alone[:-_ALONE]
+    return _clipped(rate, _peak(alone))
+
+
+def _clipped(rate: float, sample: float) -> float:
+    """``sample`` within ``[rate / k, k * rate]`` (``k``: :data:`_MAX_STEP`); as it is
+    before any rate (``rate`` 0)."""
+    if rate <= 0:
+        return sample
+    return min(max(sample, rate / _MAX_STEP), rate * _MAX_STEP)
 
 
 def _peak(alone: list[tuple[int, float]]) -> float:
@@ -280,14 +281,14 @@ def _peak(alone: list[tuple[int, float]]) -> float:
 
 
 _ALONE = 16
-"""The samples timed alone a rate keeps (:func:`_learn_rate`): enough for a median at
+"""The samples timed alone a rate keeps (:func:`_learn_measured`): enough for a median at
 each of a few lengths, few enough that an engine that changed is followed within a
 few dozen requests."""
 
 
 _MAX_STEP = 1.5
-"""The most one sample may multiply or divide a learnt rate's sample by: see
-:func:`_learn_rate`."""
+"""The most one sample may multiply or divide a learnt rate by: see
+:func:`_clipped`."""
 
 
 _SEED_TRANSFER = 300_000.0
@@ -305,7 +306,7 @@ class PoolModel:
     the hand-over's cost (:class:`OctaveLine`, fixed and per token, learnt apart)
     and, learnt where no profile is known, the ITL against the streams a batch
     holds (``steps``, fixed and per stream; empty before any); ``alone_local`` and
-    ``alone_remote``, each rate's last samples timed alone (:func:`_learn_rate`)."""
+    ``alone_remote``, each rate's last samples timed alone (:func:`_learn_measured`)."""
 
     rate_local: float
     rate_remote: float
@@ -701,16 +702,20 @@ class GoodputModel:
             seconds = self._prefill_leg(observation, model, ttft)
             rate = _rate_sample(model, own, tokens - own, seconds - 2 * p.hop)
             if rate is not None and (held is not None or rate <= _plausible(model)):
-                alone = model.alone_remote if observation.alone else None
-                model.rate_remote = _learn_rate(model.rate_remote, rate, p.alpha, alone, own)
+                if observation.alone:
+                    model.rate_remote = _learn_measured(model.rate_remote, rate, own,
+                                                        model.alone_remote)  # fmt: skip
+                else:
+                    model.rate_remote = _learn_rate(model.rate_remote, rate, p.alpha)
         elif observation.cached_tokens is not None:
             cached = observation.cached_tokens
             rate = _rate_sample(model, tokens - cached, cached, ttft - 2 * p.hop)
             if rate is not None:
-                alone = model.alone_local if observation.alone else None
-                model.rate_local = _learn_rate(
-                    model.rate_local, rate, p.alpha, alone, tokens - cached
-                )
+                if observation.alone:
+                    model.rate_local = _learn_measured(model.rate_local, rate, tokens - cached,
+                                                       model.alone_local)  # fmt: skip
+                else:
+                    model.rate_local = _learn_rate(model.rate_local, rate, p.alpha)
 
     def _prefill_leg(self, observation: LatencyObservation, model: PoolModel, ttft: float) -> float:
         """Seconds a P/D request's prefill leg took, its two hops included: as timed from
