@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 
 from pd_orchestrator.bench.results import RunResult, Slo
 from pd_orchestrator.bench.strategies import Strategy
 from pd_orchestrator.model.endpoints import Endpoint
+from pd_orchestrator.model.records import record
 from pd_orchestrator.policies.base import ThresholdPolicy
 from pd_orchestrator.policies.goodput import GoodputPolicy
 
@@ -28,7 +28,7 @@ __all__ = ["ProfileError", "Window", "attainment_windows", "misjudges", "windows
 _FACTORS = ("prefill", "transfer")
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ProfileError:
     """Factors on the ``goodput`` policy's belief (see the module docstring); 1: right."""
 
@@ -97,7 +97,7 @@ def _goodput_policies(policy: ThresholdPolicy) -> Iterator[GoodputPolicy]:
         yield from _goodput_policies(part)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Window:
     """Requests that arrived in ``[start, start + length)`` (seconds of the run) and the
     share of them within the SLO (failed ones count as missed)."""
@@ -119,10 +119,10 @@ def attainment_windows(result: RunResult, slo: Slo, length: float) -> list[Windo
         return []
     first = min(r.arrival for r in records)
     counts: dict[int, list[int]] = {}
-    for record in records:
-        slot = counts.setdefault(int((record.arrival - first) // length), [0, 0])
+    for one in records:
+        slot = counts.setdefault(int((one.arrival - first) // length), [0, 0])
         slot[0] += 1
-        slot[1] += record.meets(slo)
+        slot[1] += one.meets(slo)
     return [
         Window(first + k * length, length, total, met / total)
         for k, (total, met) in sorted(counts.items())

@@ -17,12 +17,13 @@ configuration whose endpoints have ``sim`` blocks (:meth:`FleetSpec.from_config`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from pd_orchestrator.config.settings import GatewayConfig
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.hardware import LatencyProfile, get_profile
 from pd_orchestrator.model.measured import knowledge_for, resolve_profile
+from pd_orchestrator.model.records import record
 
 __all__ = ["FLEETS", "FleetSpec", "InstanceSpec", "preset_fleet"]
 
@@ -37,7 +38,7 @@ _PRESETS: dict[str, tuple[tuple[str, str], ...]] = {
 _COUNTS = {"h200": (12, 4), "mixed": (12, 4), "h200-8x8": (8, 8), "tiny": (1, 1)}
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class InstanceSpec:
     """One simulated instance: name, latency profile (a built-in name or a profile
     file), role and compatibility group; ``spill``: a prefiller that also serves whole
@@ -71,7 +72,7 @@ class InstanceSpec:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class FleetSpec:
     """Instances and the engine settings they share; ``kv_capacity_tokens`` overrides
     every profile's KV capacity (memory-pressure experiments)."""

@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from pd_orchestrator.bench.workloads import Workload
+from pd_orchestrator.model.records import record
 
 __all__ = ["GoodputSearch", "Probe", "SearchSettings", "pooled", "scaled", "search"]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Probe:
     """One run at ``multiplier`` times the workload's rate: the share of requests
     that met the SLO, the requests served per second over the run's span, and each
@@ -41,7 +42,7 @@ class Probe:
     runs: int = 1
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class SearchSettings:
     """``goal``: the attainment to meet; ``start``: the first multiplier; ``factor``:
     the sweep's step; ``bisections``: steps after bracketing; ``floor``/``ceiling``:
@@ -61,7 +62,7 @@ class SearchSettings:
             raise ValueError("need factor > 1 and floor <= start <= ceiling")
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class GoodputSearch:
     """The answer: ``multiplier`` (0.0 when even the floor fails), the probe at it
     (None then) and every probe, by multiplier."""

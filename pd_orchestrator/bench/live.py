@@ -54,6 +54,7 @@ from pd_orchestrator.children import (
     stop_child,
 )
 from pd_orchestrator.model.endpoints import Role
+from pd_orchestrator.model.records import record
 from pd_orchestrator.sim.tokenizer import SimTokenizer
 
 __all__ = [
@@ -78,7 +79,7 @@ _COUNTERS = {
 }
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class LiveOptions:
     """``sim_time_scale``: real seconds per simulated second of the simulators (and of
     the arrivals). ``concurrency``: requests in flight at most. ``timeout``: seconds
@@ -104,7 +105,7 @@ class LiveOptions:
             raise ValueError("gateways must be >= 1")
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class FleetCounters:
     """Fleet-wide counters read from the simulators' ``/metrics``."""
 

@@ -12,18 +12,19 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import httpx
+
+from pd_orchestrator.model.records import record
 
 __all__ = ["Sample", "Summary", "percentile", "run_closed_loop", "send", "summarize"]
 
 Body = dict[str, Any]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Sample:
     """One request's outcome."""
 
@@ -35,7 +36,7 @@ class Sample:
     usage: dict[str, Any] | None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Summary:
     count: int
     errors: int

@@ -17,10 +17,10 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from pd_orchestrator.children import Child
+from pd_orchestrator.model.records import record
 
 __all__ = [
     "SMG",
@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Peer:
     """A router published on PyPI: its package, pinned version and console script."""
 

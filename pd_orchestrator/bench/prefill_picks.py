@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+
+from pd_orchestrator.model.records import record
 
 __all__ = [
     "PrefillLoad",
@@ -68,7 +69,7 @@ class PrefillPick(enum.Enum):
     CACHE_AWARE = "cache-aware"
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class PrefillLoad:
     """What a peer's router knows of one prefill worker for one request:
     ``active_tokens``, prompt tokens routed there without a first token yet;

@@ -38,6 +38,7 @@ from pd_orchestrator.config.routing import RoutingConfig
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.hardware import get_profile
 from pd_orchestrator.model.load import Candidate, LoadSnapshot
+from pd_orchestrator.model.records import record
 from pd_orchestrator.policies.plugins import builtin_registry
 from pd_orchestrator.prefix.codec import EventBatch, decode_batch, encode_batch
 from pd_orchestrator.prefix.hashing import VllmBlockHasher
@@ -96,7 +97,7 @@ ROUTERS: dict[str, dict[str, Any]] = {
 }
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class TraceRequest:
     """One request of a workload: arrival (seconds), prompt tokens and text, output
     length and the conversation it belongs to (``turn`` counts from 0)."""
@@ -109,7 +110,7 @@ class TraceRequest:
     turn: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class FleetSpec:
     """The simulated decoders: count, latency profile, KV capacity and block size."""
 
@@ -120,7 +121,7 @@ class FleetSpec:
     max_num_seqs: int = 256
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ReplayResult:
     """What one router achieved on one workload; see the module docstring."""
 

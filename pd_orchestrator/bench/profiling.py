@@ -56,6 +56,7 @@ from pd_orchestrator.model.measured import (
     StepPoint,
     TransferPoint,
 )
+from pd_orchestrator.model.records import record
 from pd_orchestrator.upstream.client import Phase, Upstream
 from pd_orchestrator.upstream.errors import UpstreamError
 
@@ -66,7 +67,7 @@ _PATH = "/v1/completions"
 _log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ProfileOptions:
     """What to measure and the bounds (module docstring). ``token_ids``: the range
     prompt ids are drawn from (within any model's vocabulary); ``block_size``: the

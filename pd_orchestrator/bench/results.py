@@ -24,11 +24,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pd_orchestrator.model.hardware import LatencyProfile
+from pd_orchestrator.model.records import record
 
 __all__ = ["RequestRecord", "RunResult", "Slo", "Summary", "percentile", "percentiles", "summarize"]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Slo:
     """Service-level objectives for goodput: TTFT and mean inter-token latency.
 
@@ -164,7 +165,7 @@ def _interpolate(ordered: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Summary:
     """A run reduced to the figures the report shows (times in seconds)."""
 

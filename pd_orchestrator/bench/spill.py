@@ -22,7 +22,8 @@ KV usage, and its own in-flight counts.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+
+from pd_orchestrator.model.records import record
 
 __all__ = ["CROWDED_KV_USAGE", "SpillLoad", "plain_spill", "strained"]
 
@@ -30,7 +31,7 @@ CROWDED_KV_USAGE = 0.9
 """A KV cache this full is crowded: the next streams' growth preempts."""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class SpillLoad:
     """What a router knows of one instance: ``waiting`` and ``kv_usage`` from its
     latest scrape (none yet: 0 and 0.0), ``active_tokens`` the prompt tokens routed

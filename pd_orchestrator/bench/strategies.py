@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +55,7 @@ from pydantic import ValidationError
 from pd_orchestrator.bench.prefill_picks import PrefillPick
 from pd_orchestrator.bench.results import Slo
 from pd_orchestrator.config.policy import ThresholdConfig
+from pd_orchestrator.model.records import record
 from pd_orchestrator.policies import PolicyConfigError, ThresholdResolver, build_threshold
 from pd_orchestrator.policies.plugins import builtin_registry
 
@@ -92,7 +92,7 @@ class Mode(enum.StrEnum):
     DECODE_ONLY = "decode-only"
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Strategy:
     """A named mode; decode-first strategies carry their ``threshold`` block;
     ``prefill_pick``: how the strategy's system picks a P/D request's prefiller

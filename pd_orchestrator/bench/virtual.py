@@ -74,7 +74,7 @@ import time
 from array import array
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 from functools import partial
 from typing import assert_never
 
@@ -107,6 +107,7 @@ from pd_orchestrator.flows.request import TOKEN_ID_CHARS
 from pd_orchestrator.flows.sink import GatewayError
 from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.model.load import Candidate, LoadSnapshot
+from pd_orchestrator.model.records import record
 from pd_orchestrator.model.route import Whole, threshold_of
 from pd_orchestrator.planner.plan import (
     NoCandidateError,
@@ -141,7 +142,7 @@ AFFINITY_TOKENS = 1024
 """The gateway keys a token-id prompt's affinity on its first 1024 tokens."""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class VirtualOptions:
     """``hop``: one-way latency of one HTTP leg (seconds). ``load_interval``: seconds
     between two load snapshots (the scraper's poll interval). ``handback``: the
@@ -393,8 +394,8 @@ class VirtualFleet:
         """The records of the requests after the warm-up, in order, indexed from 0."""
         warm = self.warm_up
         records = sorted(self._records, key=lambda r: r.index)[warm:]
-        for record in records:
-            record.index -= warm
+        for one in records:
+            one.index -= warm
         return records
 
     def _busy(self) -> dict[str, tuple[float, int]]:

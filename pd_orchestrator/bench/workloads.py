@@ -52,6 +52,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from pd_orchestrator.model.records import record
 from pd_orchestrator.sim.digest import PromptDigest
 from pd_orchestrator.sim.generation import advance, advance_all
 from pd_orchestrator.sim.tokenizer import NUM_WORDS, WORD_BASE
@@ -93,7 +94,7 @@ _PIECE = struct.Struct("<QII")
 _INDEX = struct.Struct("<I")
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Segment:
     """``length`` tokens of the content ``key``, from the content's first token."""
 
@@ -105,7 +106,7 @@ class Segment:
             raise ValueError("a segment has at least one token")
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class BenchRequest:
     """One request of a workload; see the module docstring for the timing rules."""
 
@@ -125,7 +126,7 @@ class BenchRequest:
         return sum(segment.length for segment in self.segments)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Workload:
     """A named, ordered request list (indexes are positions in the list)."""
 
@@ -156,7 +157,7 @@ class Workload:
         return len(self.requests)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class WorkloadOptions:
     """Knobs common to every generator.
 
@@ -368,7 +369,7 @@ def _window_start(options: WorkloadOptions) -> int:
     return options.trace_offset + options.seed * (options.requests or 0)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class _TraceRecord:
     """One line of the Mooncake trace."""
 

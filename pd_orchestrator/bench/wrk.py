@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+
+from pd_orchestrator.model.records import record
 
 __all__ = ["MARKER", "WrkResult", "lua_script", "parse_output", "wrk_command"]
 
@@ -48,7 +49,7 @@ end
 """
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class WrkResult:
     """One wrk run: completed requests, wall time and latencies (seconds), errors."""
 

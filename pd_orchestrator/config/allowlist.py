@@ -17,7 +17,9 @@ from __future__ import annotations
 import ipaddress
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
+
+from pd_orchestrator.model.records import record
 
 __all__ = ["AllowList", "parse_entries", "split_host_port"]
 
@@ -64,7 +66,7 @@ def _split(value: str) -> tuple[str, int | None]:
     return _host(host, bracketed), int(port) if port else None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class AllowList:
     """Allowed ``(host, port)`` pairs, hosts (any port) and networks (pure).
 

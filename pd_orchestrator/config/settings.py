@@ -8,7 +8,7 @@ lists as JSON) override them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 from urllib.parse import urlsplit
@@ -43,6 +43,7 @@ from pd_orchestrator.config.policy import ThresholdConfig
 from pd_orchestrator.config.prefix import PrefixConfig
 from pd_orchestrator.config.routing import RoutingConfig
 from pd_orchestrator.model.compatibility import kv_may_move
+from pd_orchestrator.model.records import record
 
 __all__ = [
     "AdaptiveWidthConfig",
@@ -314,7 +315,7 @@ class CompatibilityConfig(_Strict):
         return frozenset((b.prefill_connector, b.decode_connector) for b in self.connector_bridges)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class FleetEndpoint:
     """An endpoint with everything its pool says about it (resolved defaults)."""
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import anyio
 import zmq
@@ -36,6 +36,7 @@ import zmq.asyncio
 from anyio.abc import TaskStatus
 from zmq.utils.monitor import parse_monitor_message
 
+from pd_orchestrator.model.records import record
 from pd_orchestrator.prefix.codec import END_SEQ, EventDecodeError, decode_batch, decode_seq
 from pd_orchestrator.prefix.index import PreciseIndex
 
@@ -44,7 +45,7 @@ __all__ = ["EventSource", "KvEventSubscriber", "StreamState", "StreamStats"]
 logger = logging.getLogger("pd_orchestrator.prefix")
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class EventSource:
     """Where an endpoint publishes: its PUB endpoint and, optionally, its replay one."""
 
@@ -62,7 +63,7 @@ class StreamState(enum.StrEnum):
     LOST = "lost"
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class StreamStats:
     """Counters of one stream; ``next_seq`` is the next sequence number expected."""
 

@@ -56,6 +56,7 @@ from pd_orchestrator.flows.legs import Leg, Legs
 from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.flows.sink import check_token_ids
 from pd_orchestrator.model.endpoints import Endpoint
+from pd_orchestrator.model.records import record
 from pd_orchestrator.model.route import Ask, Decline, GoPD, Local, Whole
 from pd_orchestrator.openai.responses import Kind, cached_count
 from pd_orchestrator.openai.tokenize import token_ids, tokenize_body
@@ -77,7 +78,7 @@ __all__ = [
 Json = dict[str, Any]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Attempted:
     """What the attempt found: ``leg`` is the admitting decoder's answer, or None when
     every asked decoder rejected and ``decoder`` takes the request (``local``: with

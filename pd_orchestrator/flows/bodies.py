@@ -9,13 +9,13 @@ every leg of every choice, each leg's own fields around them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from pd_orchestrator.flows.logprobs import continuation_logprobs
 from pd_orchestrator.flows.request import CHAT_ONLY_FIELDS, ClientRequest
+from pd_orchestrator.model.records import record
 from pd_orchestrator.openai.responses import Kind
 
 __all__ = [
@@ -126,7 +126,7 @@ def continuation_body(
     return body
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Route:
     """How the legs of a request's original prompt go: as the client sent it (``ids``
     None: its own path, API and body), or as ``ids``, the prompt's token ids, on

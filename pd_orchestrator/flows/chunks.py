@@ -13,9 +13,9 @@ client (a request continued as a token prompt) is re-rendered as a chat chunk.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
+from pd_orchestrator.model.records import record
 from pd_orchestrator.openai.responses import Kind, stream_chunk
 
 __all__ = [
@@ -34,7 +34,7 @@ CACHE_THRESHOLD = "cache_threshold"
 Json = dict[str, Any]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Identity:
     """The id, creation time and model the client sees on every chunk."""
 

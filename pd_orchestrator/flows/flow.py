@@ -83,7 +83,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from connectors import Connector
@@ -99,6 +98,7 @@ from pd_orchestrator.flows.request import ClientRequest
 from pd_orchestrator.flows.sink import GatewayError
 from pd_orchestrator.flows.transcript import Transcript
 from pd_orchestrator.model.endpoints import Endpoint
+from pd_orchestrator.model.records import record
 from pd_orchestrator.model.route import threshold_of
 from pd_orchestrator.openai.responses import Kind
 from pd_orchestrator.planner.plan import Plan, after_prefill, leg_seconds
@@ -127,7 +127,7 @@ def leg_budget(upstream: UpstreamConfig, handback: HandbackConfig, asked: int) -
     return original + continuations
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class FlowSettings:
     """What a flow needs of the configuration: hand-back and retry settings, the
     connector adapter of each connector name, metrics and the clock."""
@@ -139,7 +139,7 @@ class FlowSettings:
     clock: Callable[[], float]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Outcome:
     """What a served request did: its decision, the decoder that served it last, the
     prefiller (if any), the time to first token, mean ITL, prompt tokens, the prompt

@@ -60,6 +60,7 @@ from pd_orchestrator.flows.bodies import with_threshold
 from pd_orchestrator.flows.legs import Leg, Legs
 from pd_orchestrator.flows.sink import GatewayError
 from pd_orchestrator.model.endpoints import Endpoint
+from pd_orchestrator.model.records import record
 from pd_orchestrator.openai.responses import Kind, cached_count
 from pd_orchestrator.planner.choices import next_prefiller
 from pd_orchestrator.upstream.client import Phase
@@ -82,7 +83,7 @@ def retryable(exc: BaseException) -> bool:
     return isinstance(exc, UpstreamError) and exc.retryable
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class _Shape:
     """What both legs carry: the body (with its threshold), path and API, and whether
     it serves the client's own prompt."""
@@ -97,7 +98,7 @@ class _Shape:
         return float(self.body.get("cache_hit_threshold") or 0.0)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class HandoverResult:
     """The leg that serves (the decode leg, or the prefill's finished answer) and the
     prefiller that prefilled."""

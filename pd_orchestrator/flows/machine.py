@@ -34,11 +34,10 @@ The events, in the order a request meets them::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from pd_orchestrator.config.settings import HandbackConfig, UpstreamConfig
 from pd_orchestrator.flows.sink import GatewayError
 from pd_orchestrator.model.endpoints import Endpoint
+from pd_orchestrator.model.records import record
 from pd_orchestrator.model.route import Ask, Decline, GoPD, Local, Route, Whole
 from pd_orchestrator.planner.plan import Plan
 
@@ -54,12 +53,12 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Serve:
     """The admitting decoder's leg serves the original prompt."""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ThroughPD:
     """The P/D leg to ``decoder``: prefill on a prefiller that can reach it, the KV
     handed over, the decode leg sent with ``threshold``."""
@@ -68,19 +67,19 @@ class ThroughPD:
     threshold: float
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Alone:
     """``decoder`` alone, with threshold 0: it prefills the prompt itself."""
 
     decoder: Endpoint
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Done:
     """The answer is complete."""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class AtLimit:
     """The client got every token the request allows: end with a ``length`` finish."""
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from connectors import PeerInfo
+from pd_orchestrator.model.records import record
 from pd_orchestrator.openai.protocol import ChatCompletionRequest, OpenAIRequest, message_text
 from pd_orchestrator.openai.responses import Kind
 
@@ -100,7 +100,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 _NAMED_TOOL_FIELDS = frozenset({"tools", "tool_choice"})
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class NamedTool:
     """The function a named ``tool_choice`` forces and the JSON schema of its arguments."""
 
@@ -108,7 +108,7 @@ class NamedTool:
     parameters: Any
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ClientRequest:
     """One client request: API kind and path, the body as sent, and its typed view."""
 

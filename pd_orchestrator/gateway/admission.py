@@ -22,7 +22,6 @@ import itertools
 import re
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from starlette.types import Receive
@@ -35,6 +34,7 @@ from pd_orchestrator.flows.sink import GatewayError
 from pd_orchestrator.gateway.limits import BodyKind, check_choices, check_json, read_body
 from pd_orchestrator.gateway.state import GatewayState
 from pd_orchestrator.model.endpoints import Endpoint, Role
+from pd_orchestrator.model.records import record
 from pd_orchestrator.openai.errors import echoed
 from pd_orchestrator.openai.protocol import RequestError, decode_json_object, parse_for
 from pd_orchestrator.openai.responses import Kind
@@ -77,7 +77,7 @@ what it would allow)."""
 _GATEWAYS = "`{}` may not be set by a client: the gateway sets it"
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Admitted:
     """A request that passed admission, and what the planner will see of it."""
 
@@ -112,7 +112,7 @@ def json_object(raw: bytes) -> dict[str, Any]:
         raise GatewayError(400, str(exc)) from None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Body:
     """A request body as read (``raw``, forwarded as it is where it can be) and as
     decoded and checked (``json``)."""

@@ -10,10 +10,10 @@ in JSON the same as fields.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 from pd_orchestrator.flows.flow import Flow
+from pd_orchestrator.model.records import record
 from pd_orchestrator.model.route import threshold_of
 from pd_orchestrator.telemetry.logs import ACCESS_LOGGER
 
@@ -22,7 +22,7 @@ __all__ = ["Answered", "log_access", "span_attributes"]
 access_logger = logging.getLogger(ACCESS_LOGGER)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Answered:
     """One answered request as the access log and the request span see it.
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
@@ -52,6 +52,7 @@ from anyio.abc import TaskStatus
 from pd_orchestrator.config.prefix import EventsConfig, PreciseConfig, PrefixConfig
 from pd_orchestrator.flows.legs import Legs
 from pd_orchestrator.model.endpoints import Endpoint
+from pd_orchestrator.model.records import record
 from pd_orchestrator.openai.protocol import (
     ChatCompletionRequest,
     OpenAIRequest,
@@ -83,7 +84,7 @@ class _Sized(Protocol):
     def memory_bytes(self) -> int: ...
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class PrefixReport:
     """Memory per stateful plugin (``profile/name`` -> bytes), the precise index's
     counters and each KV-event stream's state (endpoint -> state)."""

@@ -25,6 +25,7 @@ from pd_orchestrator.fleet.state import FleetState
 from pd_orchestrator.flows.attempts import Attempt, attempt_for
 from pd_orchestrator.flows.flow import FlowSettings
 from pd_orchestrator.gateway.prefix_runtime import PrefixRuntime
+from pd_orchestrator.model.records import record
 from pd_orchestrator.planner.plan import Planner
 from pd_orchestrator.planner.width import AdaptiveWidth
 from pd_orchestrator.policies import build_threshold
@@ -45,7 +46,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ReloadResult:
     """Whether a reload took effect, and what to tell the operator."""
 

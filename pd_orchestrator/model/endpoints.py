@@ -5,11 +5,12 @@ the connectors' address type)."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from connectors import PeerInfo
+from pd_orchestrator.model.records import record
 
 if TYPE_CHECKING:
     from pd_orchestrator.model.measured import Knowledge
@@ -33,7 +34,7 @@ class Role(enum.StrEnum):
         return self is not Role.DECODE
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Endpoint:
     """A vLLM instance: config name, base URL, role, hardware label, model, pool,
     compatibility group (KV moves only between endpoints of one group), connector
@@ -74,7 +75,7 @@ class Endpoint:
         return f"{parts.hostname}:{port}"
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class EndpointStatus:
     """A snapshot of one endpoint; ``backlog``: prompt tokens of the gateway's requests
     in flight there that have not had their first answer yet (their prefill is queued

@@ -30,12 +30,14 @@ The ``instant`` profile has every constant at zero.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import replace
+
+from pd_orchestrator.model.records import record
 
 __all__ = ["PROFILES", "LatencyProfile", "get_profile"]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class LatencyProfile:
     """Per-instance latency constants; all times in seconds."""
 

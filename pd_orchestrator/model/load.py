@@ -4,14 +4,14 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from pd_orchestrator.model.endpoints import Endpoint, EndpointStatus
+from pd_orchestrator.model.records import record
 
 __all__ = ["Candidate", "LoadSnapshot"]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class LoadSnapshot:
     """One reading of an endpoint's load (from its ``/metrics``).
 
@@ -59,7 +59,7 @@ class LoadSnapshot:
         return max(0.0, now - self.observed_at)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Candidate:
     """An endpoint a profile may choose.
 

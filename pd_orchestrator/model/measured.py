@@ -33,7 +33,7 @@ import json
 import math
 import statistics
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, TypeVar
@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 import yaml
 
 from pd_orchestrator.model.hardware import PROFILES, LatencyProfile
+from pd_orchestrator.model.records import record
 
 __all__ = [
     "FORMAT",
@@ -68,7 +69,7 @@ FORMAT = "pd-orchestrator-profile/1"
 """The ``format`` field of a profile file."""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class PrefillPoint:
     """A lone prompt's time to its first token: ``new`` tokens computed after
     ``cached`` ones."""
@@ -78,7 +79,7 @@ class PrefillPoint:
     seconds: float
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class StepPoint:
     """A decode step with ``batch`` streams whose contexts sum to ``context`` tokens."""
 
@@ -87,7 +88,7 @@ class StepPoint:
     seconds: float
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class MixedPoint:
     """A decode step of ``batch`` streams (contexts summing to ``context``) that also
     prefilled a cold prompt of ``chunk`` tokens."""
@@ -98,7 +99,7 @@ class MixedPoint:
     seconds: float
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class TransferPoint:
     """The hand-over of a ``tokens``-token prompt: seconds it added to the decode leg's
     first token."""
@@ -107,7 +108,7 @@ class TransferPoint:
     seconds: float
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Points:
     """The raw measurements."""
 
@@ -117,7 +118,7 @@ class Points:
     handover: tuple[TransferPoint, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Measured:
     """A profile file: the fitted ``profile``, the raw ``points`` and ``source`` (what
     was measured: URLs, model, bounds, when)."""
@@ -127,7 +128,7 @@ class Measured:
     source: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Knowledge:
     """What a pool's latency model starts from: ``profile`` and, in words, ``source``
     (``simulator profile NAME`` or ``measured profile FILE``)."""

@@ -27,13 +27,14 @@ back (set by the planner for requests a continuation cannot honour).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import assert_never
+
+from pd_orchestrator.model.records import record
 
 __all__ = ["Ask", "Decline", "GoPD", "Local", "Route", "Whole", "at", "threshold_of"]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Ask:
     """Ask the decoder at ``threshold`` (0 < threshold < 1)."""
 
@@ -50,7 +51,7 @@ class Ask:
             )
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Local:
     """Prefill on the decoder: ask it at threshold 0."""
 
@@ -59,7 +60,7 @@ class Local:
     admission_only: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class GoPD:
     """P/D at once; the decode leg on ``peer`` (None: the chosen decoder). In ask-all
     the decoders are still asked, at threshold 1."""
@@ -71,7 +72,7 @@ class GoPD:
     prefiller: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Whole:
     """Serve the request whole on ``prefiller``, a prefiller whose pool spills."""
 
@@ -81,7 +82,7 @@ class Whole:
     admission_only: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Decline:
     """The spilling prefiller the routing picked does not take the request."""
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from pd_orchestrator.model.records import record
+
 __all__ = ["LoadReport", "PeerReports", "Totals", "decode", "encode"]
 
 MAX_ENTRIES = 4096
@@ -30,7 +32,7 @@ MAX_PEERS = 256
 """The most other gateways remembered at once (a report from one more is dropped)."""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class LoadReport:
     """One gateway's load: ``endpoints`` maps an endpoint's name to its requests in
     flight and prompt tokens queued (before their first answer) from this gateway;
@@ -43,7 +45,7 @@ class LoadReport:
     kept: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Totals:
     """What the other gateways hold together: per endpoint, requests in flight and
     queued prompt tokens; per ``goodput`` policy and decoder, kept prefill tokens."""

@@ -10,15 +10,16 @@ chat carries ``choices[0].message`` (``delta`` when streamed). With
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any, Literal
+
+from pd_orchestrator.model.records import record
 
 __all__ = ["Kind", "Usage", "cached_count", "completion_body", "stream_chunk", "usage_chunk"]
 
 Kind = Literal["completion", "chat"]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Usage:
     """Token accounting of one answer."""
 

@@ -58,6 +58,7 @@ from typing import Literal, Protocol, assert_never
 from pd_orchestrator.config.settings import AskAllFallbackConfig
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.load import Candidate
+from pd_orchestrator.model.records import record
 from pd_orchestrator.model.route import Ask, Decline, GoPD, Local, Route, Whole, threshold_of
 from pd_orchestrator.planner.choices import FleetView, next_decoder, pick_fallback, suspects
 from pd_orchestrator.planner.width import AdaptiveWidth, Asked
@@ -105,7 +106,7 @@ class NoCandidateError(LookupError):
     """The filters left no endpoint; the message says which filter dropped what."""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RequestFacts:
     """What the planner knows of a request.
 
@@ -184,7 +185,7 @@ class PrefillRanking:
         return ranked
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class _Asking:
     """One request as the planner asks its policy about it: its facts and routing
     request, the snapshot's decoders and prefillers, the prefill ranking, its tokens."""
@@ -197,7 +198,7 @@ class _Asking:
     tokens: int
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class _Choice:
     """A ranking's pick, whether a continuation honours the request there, the route
     for it and the context the policy decided on (None: the planner decided alone)."""
@@ -254,7 +255,7 @@ class _Reads:
         return self._cached[name]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Plan:
     """The routing decision for one request (see the module docstring)."""
 
@@ -347,7 +348,7 @@ class Plan:
         return pick_fallback(self.decoders, self.candidates, config, self.ordinal, width.partial)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Served:
     """What a served request teaches the planner: where it went and how it went.
 

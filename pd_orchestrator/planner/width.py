@@ -46,11 +46,11 @@ import hashlib
 import math
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from pd_orchestrator.config.settings import AdaptiveWidthConfig
 from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.model.load import Candidate
+from pd_orchestrator.model.records import record
 from pd_orchestrator.prefix.approximate import namespace
 from pd_orchestrator.prefix.index import PreciseIndex
 from pd_orchestrator.prefix.table import BlockTable
@@ -63,7 +63,7 @@ def _chain(parent: bytes, data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=8, key=parent).digest()
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class PromptKeys:
     """A prompt's block keys (at most ``max_blocks``) and its whole length in blocks
     (0: too short for one block, or nothing to hash)."""
@@ -119,7 +119,7 @@ class HolderIndex:
         return self.table.memory_bytes()
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Asked:
     """The decoders to ask, best first, and why: ``no-threshold`` (one decoder),
     ``likely`` (the likely holders, with any unknown decoders), ``unknown`` (only

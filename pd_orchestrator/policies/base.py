@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.model.load import Candidate, LoadSnapshot
+from pd_orchestrator.model.records import record
 from pd_orchestrator.model.route import Route
 from pd_orchestrator.routing.registry import PluginKind
 
@@ -103,7 +103,7 @@ NOTHING = Given()
 """Reads of a context that knows no prefiller, no peer and no cache."""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ThresholdContext:
     """What a policy may look at for one request.
 
@@ -179,7 +179,7 @@ class ThresholdContext:
         return None if cached is None else min(cached, self.prompt_tokens)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class LatencyObservation:
     """Latencies the gateway measured for one finished request.
 

@@ -30,12 +30,12 @@ registered policy type (composites included) may be a child.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Annotated, Any, Self
 
 from pydantic import Field, model_validator
 
 from pd_orchestrator.config.policy import PolicySpec
+from pd_orchestrator.model.records import record
 from pd_orchestrator.model.route import Route, at, threshold_of
 from pd_orchestrator.policies.base import (
     POLICY,
@@ -104,7 +104,7 @@ class _Composite:
             child.observe(observation)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ExtremePolicy(_Composite):
     """``max`` (``largest``) or ``min`` of the children; see the module docstring."""
 
@@ -128,7 +128,7 @@ class ExtremePolicy(_Composite):
         return best
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class WeightedPolicy(_Composite):
     """The weighted mean of the children; see the module docstring."""
 

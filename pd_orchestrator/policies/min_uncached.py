@@ -28,11 +28,11 @@ Reasons: ``short-prompt`` (t = 0), ``uncached-tokens`` (the token budget set t),
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Annotated
 
 from pydantic import Field
 
+from pd_orchestrator.model.records import record
 from pd_orchestrator.model.route import Route, at
 from pd_orchestrator.policies.base import (
     POLICY,
@@ -69,7 +69,7 @@ def uncached_budget_threshold(prompt_tokens: int, max_uncached_tokens: int) -> f
     return clamp_ratio(1.0 - (max_uncached_tokens - 0.5) / prompt_tokens)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class MinUncachedTokensPolicy(Leaf):
     """See the module docstring."""
 

@@ -15,12 +15,12 @@ and ``rules``, a list of ``{pool, model, policy}``), so it can nest in a composi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Self
 
 from pydantic import Field, model_validator
 
 from pd_orchestrator.config.policy import OverrideSpec, PolicySpec, duplicate_selectors
+from pd_orchestrator.model.records import record
 from pd_orchestrator.model.route import Route
 from pd_orchestrator.policies.base import (
     POLICY,
@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class OverrideRule:
     """A policy for a pool, a model, or both (None: any)."""
 
@@ -58,7 +58,7 @@ class OverrideRule:
         return (2 if self.pool is not None else 0) + (1 if self.model is not None else 0)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class OverridesPolicy:
     """The default policy and the rules that override it; see the module docstring."""
 

@@ -62,12 +62,12 @@ decoder's floating-point comparison away from the boundary.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
 from pd_orchestrator.model.load import Candidate
+from pd_orchestrator.model.records import record
 from pd_orchestrator.model.route import Route, at
 from pd_orchestrator.policies.base import (
     POLICY,
@@ -116,7 +116,7 @@ class DynamoLegacyParams(NoParams):
     max_prefill_queue_size: Annotated[int, Field(ge=0)] = 2
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class DynamoLegacyPolicy(Leaf):
     """Dynamo 0.1-0.3's disaggregated router (module docstring). Reasons:
     ``short-prompt``, ``prefill-queue-full``, ``uncached-length``."""
@@ -168,7 +168,7 @@ class DynamoParams(NoParams):
     max_num_batched_tokens: Annotated[int, Field(ge=1)] = 8192
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class DynamoPolicy(Leaf):
     """Current Dynamo's conditional disaggregation (module docstring). Reasons:
     ``prefill-busy`` (local: the picked prefiller is busy), ``effective-isl`` (the
@@ -215,7 +215,7 @@ class LlmdParams(NoParams):
     non_cached_tokens: Annotated[int, Field(ge=0)] = 0
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class LlmdPolicy(Leaf):
     """llm-d's prefix disaggregation decider (module docstring). Reasons: ``disabled``,
     ``short-prompt``, ``non-cached-tokens``."""

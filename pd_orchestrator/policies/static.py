@@ -6,11 +6,11 @@ Reason: ``fixed``. Bounds: ``(value, value)``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Annotated
 
 from pydantic import Field
 
+from pd_orchestrator.model.records import record
 from pd_orchestrator.model.route import Route, at
 from pd_orchestrator.policies.base import (
     POLICY,
@@ -30,7 +30,7 @@ class StaticParams(NoParams):
     value: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] = 0.7
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class StaticPolicy(Leaf):
     """The same threshold for every request."""
 

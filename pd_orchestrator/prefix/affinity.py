@@ -27,7 +27,8 @@ from __future__ import annotations
 import hashlib
 import sys
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+
+from pd_orchestrator.model.records import record
 
 __all__ = ["AffinityParams", "PrefixTree", "affinity_choice", "power_of_two"]
 
@@ -175,7 +176,7 @@ class PrefixTree:
         return total
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class AffinityParams:
     """Ray Serve's knobs: queue spread that counts as imbalanced (10) and the
     minimum match rate (0.1)."""

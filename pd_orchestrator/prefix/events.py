@@ -6,8 +6,10 @@ A block hash is a 64-bit int (vLLM's default) or the digest bytes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
+
+from pd_orchestrator.model.records import record
 
 __all__ = [
     "AllBlocksCleared",
@@ -21,7 +23,7 @@ __all__ = [
 BlockHash = int | bytes
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class BlockStored:
     """Blocks newly cached, in chain order; ``parent_block_hash`` precedes the first.
 
@@ -45,7 +47,7 @@ class BlockStored:
     session_id: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class BlockRemoved:
     """Cached blocks evicted."""
 
@@ -56,7 +58,7 @@ class BlockRemoved:
     ownership: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class AllBlocksCleared:
     """The whole prefix cache was reset."""
 
@@ -64,7 +66,7 @@ class AllBlocksCleared:
 KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class EventBatch:
     """One published batch: a wall-clock timestamp, events in order, the DP rank.
 

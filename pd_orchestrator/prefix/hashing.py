@@ -27,10 +27,10 @@ import hashlib
 import pickle
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, get_args
 
 from pd_orchestrator.model.hashing import HashAlgo
+from pd_orchestrator.model.records import record
 
 __all__ = [
     "DEFAULT_NONE_HASH_SEED",
@@ -116,7 +116,7 @@ def external_hash(block_hash: bytes | int) -> int:
     return int.from_bytes(block_hash[-8:], "big")
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class LoraKey:
     """A LoRA adapter as vLLM keys it: the name and the path it was loaded from."""
 
@@ -124,7 +124,7 @@ class LoraKey:
     path: str
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class BlockExtras:
     """What besides tokens separates prefix caches: a LoRA adapter and a cache salt."""
 

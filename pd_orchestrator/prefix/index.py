@@ -25,8 +25,8 @@ recently stored go first, which only happens when events were lost).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 
+from pd_orchestrator.model.records import record
 from pd_orchestrator.prefix.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -41,7 +41,7 @@ from pd_orchestrator.prefix.table import BlockTable
 __all__ = ["IndexStats", "PreciseIndex"]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class IndexStats:
     """Counters of a :class:`PreciseIndex`."""
 

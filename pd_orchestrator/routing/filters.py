@@ -6,7 +6,6 @@ Each keeps a subset of the candidates in their input order and never reorders.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Annotated, ClassVar
 
 from pydantic import Field
@@ -14,6 +13,7 @@ from pydantic import Field
 from pd_orchestrator.model.compatibility import kv_may_move
 from pd_orchestrator.model.endpoints import Role
 from pd_orchestrator.model.load import Candidate
+from pd_orchestrator.model.records import record
 from pd_orchestrator.routing.interfaces import PluginContext
 from pd_orchestrator.routing.registry import FILTER, NoParams, PluginType
 from pd_orchestrator.routing.types import RoutingRequest
@@ -46,7 +46,7 @@ class HealthyParams(NoParams):
     panic: bool = True
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class HealthyFilter:
     """``healthy``: keeps candidates marked healthy (health checks and load polls),
     or all of them when none is (``panic``).
@@ -75,7 +75,7 @@ class HealthyFilter:
         return max_age is None or candidate.load.age(now) <= max_age
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ModelFilter:
     """``model``: keeps endpoints that serve ``request.model``.
 
@@ -92,7 +92,7 @@ class ModelFilter:
         return [c for c in candidates if wanted is None or c.endpoint.model in (None, wanted)]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RoleFilter:
     """``role``: keeps endpoints whose role is ``request.role`` or ``both``.
 
@@ -123,7 +123,7 @@ class CompatibilityParams(NoParams):
     pairs: list[GroupPair] = Field(default_factory=list)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class CompatibilityFilter:
     """``compatibility``: for prefill routing, keeps prefillers whose KV can reach
     ``request.decoder``.

@@ -21,17 +21,17 @@ request, the candidates and the state observed so far.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.model.load import Candidate
+from pd_orchestrator.model.records import record
 from pd_orchestrator.routing.types import RoutingRequest, ScoredCandidate
 
 __all__ = ["Filter", "Observer", "Picker", "PluginContext", "Scorer"]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class PluginContext:
     """Where a plugin instance is built: its profile and its instance name."""
 

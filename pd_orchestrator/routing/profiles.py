@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from pd_orchestrator.config.routing import ProfileConfig, RoutingConfig, duplicate_plugin_names
+from pd_orchestrator.model.records import record
 from pd_orchestrator.routing.engine import Profile, Stage, WeightedScorer
 from pd_orchestrator.routing.registry import FILTER, PICKER, SCORER, Registry, RoutingConfigError
 
 __all__ = ["RoutingProfiles", "build_profile", "build_profiles"]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RoutingProfiles:
     """The built ``decode`` and ``prefill`` profiles."""
 

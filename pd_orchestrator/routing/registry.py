@@ -13,12 +13,12 @@ instance.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pd_orchestrator.config.routing import PluginSpec
+from pd_orchestrator.model.records import record
 from pd_orchestrator.routing.interfaces import Filter, Picker, PluginContext, Scorer
 
 __all__ = [
@@ -58,7 +58,7 @@ class NoParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class PluginKind(Generic[PluginT]):
     """A kind of plugin; the type parameter is the interface its instances provide."""
 
@@ -70,7 +70,7 @@ SCORER: PluginKind[Scorer] = PluginKind("scorer")
 PICKER: PluginKind[Picker] = PluginKind("picker")
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class PluginType(Generic[ParamsT, PluginT]):
     """A buildable plugin type: name, kind, parameter model and factory."""
 

@@ -7,12 +7,12 @@ within [0, 1]; the engine clamps regardless and applies the configured weight.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Annotated
 
 from pydantic import Field
 
 from pd_orchestrator.model.load import Candidate
+from pd_orchestrator.model.records import record
 from pd_orchestrator.routing.interfaces import PluginContext
 from pd_orchestrator.routing.registry import SCORER, NoParams, PluginType
 from pd_orchestrator.routing.types import RoutingRequest
@@ -41,7 +41,7 @@ def queue_depth(candidate: Candidate) -> int:
     return max(candidate.load.queue_depth, candidate.in_flight)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class QueueDepthScorer:
     """``queue-depth``: fewer queued requests score higher.
 
@@ -64,7 +64,7 @@ class KvUsageParams(NoParams):
     missing: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class KvUsageScorer:
     """``kv-usage``: lower KV-cache usage scores higher: ``1 - kv_usage``.
 
@@ -85,7 +85,7 @@ class HardwareWeightParams(NoParams):
     default: Weight = 1.0
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class HardwareWeightScorer:
     """``hardware-weight``: a fixed preference per hardware label.
 

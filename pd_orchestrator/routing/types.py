@@ -8,15 +8,16 @@ plugins.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.load import Candidate
+from pd_orchestrator.model.records import record
 
 __all__ = ["PrefixFields", "RoutingRequest", "RoutingResult", "ScoredCandidate"]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RoutingRequest:
     """What plugins may know about the request being routed.
 
@@ -48,7 +49,7 @@ class RoutingRequest:
     sequence: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ScoredCandidate:
     """A candidate, its weighted total and each scorer's clamped score (by name)."""
 
@@ -61,7 +62,7 @@ class ScoredCandidate:
         return self.candidate.endpoint
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RoutingResult:
     """The outcome of one profile run.
 
@@ -94,7 +95,7 @@ class RoutingResult:
         return ", ".join(f"{name} dropped {n}" for name, n in self.dropped.items() if n)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class PrefixFields:
     """The prefix-related fields of a :class:`RoutingRequest`."""
 

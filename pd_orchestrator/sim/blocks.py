@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pd_orchestrator.model.hashing import HashAlgo
+from pd_orchestrator.model.records import record
 from pd_orchestrator.prefix.hashing import BlockExtras, VllmBlockHasher
 
 __all__ = [
@@ -48,7 +49,7 @@ class BlockHasher(VllmBlockHasher):
         super().__init__(block_size, algo, hash_seed)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class BlockStored:
     """Blocks newly cached, in chain order; ``parent_block_hash`` precedes the first."""
 
@@ -61,14 +62,14 @@ class BlockStored:
     extra_keys: list[tuple[str, ...] | None] | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class BlockRemoved:
     """Cached blocks evicted."""
 
     block_hashes: list[bytes]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class AllBlocksCleared:
     """The whole prefix cache was reset."""
 

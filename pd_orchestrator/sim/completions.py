@@ -13,7 +13,6 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -21,6 +20,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from pd_orchestrator.model.records import record
 from pd_orchestrator.openai.protocol import (
     ChatCompletionRequest,
     OpenAIRequest,
@@ -69,7 +69,7 @@ class _DroppedConnection(Exception):
     """Raised inside a stream to make the server drop the connection (fault injection)."""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class _Job:
     """One accepted generation request."""
 

@@ -25,10 +25,10 @@ import random
 import re
 import string
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from re import _parser as sre  # type: ignore[attr-defined]
 from typing import Any, Literal
 
+from pd_orchestrator.model.records import record
 from pd_orchestrator.sim.tokenizer import SimTokenizer, word_for_id
 
 __all__ = [
@@ -71,7 +71,7 @@ class UnsupportedConstraint(ValueError):
         self.param = param
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Tool:
     """A function the request offers: its name and its arguments' JSON schema."""
 
@@ -79,7 +79,7 @@ class Tool:
     parameters: Json
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Constraint:
     """What shapes an answer: ``kind`` json (``schema``; None: any JSON object), regex
     (``pattern``), choice (``choices``) or tools (``tools`` under ``mode``;

@@ -20,8 +20,8 @@ tokens) matches the blocks its first run cached.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+from pd_orchestrator.model.records import record
 from pd_orchestrator.prefix.hashing import BlockExtras
 from pd_orchestrator.sim.blocks import BlockHasher
 from pd_orchestrator.sim.generation import advance_all
@@ -29,7 +29,7 @@ from pd_orchestrator.sim.generation import advance_all
 __all__ = ["PromptDigest"]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class PromptDigest:
     """``num_tokens`` prompt tokens as ``block_hashes`` (full blocks), ``tail`` (the
     tokens after them, fewer than a block) and the generation ``state`` after them."""

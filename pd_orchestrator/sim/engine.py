@@ -62,6 +62,7 @@ from typing import Protocol
 
 from pd_orchestrator.model.hardware import LatencyProfile
 from pd_orchestrator.model.hashing import HashAlgo
+from pd_orchestrator.model.records import record
 from pd_orchestrator.prefix.hashing import BlockExtras
 from pd_orchestrator.sim.blocks import BlockHasher, BlockPool
 from pd_orchestrator.sim.constrained import Constraint
@@ -96,7 +97,7 @@ class FinishReason(enum.StrEnum):
     CACHE_THRESHOLD = "cache_threshold"
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class SamplingSpec:
     """The sampling fields the simulator honours (output is always deterministic)."""
 
@@ -105,7 +106,7 @@ class SamplingSpec:
     ignore_eos: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class EngineRequest:
     """One request as the engine sees it.
 
@@ -143,7 +144,7 @@ class EngineRequest:
         return len(self.prompt_token_ids)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class HeldTransfer:
     """KV blocks a producer holds for a consumer to take, under ``keys``."""
 
@@ -155,7 +156,7 @@ class HeldTransfer:
     keys: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RequestOutput:
     """What one step produced for one request."""
 
@@ -173,7 +174,7 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class StepResult:
     """A step's duration in (unscaled) seconds and its outputs."""
 
@@ -223,7 +224,7 @@ class ComposedKV:
             part.save(request, block_hashes)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class EngineConfig:
     """Static engine settings."""
 

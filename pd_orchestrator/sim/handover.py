@@ -54,12 +54,12 @@ from __future__ import annotations
 import re
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from pd_orchestrator.model.records import record
 from pd_orchestrator.sim.engine import ComposedKV, ExternalKV, HeldTransfer, PulledKV
 from pd_orchestrator.sim.kvstore import DirectoryKeys, LMCacheStore, SharedKVStore
 from pd_orchestrator.sim.options import SimOptions, connector_names
@@ -133,7 +133,7 @@ def hold_keys(names: Sequence[str], params: dict[str, Any], request_id: str) -> 
     return tuple(keys)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Advertised:
     """How this instance names itself in the params it answers."""
 
@@ -194,7 +194,7 @@ def _params_of(name: str, held: HeldTransfer, cached: int, me: Advertised) -> di
 
 
 # -- consumer side ---------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
+@record
 class Fetched:
     """What a consumer got: the producer's prompt block hashes and prompt length."""
 
@@ -202,7 +202,7 @@ class Fetched:
     num_tokens: int
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class FetchPlan:
     """One side-channel call: which connector, where, and what to send."""
 

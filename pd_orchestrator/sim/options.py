@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -10,6 +9,7 @@ from connectors import parse_spec
 from pd_orchestrator.model.hardware import LatencyProfile
 from pd_orchestrator.model.hashing import HashAlgo
 from pd_orchestrator.model.measured import resolve_profile
+from pd_orchestrator.model.records import record
 from pd_orchestrator.prefix.hashing import hash_function
 from pd_orchestrator.sim.faults import ProtocolFault
 
@@ -23,7 +23,7 @@ def connector_names(spec: str) -> tuple[str, ...]:
     return () if spec == "none" else parse_spec(spec)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class SimOptions:
     """Everything that shapes a simulated instance; defaults mirror vLLM's.
 

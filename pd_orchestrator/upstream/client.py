@@ -21,7 +21,7 @@ import math
 import socket
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -30,6 +30,7 @@ import orjson
 
 from pd_orchestrator.config.settings import TimeoutConfig, UpstreamConfig
 from pd_orchestrator.model.endpoints import Endpoint
+from pd_orchestrator.model.records import record
 from pd_orchestrator.openai.errors import error_message
 from pd_orchestrator.upstream.errors import (
     GatewayResourceError,
@@ -106,7 +107,7 @@ class _Translate:
         raise UpstreamProtocolError(endpoint.name, phase, str(exc), role=role) from exc
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Reply:
     """A status and body of a GET (health checks, metrics polls)."""
 

@@ -32,7 +32,8 @@ never the upstream's text (the gateway logs that):
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+
+from pd_orchestrator.model.records import record
 
 __all__ = [
     "PASSED_THROUGH",
@@ -160,7 +161,7 @@ class GatewayResourceError(UpstreamError):
         return ClientError(503, f"the gateway is out of {words} (its own limit); try again")
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ClientError:
     """What the client gets: an HTTP status and a message."""
 

@@ -42,6 +42,8 @@ from urllib.parse import urlsplit
 import httptools
 import orjson
 
+from pd_orchestrator.model.records import record
+
 __all__ = [
     "ConnectFailed",
     "ConnectionBroken",
@@ -108,7 +110,7 @@ class ConnectionBroken(TransportError):
     """The connection closed early or carried something that is not HTTP/1.1."""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Origin:
     """Where a request goes: scheme, host and port (parsed once per base URL)."""
 
@@ -130,7 +132,7 @@ class Origin:
         return (host if self.port == default else f"{host}:{self.port}").encode()
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Timeouts:
     """Seconds allowed to connect, between two reads, and to wait for a pool slot."""
 
@@ -143,7 +145,7 @@ _JOINED = 65536
 """The body size up to which a request is written in one piece."""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Request:
     """One request as the transport sends it; ``headers`` are extra header lines."""
 
