@@ -25,7 +25,6 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import anyio
 from anyio.abc import TaskStatus
@@ -35,6 +34,7 @@ from pd_orchestrator.config.load import LoadConfig
 from pd_orchestrator.fleet.state import FleetState
 from pd_orchestrator.model.endpoints import Endpoint, EndpointStatus
 from pd_orchestrator.model.load import Candidate, LoadSnapshot
+from pd_orchestrator.model.records import record
 from pd_orchestrator.upstream.client import Upstream
 from pd_orchestrator.upstream.errors import UpstreamError
 
@@ -83,7 +83,7 @@ class MetricsError(ValueError):
     """Metrics text that is not Prometheus text or lacks the load series."""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class MetricsReading:
     """Load series of one scrape, summed over the label sets read.
 
@@ -344,14 +344,14 @@ class LoadScraper:
         health checks and the load polls say so, with the fresh snapshot if any and
         what the latest, fresh or not, says of the plugin's capabilities."""
         now = self.clock() if now is None else now
-        return tuple(self._candidate(status, now) for status in statuses)
-
-    def _candidate(self, status: EndpointStatus, now: float) -> Candidate:
-        name = status.endpoint.name
-        latest = self._snapshots.get(name)
-        return Candidate.from_status(
-            status,
-            self.snapshot(name, now),
-            responsive=self.is_responsive(name),
-            latest=latest,
-        )
+        # what snapshot() and is_responsive() say, read inline: once per endpoint a request
+        readings, failures = self._snapshots, self._failures
+        stale_after, unhealthy_after = self.config.stale_after, self.config.unhealthy_after
+        found = []
+        for status in statuses:
+            name = status.endpoint.name
+            latest = readings.get(name)
+            fresh = None if latest is None or latest.age(now) > stale_after else latest
+            responsive = failures.get(name, 0) < unhealthy_after
+            found.append(Candidate.from_status(status, fresh, responsive=responsive, latest=latest))
+        return tuple(found)

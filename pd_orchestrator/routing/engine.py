@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Generic, TypeVar
 
 from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.model.load import Candidate
+from pd_orchestrator.model.records import record
 from pd_orchestrator.routing.interfaces import Filter, Observer, Picker, Scorer
 from pd_orchestrator.routing.types import RoutingRequest, RoutingResult, ScoredCandidate
 
@@ -48,7 +49,7 @@ def clamp(score: float) -> float:
     return min(1.0, max(0.0, score))
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Stage(Generic[PluginT]):
     """A named plugin instance of a profile."""
 
@@ -57,7 +58,7 @@ class Stage(Generic[PluginT]):
     plugin: PluginT
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class WeightedScorer:
     """A named scorer instance and the weight of its clamped score."""
 
@@ -67,7 +68,7 @@ class WeightedScorer:
     plugin: Scorer
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Profile:
     """A built pipeline; :meth:`run` routes one request."""
 
@@ -130,15 +131,14 @@ class Profile:
         if not scorers:
             return tuple(ScoredCandidate(candidate, 0.0, {}) for candidate in candidates)
         columns = [self._clamped(scorer, request, candidates) for scorer in scorers]
+        names = [scorer.name for scorer in scorers]
+        weights = [scorer.weight for scorer in scorers]
         scored = []
-        for i, candidate in enumerate(candidates):
-            scores = {}
+        for candidate, values in zip(candidates, zip(*columns, strict=True), strict=True):
             total = 0.0
-            for scorer, column in zip(scorers, columns, strict=True):
-                value = column[i]
-                scores[scorer.name] = value
-                total += scorer.weight * value
-            scored.append(ScoredCandidate(candidate, total, scores))
+            for weight, value in zip(weights, values, strict=True):
+                total += weight * value
+            scored.append(ScoredCandidate(candidate, total, dict(zip(names, values, strict=True))))
         return tuple(scored)
 
     @staticmethod
@@ -151,7 +151,11 @@ class Profile:
                 f"scorer {scorer.name!r} returned {len(raw)} scores for {len(candidates)} "
                 "candidates"
             )
-        return tuple(clamp(float(value)) for value in raw)
+        # clamp() inline: this runs for every candidate and scorer of every request
+        return tuple([
+            (1.0 if v >= 1.0 else v if v > 0.0 else 0.0) if v == v else 0.0
+            for v in map(float, raw)
+        ])  # fmt: skip
 
 
 def _subset(kept: tuple[Candidate, ...], offered: tuple[Candidate, ...]) -> bool:

@@ -8,12 +8,12 @@ request's ``sequence``, so a replay of the same requests picks the same way.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Annotated, Literal
 
 from pydantic import Field
 
+from pd_orchestrator.model.records import record
 from pd_orchestrator.routing.interfaces import PluginContext
 from pd_orchestrator.routing.registry import PICKER, NoParams, PluginType
 from pd_orchestrator.routing.scorers import queue_depth
@@ -34,6 +34,20 @@ def _hash64(*parts: str) -> int:
     return int.from_bytes(digest, "big")
 
 
+def _keyed(key: str) -> Callable[[str], int]:
+    """``_hash64(key, name)`` as a function of ``name``, with ``key`` (up to a few
+    thousand characters) hashed once rather than once per tied endpoint: each name
+    continues a copy of the hasher that took the key and the separator."""
+    taken = hashlib.blake2b((key + "\x00").encode(), digest_size=8)
+
+    def hashed(name: str) -> int:
+        hasher = taken.copy()
+        hasher.update(name.encode())
+        return int.from_bytes(hasher.digest(), "big")
+
+    return hashed
+
+
 class MaxScoreParams(NoParams):
     """``tolerance`` (>= 0, default 1e-9): totals within this of the best count as tied.
     ``ties`` (default ``affinity``): ``affinity`` breaks ties by the request's affinity
@@ -48,7 +62,7 @@ class MaxScoreParams(NoParams):
     load_bound: Annotated[float, Field(ge=1.0, allow_inf_nan=False)] | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class MaxScorePicker:
     """``max-score``: the candidate with the highest total.
 
@@ -77,8 +91,10 @@ class MaxScorePicker:
         if key is None:
             return tied[request.sequence % len(tied)]
 
+        hashed = _keyed(key)
+
         def rank(i: int) -> int:
-            return _hash64(key, scored[i].endpoint.name)
+            return hashed(scored[i].endpoint.name)
 
         if self.load_bound is None:
             return max(tied, key=rank)
@@ -95,7 +111,7 @@ class WeightedRandomParams(NoParams):
     seed: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class WeightedRandomPicker:
     """``weighted-random``: a draw with probability proportional to the total.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from collections.abc import Mapping
 
@@ -68,6 +69,27 @@ def test_max_score_affinity_key_is_sticky_and_spreads() -> None:
         assert len(picks) == 1
     spread = {plugin.pick(request(affinity_key=f"k{k}"), candidates) for k in range(40)}
     assert spread == {0, 1, 2, 3}
+
+
+def test_max_score_affinity_is_the_rendezvous_hash_of_key_and_name() -> None:
+    """The tie goes to the endpoint whose name hashes highest with the key (blake2b,
+    8 bytes, of ``key NUL name``): a key keeps its endpoint from one version to the next,
+    long keys and names outside ASCII included."""
+    plugin = picker("max-score")
+    candidates = scored(1, 1, 1, 1, 1, 1)
+    names = [c.endpoint.name for c in candidates]
+
+    def expected(key: str) -> int:
+        def hashed(name: str) -> int:
+            digest = hashlib.blake2b(f"{key}\x00{name}".encode(), digest_size=8).digest()
+            return int.from_bytes(digest, "big")
+
+        return max(range(len(names)), key=lambda i: hashed(names[i]))
+
+    keys = ["alpha", "user:" + "x" * 4000, "système: ünïcode ✓", "", *(f"k{k}" for k in range(30))]
+    picks = [plugin.pick(request(affinity_key=key), candidates) for key in keys]
+    assert picks == [expected(key) for key in keys]
+    assert len(set(picks)) > 2  # the keys spread
 
 
 def _loaded(*in_flight: int) -> list[ScoredCandidate]:
