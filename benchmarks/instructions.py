@@ -41,31 +41,39 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 TARGETS = ("gateway", "floor-asgi", "floor-decode", "floor-plan")
 BASELINE = "gateway-baseline"
+DECISION = "decision"
 _REFS = re.compile(r"I\s+refs:\s+([\d,]+)")
 
 
 @dataclass(frozen=True, slots=True)
 class Run:
     """One count: ``target`` (``gateway-baseline``: ``--baseline``'s gateway) in
-    ``mode`` (``whole`` or ``stream``) with ``requests`` requests."""
+    ``mode`` (``whole`` or ``stream``) with ``requests`` requests; or, for the targets
+    ``decision`` and ``decision-baseline``, the decision alone over the fleet ``mode``
+    (``D:P``, ``decision_bench.py``)."""
 
     target: str
     mode: str
     requests: int
 
     def argv(self, baseline: Path | None) -> list[str]:
-        """The command: callgrind around the checkout's ``request_path.py``."""
-        if self.target == BASELINE:
+        """The command: callgrind around the checkout's script (``--baseline``'s python
+        and, for the decision, this checkout's script: it only calls the decision)."""
+        python = Path(sys.executable)
+        if self.target.endswith("-baseline"):
             assert baseline is not None
-            python, script, target = (
-                baseline / ".venv" / "bin" / "python",
-                baseline / "benchmarks" / "request_path.py",
-                "gateway",
-            )
-        else:
-            python, script, target = Path(sys.executable), HERE / "request_path.py", self.target
+            python = baseline / ".venv" / "bin" / "python"
         argv = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", str(python)]
-        argv += [str(script), "--target", target, "--requests", str(self.requests)]
+        if self.target.startswith(DECISION):
+            decoders, prefillers = self.mode.split(":")
+            script = HERE / "decision_bench.py"
+            argv += [str(script), "--decoders", decoders, "--prefillers", prefillers]
+            return [*argv, "--requests", str(self.requests)]
+        target = self.target.removesuffix("-baseline")
+        root = HERE.parent if target == self.target else baseline
+        assert root is not None
+        argv += [str(root / "benchmarks" / "request_path.py"), "--target", target]
+        argv += ["--requests", str(self.requests)]
         return argv + (["--stream"] if self.mode == "stream" else [])
 
 
@@ -105,6 +113,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--targets", default="gateway,floor-plan,floor-decode")
     parser.add_argument("--modes", default="whole,stream")
+    parser.add_argument(
+        "--fleets", default="", help="D:P,...: count the decision alone over these fleets too"
+    )
     parser.add_argument("--requests", type=int, default=400, help="N: runs of N and 4N")
     parser.add_argument("--baseline", type=Path, help="another checkout, built with make")
     parser.add_argument("--jobs", type=int, default=2, help="counts run at once")
@@ -116,6 +127,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"unknown targets {unknown}; choose from {', '.join(TARGETS)}")
     if unknown := [m for m in args.modes if m not in ("whole", "stream")]:
         parser.error(f"unknown modes {unknown}; choose from whole, stream")
+    args.fleets = [f for f in args.fleets.split(",") if f]
+    if bad := [f for f in args.fleets if not re.fullmatch(r"[1-9]\d*:\d+", f)]:
+        parser.error(f"--fleets: {bad} are not DECODERS:PREFILLERS")
     if args.requests < 1 or args.jobs < 1:
         parser.error("--requests and --jobs must be >= 1")
     if args.baseline is not None:
@@ -129,20 +143,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed (apt-get install valgrind)")
-    runs = [
-        Run(target, mode, n)
-        for target in args.targets
-        for mode in args.modes
-        for n in (args.requests, 4 * args.requests)
-    ]
+    deciders = [DECISION] + ([f"{DECISION}-baseline"] if args.baseline is not None else [])
+    cases = [(t, m) for t in args.targets for m in args.modes]
+    cases += [(t, fleet) for fleet in args.fleets for t in deciders]
+    runs = [Run(t, m, n) for t, m in cases for n in (args.requests, 4 * args.requests)]
     with ThreadPoolExecutor(args.jobs) as pool:
         counted = dict(zip(runs, pool.map(lambda r: count(r, args.baseline), runs), strict=True))
-    figures = {
-        (target, mode): per_request(counted, target, mode, args.requests)
-        for target in args.targets
-        for mode in args.modes
-    }
+    figures = {(t, m): per_request(counted, t, m, args.requests) for t, m in cases}
     print(table(figures, args.targets, args.modes))
+    if args.fleets:
+        print()
+        print(table(figures, deciders, args.fleets).replace("instructions/request", "decision"))
     if args.json is not None:
         rows = [{"target": t, "mode": m, "instructions": v} for (t, m), v in figures.items()]
         args.json.write_text(json.dumps({"requests": args.requests, "figures": rows}, indent=2))
