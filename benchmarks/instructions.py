@@ -8,8 +8,9 @@ called from 16 loops in one process, the minimal backend in another) under
 valgrind's ``callgrind``, which counts every instruction the process executes (the
 backend, a child process, is not traced), once with ``--requests N`` and once with
 ``4N``. ``(I(4N) - I(N)) / 3N`` is what one more request costs: the start-up, the
-imports and the warm-up are the same in both and cancel. Two runs of the same code
-agree to about 0.1%, whatever else the machine runs.
+imports and the warm-up are the same in both and cancel. Counts of the same code
+agree within about 1% (the hash seed and the request ids move a few branches),
+whatever else the machine runs.
 
 An instruction is not a nanosecond (a cache miss costs more than an add), so this
 is a measure of work done, for comparing two versions of the code or two targets of
