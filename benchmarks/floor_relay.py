@@ -50,7 +50,7 @@ import httptools
 import orjson
 import uvicorn
 import uvloop
-from prometheus_client import Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from pd_orchestrator.config.settings import GatewayConfig
 from pd_orchestrator.flows.sink import GatewayError
@@ -143,8 +143,9 @@ async def serve_asgi(sock: socket.socket, app: Callable[..., Any]) -> None:
 
 # -- the least a decode-first gateway does ------------------------------------------------
 THRESHOLD = 0.7
-REQUESTS = Counter("floor_requests", "Requests answered", ["decision"])
-LATENCY = Histogram("floor_request_seconds", "Seconds to the answer's end")
+_METRICS = CollectorRegistry()  # its own: the module may be loaded again in one process
+REQUESTS = Counter("floor_requests", "Requests answered", ["decision"], registry=_METRICS)
+LATENCY = Histogram("floor_request_seconds", "Seconds to the answer's end", registry=_METRICS)
 _HIDDEN = ("token_ids", "prompt_token_ids")
 
 
