@@ -297,7 +297,7 @@ class Planned:
             now = time.monotonic()
             headers = header_map(scope["headers"])
             admitted = admit(state, kind, path, Body(raw, body), headers, now, self.ids)
-            candidates = state.scraper.candidates(state.fleet.snapshot(), now)
+            candidates = state.scraper.current(now)
             plan = state.planner.plan(admitted.facts, candidates, now, next(self.ordinals))
         except GatewayError as exc:
             error = error_body(exc.message, exc.status, param=exc.param)

@@ -263,14 +263,22 @@ class LoadScraper:
         self._snapshots: dict[str, LoadSnapshot] = {}
         self._failures: dict[str, int] = {}
         self._unreadable_names: set[str] = set()
+        self._changed: set[str] = set()
+        self._kept: dict[str, Candidate] = {}
+        self._kept_all: tuple[Candidate, ...] = ()
+        self._kept_until = -math.inf
+        self._kept_at = math.inf
 
     async def poll(self, endpoint: Endpoint) -> LoadSnapshot | None:
-        """One poll of one endpoint; records and returns its snapshot (None: no reading)."""
+        """One poll of one endpoint; records and returns its snapshot (None: no reading).
+        Whatever its outcome, the endpoint's candidate is made again (:meth:`current`)."""
         try:
             response = await self.upstream.get(endpoint, "/metrics", limit=self.config.timeout)
         except UpstreamError as exc:
             self._failed(endpoint.name, str(exc))
             return None
+        finally:
+            self._changed.add(endpoint.name)
         if response.status_code != 200:
             self._failed(endpoint.name, f"/metrics answered {response.status_code}")
             return None
@@ -344,14 +352,51 @@ class LoadScraper:
         health checks and the load polls say so, with the fresh snapshot if any and
         what the latest, fresh or not, says of the plugin's capabilities."""
         now = self.clock() if now is None else now
-        # what snapshot() and is_responsive() say, read inline: once per endpoint a request
-        readings, failures = self._snapshots, self._failures
-        stale_after, unhealthy_after = self.config.stale_after, self.config.unhealthy_after
-        found = []
-        for status in statuses:
-            name = status.endpoint.name
-            latest = readings.get(name)
-            fresh = None if latest is None or latest.age(now) > stale_after else latest
-            responsive = failures.get(name, 0) < unhealthy_after
-            found.append(Candidate.from_status(status, fresh, responsive=responsive, latest=latest))
-        return tuple(found)
+        return tuple([self._candidate(status, now) for status in statuses])
+
+    def current(self, now: float) -> tuple[Candidate, ...]:
+        """``candidates(fleet.snapshot(), now)``, kept current rather than rebuilt: only
+        the endpoints whose status or reading changed since the last call are made
+        again (what :meth:`FleetState.take_changed` and this poller's own changes
+        name), and every one when a fresh reading may have gone stale since (the
+        earliest fresh reading's ``stale_after`` passed) or the clock went back. The
+        decision's cost per request then grows with what changed, not with the fleet.
+        One reader: each call takes the fleet's changes."""
+        fleet_changed = self.fleet.take_changed()
+        kept = self._kept
+        if fleet_changed is None or not self._kept_at <= now <= self._kept_until:
+            self._changed.clear()
+            return self._keep_all(now)
+        changed = self._changed
+        if changed or fleet_changed:
+            status_of, build = self.fleet.status_of, self._candidate
+            stale_after = self.config.stale_after
+            for name in (changed | fleet_changed) if changed else fleet_changed:
+                if name in kept:
+                    kept[name] = candidate = build(status_of(name), now)
+                    if candidate.load is not None:
+                        expires = candidate.load.observed_at + stale_after
+                        self._kept_until = min(self._kept_until, expires)
+            changed.clear()
+            self._kept_all = tuple(kept.values())
+        self._kept_at = now
+        return self._kept_all
+
+    def _keep_all(self, now: float) -> tuple[Candidate, ...]:
+        """Every candidate made again (:meth:`current`)."""
+        statuses = self.fleet.snapshot()
+        self._kept = {status.endpoint.name: self._candidate(status, now) for status in statuses}
+        self._kept_all = tuple(self._kept.values())
+        fresh = [c.load.observed_at for c in self._kept_all if c.load is not None]
+        self._kept_until = min(fresh, default=math.inf) + self.config.stale_after
+        self._kept_at = now
+        return self._kept_all
+
+    def _candidate(self, status: EndpointStatus, now: float) -> Candidate:
+        """What :meth:`snapshot` and :meth:`is_responsive` say of ``status``'s endpoint,
+        read inline: this runs for every endpoint that changed between two requests."""
+        name = status.endpoint.name
+        latest = self._snapshots.get(name)
+        fresh = None if latest is None or latest.age(now) > self.config.stale_after else latest
+        responsive = self._failures.get(name, 0) < self.config.unhealthy_after
+        return Candidate.from_status(status, fresh, responsive=responsive, latest=latest)

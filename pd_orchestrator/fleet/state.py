@@ -26,6 +26,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 
 from connectors import PeerUpdate
@@ -40,6 +41,7 @@ __all__ = ["FleetState"]
 logger = logging.getLogger("pd_orchestrator.fleet")
 OnEject = Callable[[str, str], None]
 """Told of each ejection: endpoint name and reason."""
+_NOTHING: frozenset[str] = frozenset()
 _NONE = (0, 0)
 """No other gateway's requests at an endpoint: none in flight, no tokens queued."""
 
@@ -84,6 +86,8 @@ class FleetState:
         self.pending: PendingBlocks[int] = PendingBlocks()
         """The block keys of prompts in flight per endpoint, before their first answer
         (what :meth:`enter` is given)."""
+        self._changed: set[str] = set()
+        self._all_changed = True
 
     def endpoints(self, role: Role | None = None) -> list[Endpoint]:
         """Endpoints able to play ``role`` (``both`` endpoints count for either)."""
@@ -96,21 +100,32 @@ class FleetState:
         """Immutable statuses of the endpoints with ``role`` (all when None); ``healthy``
         means in routing: healthy and not ejected. In-flight counts and backlogs are
         this gateway's plus the other gateways' (:meth:`share`)."""
-        healthy, ejected, in_flight = self._healthy, self._ejected, self._in_flight
-        backlog, others = self._backlog, self._others
-        statuses = []
-        for e in self.endpoints(role):
-            name = e.name
-            more, queued = others.get(name, _NONE)
-            statuses.append(
-                EndpointStatus(
-                    e,
-                    healthy[name] and name not in ejected,
-                    in_flight[name] + more,
-                    backlog[name] + queued,
-                )
-            )
-        return tuple(statuses)
+        return tuple([self.status_of(e.name) for e in self.endpoints(role)])
+
+    def status_of(self, name: str) -> EndpointStatus:
+        """One configured endpoint's status as :meth:`snapshot` gives it."""
+        more, queued = self._others.get(name, _NONE)
+        return EndpointStatus(
+            self._endpoints[name],
+            self._healthy[name] and name not in self._ejected,
+            self._in_flight[name] + more,
+            self._backlog[name] + queued,
+        )
+
+    def take_changed(self) -> AbstractSet[str] | None:
+        """The endpoints whose :meth:`status_of` may have changed since the last call
+        (None: any of them may have), and start counting afresh. One reader keeps a
+        view current with it (:meth:`~pd_orchestrator.fleet.scraper.LoadScraper.current`);
+        the set holds at most every endpoint ever tracked."""
+        if self._all_changed:
+            self._all_changed = False
+            self._changed.clear()
+            return None
+        changed = self._changed
+        if not changed:
+            return _NOTHING
+        self._changed = set()
+        return changed
 
     def own_load(self) -> dict[str, tuple[int, int]]:
         """This gateway's requests in flight and queued prompt tokens per configured
@@ -126,6 +141,7 @@ class FleetState:
         """What the other gateways have in flight and queued per endpoint (empty: this
         gateway counts its own alone)."""
         self._others = others
+        self._all_changed = True
 
     def inherit(self, previous: FleetState) -> None:
         """Keep the health and ejection state of endpoints that ``previous`` had under
@@ -139,6 +155,7 @@ class FleetState:
                 if outlier.ejected:
                     self._ejected[name] = outlier
         self.checked_once = previous.checked_once
+        self._all_changed = True
 
     def status(self, name: str) -> EndpointStatus:
         """A snapshot of one configured endpoint."""
@@ -218,6 +235,7 @@ class FleetState:
         self._failures[name] += 1
         if self._failures[name] >= self.unhealthy_after:
             self._healthy[name] = False
+            self._changed.add(name)
 
     def mark_unhealthy(self, name: str) -> None:
         """A leg broke on ``name`` mid-answer: out of routing until it answers or passes a
@@ -226,12 +244,15 @@ class FleetState:
         self._failures[name] = max(self._failures[name], self.unhealthy_after)
         self._healthy[name] = False
         self._suspects.add(name)
+        self._changed.add(name)
 
     def _reachable(self, name: str) -> None:
         """``name`` answers: healthy, its run of failed checks ends."""
         self._track(name)
         self._failures[name] = 0
-        self._healthy[name] = True
+        if not self._healthy[name]:
+            self._healthy[name] = True
+            self._changed.add(name)
         self._suspects.discard(name)
 
     # -- real traffic (passive) ------------------------------------------------------------
@@ -271,6 +292,7 @@ class FleetState:
             return
         seconds = outlier.eject(reason, self.clock(), self.outlier)
         self._ejected[name] = outlier
+        self._changed.add(name)
         logger.warning("%s ejected for %.0f s (%s)", name, seconds, reason)
         if self.on_eject is not None:
             self.on_eject(name, reason)
@@ -295,6 +317,7 @@ class FleetState:
         if outlier is not None and outlier.may_return(now):
             outlier.restore(now)
             del self._ejected[name]
+            self._changed.add(name)
             logger.warning("%s back in routing after its ejection", name)
 
     def enter(self, name: str, backlog: int = 0, blocks: Sequence[int] = ()) -> None:
@@ -306,6 +329,7 @@ class FleetState:
             self._track(name)
         self._in_flight[name] += 1
         self._backlog[name] += backlog
+        self._changed.add(name)
         if blocks:
             self.pending.hold(name, blocks)
 
@@ -314,6 +338,7 @@ class FleetState:
         out of the endpoint's, its ``blocks`` no longer pending."""
         if name in self._backlog:
             self._backlog[name] -= backlog
+            self._changed.add(name)
         if blocks:
             self.pending.release(name, blocks)
 
@@ -322,6 +347,7 @@ class FleetState:
         ``blocks`` it still held."""
         self._in_flight[name] -= 1
         self._backlog[name] -= backlog
+        self._changed.add(name)
         if blocks:
             self.pending.release(name, blocks)
 

@@ -149,7 +149,7 @@ class CompletionPath:
         now = self.clock()
         admitted = admit(state, kind, path, body, headers, now, self._ids)
         REQUEST_ID.set(admitted.request.request_id)
-        candidates = state.scraper.candidates(state.fleet.snapshot(), now)
+        candidates = state.scraper.current(now)
         admitted = await self._tokenized(state, admitted, candidates)
         try:
             plan = state.planner.plan(admitted.facts, candidates, now, next(self._ordinals))
