@@ -8,7 +8,9 @@ default routing profiles and policy; addresses that are never contacted) and mak
 the decision for the overhead benchmark's request ``--requests`` times, as the
 gateway makes it for each request: the body's checks and parse, admission, the
 fleet's snapshot and candidates, the plan (``floor_relay.Planned``; the learning
-after the answer is left out). It prints the CPU time per decision; under
+after the answer is left out), and the fleet's counts moved as a served request
+moves them (its decoder entered and left), so that the next decision sees one
+endpoint changed, as the gateway's does. It prints the CPU time per decision; under
 ``instructions.py --fleets`` it is counted instead of timed.
 
     .venv/bin/python benchmarks/decision_bench.py [--decoders 16] [--prefillers 8]
@@ -71,11 +73,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     decide = floor_relay.Planned(parse_config(fleet_config(args.decoders, args.prefillers)))
     raw = overhead_bench.request_body(False, overhead_bench.PROMPT).encode()
     scope = {"path": "/v1/completions", "headers": [(b"content-type", b"application/json")]}
+    fleet = decide.state.fleet
     for _ in range(50):  # warm-up
         decide.decide(scope, raw)
     started = time.process_time()
     for _ in range(args.requests):
-        decide.decide(scope, raw)
+        plan = decide.decide(scope, raw)[2][1]
+        fleet.enter(plan.decoder.name, plan.prompt_tokens)
+        fleet.leave(plan.decoder.name, plan.prompt_tokens)
     spent = time.process_time() - started
     fleet = f"{args.decoders}:{args.prefillers}"
     each = spent / args.requests * 1e6

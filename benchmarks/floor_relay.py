@@ -57,6 +57,8 @@ from pd_orchestrator.flows.sink import GatewayError
 from pd_orchestrator.gateway.admission import Body, RequestIds, admit, header_map, json_object
 from pd_orchestrator.gateway.app import Gateway
 from pd_orchestrator.gateway.limits import check_json
+from pd_orchestrator.gateway.state import GatewayState
+from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.model.route import threshold_of
 from pd_orchestrator.openai.errors import error_body
 from pd_orchestrator.openai.protocol import RequestError, parse_for
@@ -276,6 +278,16 @@ def decode_app(upstream: Upstream, decider: Decider | None = None) -> Callable[.
     return app
 
 
+def _candidates(state: GatewayState, now: float) -> tuple[Candidate, ...]:
+    """The routing candidates as the gateway reads them (kept current); made afresh
+    from the fleet's snapshot on a checkout from before they were kept (``--baseline``
+    of ``instructions.py`` runs these scripts against one)."""
+    current = getattr(state.scraper, "current", None)
+    if current is None:
+        return state.scraper.candidates(state.fleet.snapshot(), now)
+    return cast(tuple[Candidate, ...], current(now))
+
+
 class Planned:
     """``plan``'s decision: the gateway's own admission (the body's checks, the
     request's parse and facts), its planner's whole plan over the fleet of ``config``
@@ -297,7 +309,7 @@ class Planned:
             now = time.monotonic()
             headers = header_map(scope["headers"])
             admitted = admit(state, kind, path, Body(raw, body), headers, now, self.ids)
-            candidates = state.scraper.current(now)
+            candidates = _candidates(state, now)
             plan = state.planner.plan(admitted.facts, candidates, now, next(self.ordinals))
         except GatewayError as exc:
             error = error_body(exc.message, exc.status, param=exc.param)
