@@ -73,14 +73,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     decide = floor_relay.Planned(parse_config(fleet_config(args.decoders, args.prefillers)))
     raw = overhead_bench.request_body(False, overhead_bench.PROMPT).encode()
     scope = {"path": "/v1/completions", "headers": [(b"content-type", b"application/json")]}
-    fleet = decide.state.fleet
+    counts = decide.state.fleet
     for _ in range(50):  # warm-up
         decide.decide(scope, raw)
     started = time.process_time()
     for _ in range(args.requests):
         plan = decide.decide(scope, raw)[2][1]
-        fleet.enter(plan.decoder.name, plan.prompt_tokens)
-        fleet.leave(plan.decoder.name, plan.prompt_tokens)
+        counts.enter(plan.decoder.name, plan.prompt_tokens)
+        counts.leave(plan.decoder.name, plan.prompt_tokens)
     spent = time.process_time() - started
     fleet = f"{args.decoders}:{args.prefillers}"
     each = spent / args.requests * 1e6

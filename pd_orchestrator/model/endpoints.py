@@ -25,13 +25,16 @@ class Role(enum.StrEnum):
     PREFILL = "prefill"
     BOTH = "both"
 
-    @property
-    def decodes(self) -> bool:
-        return self is not Role.PREFILL
+    decodes: bool
+    """Serves decode requests (not ``PREFILL``)."""
+    prefills: bool
+    """Serves prefill requests (not ``DECODE``)."""
 
-    @property
-    def prefills(self) -> bool:
-        return self is not Role.DECODE
+    def __init__(self, value: str) -> None:
+        # plain attributes, set once per member: the planner reads them for every
+        # endpoint of every request, where a property would be a call each time
+        self.decodes = value != "prefill"
+        self.prefills = value != "decode"
 
 
 @record

@@ -129,16 +129,16 @@ class Profile:
     ) -> tuple[ScoredCandidate, ...]:
         scorers = self.scorers
         if not scorers:
-            return tuple(ScoredCandidate(candidate, 0.0, {}) for candidate in candidates)
+            return tuple([ScoredCandidate(candidate, 0.0) for candidate in candidates])
         columns = [self._clamped(scorer, request, candidates) for scorer in scorers]
-        names = [scorer.name for scorer in scorers]
+        names = tuple([scorer.name for scorer in scorers])
         weights = [scorer.weight for scorer in scorers]
         scored = []
         for candidate, values in zip(candidates, zip(*columns, strict=True), strict=True):
             total = 0.0
             for weight, value in zip(weights, values, strict=True):
                 total += weight * value
-            scored.append(ScoredCandidate(candidate, total, dict(zip(names, values, strict=True))))
+            scored.append(ScoredCandidate(candidate, total, values, names))
         return tuple(scored)
 
     @staticmethod

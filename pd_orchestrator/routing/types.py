@@ -51,11 +51,19 @@ class RoutingRequest:
 
 @record
 class ScoredCandidate:
-    """A candidate, its weighted total and each scorer's clamped score (by name)."""
+    """A candidate, its weighted total and each scorer's clamped score: ``values``, in
+    the order of the scorers named in ``names`` (:attr:`scores` by name)."""
 
     candidate: Candidate
     total: float
-    scores: Mapping[str, float] = field(default_factory=dict)
+    values: tuple[float, ...] = ()
+    names: tuple[str, ...] = ()
+
+    @property
+    def scores(self) -> dict[str, float]:
+        """Each scorer's clamped score by its name (made when asked: the ranking makes
+        one of these per candidate of every request, and only explanations read it)."""
+        return dict(zip(self.names, self.values, strict=True))
 
     @property
     def endpoint(self) -> Endpoint:
