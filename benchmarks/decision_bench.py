@@ -7,7 +7,7 @@ fleet of ``--decoders`` decoders and ``--prefillers`` prefillers (one group, the
 default routing profiles and policy; addresses that are never contacted) and makes
 the decision for the overhead benchmark's request ``--requests`` times, as the
 gateway makes it for each request: the body's checks and parse, admission, the
-fleet's snapshot and candidates, the plan (``floor_relay.Planned``; the learning
+routing candidates (kept current), the plan (``floor_relay.Planned``; the learning
 after the answer is left out), and the fleet's counts moved as a served request
 moves them (its decoder entered and left), so that the next decision sees one
 endpoint changed, as the gateway's does. It prints the CPU time per decision; under

@@ -14,7 +14,8 @@ leg took out (:meth:`FleetState.mark_unhealthy`) is a *suspect* until it answers
 or passes a check: a request with no other decoder left may still try it.
 
 The planner never sees this object, only immutable snapshots
-(:meth:`FleetState.snapshot`), so its decisions are pure functions of a moment.
+(:meth:`FleetState.snapshot`, or the routing candidates kept current from
+:meth:`FleetState.take_changed`), so its decisions are pure functions of a moment.
 Everything a leg reports costs O(1), but for a prompt's pending block keys (held
 once when it is sent and given back once, each O(its blocks): only requests the
 planner gave keys, see :attr:`FleetState.pending`).
@@ -158,7 +159,8 @@ class FleetState:
         self._all_changed = True
 
     def status(self, name: str) -> EndpointStatus:
-        """A snapshot of one configured endpoint."""
+        """A snapshot of one configured endpoint, with this gateway's own counts only
+        (:meth:`status_of` adds the other gateways')."""
         endpoint = self._endpoints[name]
         return EndpointStatus(
             endpoint, self.is_healthy(name), self._in_flight[name], self._backlog[name]
