@@ -48,7 +48,7 @@ class Answers:
 
 
 def _change(rng: random.Random, fleet: FleetState, held: list[tuple[str, int]]) -> None:
-    """One change of the fleet's state, drawn."""
+    """One change of the fleet's state, drawn (a leg's success or break included)."""
     name = rng.choice(NAMES)
     draw = rng.randrange(9)
     if draw <= 2:
@@ -66,8 +66,10 @@ def _change(rng: random.Random, fleet: FleetState, held: list[tuple[str, int]]) 
         fleet.record_check(name, rng.random() < 0.5, late=rng.random() < 0.3)
     elif draw == 6:
         fleet.record_error(name, UpstreamStatusError(name, "decode", 500, "boom"))
-    elif draw == 7:
+    elif draw == 7 and rng.random() < 0.7:
         fleet.record_success(name)
+    elif draw == 7:
+        fleet.mark_unhealthy(name)
     else:
         others = {n: (rng.randrange(4), rng.randrange(5000)) for n in NAMES if rng.random() < 0.5}
         fleet.share(others if rng.random() < 0.8 else {})
