@@ -363,20 +363,20 @@ class LoadScraper:
         decision's cost per request then grows with what changed, not with the fleet.
         One reader: each call takes the fleet's changes."""
         fleet_changed = self.fleet.take_changed()
-        kept = self._kept
         if fleet_changed is None or not self._kept_at <= now <= self._kept_until:
             self._changed.clear()
             return self._keep_all(now)
         changed = self._changed
         if changed or fleet_changed:
-            status_of, build = self.fleet.status_of, self._candidate
-            stale_after = self.config.stale_after
-            for name in (changed | fleet_changed) if changed else fleet_changed:
-                if name in kept:
-                    kept[name] = candidate = build(status_of(name), now)
-                    if candidate.load is not None:
-                        expires = candidate.load.observed_at + stale_after
-                        self._kept_until = min(self._kept_until, expires)
+            kept, status_of = self._kept, self.fleet.status_of
+            made = [
+                self._candidate(status_of(name), now)
+                for name in changed | fleet_changed
+                if name in kept
+            ]
+            for candidate in made:
+                kept[candidate.endpoint.name] = candidate
+            self._kept_until = min(self._kept_until, self._fresh_until(made))
             changed.clear()
             self._kept_all = tuple(kept.values())
         self._kept_at = now
@@ -387,16 +387,23 @@ class LoadScraper:
         statuses = self.fleet.snapshot()
         self._kept = {status.endpoint.name: self._candidate(status, now) for status in statuses}
         self._kept_all = tuple(self._kept.values())
-        fresh = [c.load.observed_at for c in self._kept_all if c.load is not None]
-        self._kept_until = min(fresh, default=math.inf) + self.config.stale_after
+        self._kept_until = self._fresh_until(self._kept_all)
         self._kept_at = now
         return self._kept_all
 
+    def _fresh_until(self, candidates: Iterable[Candidate]) -> float:
+        """When the first of the fresh readings of ``candidates`` goes stale (never,
+        with none)."""
+        fresh = [c.load.observed_at for c in candidates if c.load is not None]
+        return min(fresh, default=math.inf) + self.config.stale_after
+
     def _candidate(self, status: EndpointStatus, now: float) -> Candidate:
-        """What :meth:`snapshot` and :meth:`is_responsive` say of ``status``'s endpoint,
-        read inline: this runs for every endpoint that changed between two requests."""
+        """``status``'s endpoint as a candidate: what :meth:`snapshot` and
+        :meth:`is_responsive` say of it, and its latest reading's capabilities."""
         name = status.endpoint.name
-        latest = self._snapshots.get(name)
-        fresh = None if latest is None or latest.age(now) > self.config.stale_after else latest
-        responsive = self._failures.get(name, 0) < self.config.unhealthy_after
-        return Candidate.from_status(status, fresh, responsive=responsive, latest=latest)
+        return Candidate.from_status(
+            status,
+            self.snapshot(name, now),
+            responsive=self.is_responsive(name),
+            latest=self._snapshots.get(name),
+        )
