@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import field
+from operator import attrgetter
 from typing import Generic, TypeVar
 
 from pd_orchestrator.model.endpoints import Endpoint
@@ -132,14 +133,15 @@ class Profile:
             return tuple([ScoredCandidate(candidate, 0.0) for candidate in candidates])
         columns = [self._clamped(scorer, request, candidates) for scorer in scorers]
         names = tuple([scorer.name for scorer in scorers])
-        weights = [scorer.weight for scorer in scorers]
-        scored = []
-        for candidate, values in zip(candidates, zip(*columns, strict=True), strict=True):
-            total = 0.0
-            for weight, value in zip(weights, values, strict=True):
-                total += weight * value
-            scored.append(ScoredCandidate(candidate, total, values, names))
-        return tuple(scored)
+        totals = [0.0] * len(candidates)  # every column is as long (checked by _clamped)
+        for scorer, column in zip(scorers, columns, strict=True):  # summed in scorer order
+            weight = scorer.weight
+            totals = [total + weight * value for total, value in zip(totals, column, strict=False)]
+        rows = zip(*columns, strict=False)
+        return tuple([
+            ScoredCandidate(candidate, total, values, names)
+            for candidate, total, values in zip(candidates, totals, rows, strict=False)
+        ])  # fmt: skip
 
     @staticmethod
     def _clamped(
@@ -171,5 +173,10 @@ def _ids_within(kept: tuple[Candidate, ...], offered: tuple[Candidate, ...]) -> 
 
 
 def _ranked(scored: tuple[ScoredCandidate, ...], chosen: int) -> tuple[ScoredCandidate, ...]:
-    rest = sorted((i for i in range(len(scored)) if i != chosen), key=lambda i: -scored[i].total)
-    return (scored[chosen], *(scored[i] for i in rest))
+    # a stable sort keeps equal totals in input order, reversed or not
+    rest = [s for i, s in enumerate(scored) if i != chosen]
+    rest.sort(key=_TOTAL, reverse=True)
+    return (scored[chosen], *rest)
+
+
+_TOTAL = attrgetter("total")

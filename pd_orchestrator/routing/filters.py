@@ -63,12 +63,13 @@ class HealthyFilter:
     def filter(
         self, request: RoutingRequest, candidates: Sequence[Candidate]
     ) -> Sequence[Candidate]:
-        kept = [c for c in candidates if c.healthy and self._load_ok(c, request.now)]
+        if self.params.require_load:
+            kept = [c for c in candidates if c.healthy and self._load_ok(c, request.now)]
+        else:
+            kept = [c for c in candidates if c.healthy]
         return kept if kept or not self.params.panic else list(candidates)
 
     def _load_ok(self, candidate: Candidate, now: float) -> bool:
-        if not self.params.require_load:
-            return True
         if candidate.load is None:
             return False
         max_age = self.params.max_load_age
@@ -89,7 +90,9 @@ class ModelFilter:
         self, request: RoutingRequest, candidates: Sequence[Candidate]
     ) -> Sequence[Candidate]:
         wanted = request.model
-        return [c for c in candidates if wanted is None or c.endpoint.model in (None, wanted)]
+        if wanted is None:
+            return list(candidates)
+        return [c for c in candidates if c.endpoint.model in (None, wanted)]
 
 
 @record
@@ -104,9 +107,11 @@ class RoleFilter:
     def filter(
         self, request: RoutingRequest, candidates: Sequence[Candidate]
     ) -> Sequence[Candidate]:
-        if request.role is Role.BOTH:
+        role = request.role
+        if role is Role.BOTH:
             return list(candidates)
-        return [c for c in candidates if c.endpoint.role in (request.role, Role.BOTH)]
+        roles = (role, Role.BOTH)
+        return [c for c in candidates if c.endpoint.role in roles]
 
 
 class GroupPair(NoParams):

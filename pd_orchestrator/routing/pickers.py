@@ -8,7 +8,7 @@ request's ``sequence``, so a replay of the same requests picks the same way.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Annotated, Literal
 
 from pydantic import Field
@@ -34,18 +34,18 @@ def _hash64(*parts: str) -> int:
     return int.from_bytes(digest, "big")
 
 
-def _keyed(key: str) -> Callable[[str], int]:
-    """``_hash64(key, name)`` as a function of ``name``, with ``key`` (up to a few
-    thousand characters) hashed once rather than once per tied endpoint: each name
-    continues a copy of the hasher that took the key and the separator."""
+def _rendezvous(key: str, names: Iterable[str]) -> list[bytes]:
+    """``_hash64(key, name)`` of each of ``names``, as its 8 big-endian bytes (bytes of
+    one length order as the integers they spell), with ``key`` (up to a few thousand
+    characters) hashed once rather than once per tied endpoint: each name continues a
+    copy of the hasher that took the key and the separator."""
     taken = hashlib.blake2b((key + "\x00").encode(), digest_size=8)
-
-    def hashed(name: str) -> int:
+    digests = []
+    for name in names:
         hasher = taken.copy()
         hasher.update(name.encode())
-        return int.from_bytes(hasher.digest(), "big")
-
-    return hashed
+        digests.append(hasher.digest())
+    return digests
 
 
 class MaxScoreParams(NoParams):
@@ -83,22 +83,19 @@ class MaxScorePicker:
     load_bound: float | None = None
 
     def pick(self, request: RoutingRequest, scored: Sequence[ScoredCandidate]) -> int:
-        best = max(s.total for s in scored)
-        tied = [i for i, s in enumerate(scored) if s.total >= best - self.tolerance]
+        totals = [s.total for s in scored]
+        floor = max(totals) - self.tolerance
+        tied = [i for i, total in enumerate(totals) if total >= floor]
         if len(tied) == 1:  # no tie to break: every rule below picks it
             return tied[0]
         key = request.affinity_key if self.ties == "affinity" else None
         if key is None:
             return tied[request.sequence % len(tied)]
 
-        hashed = _keyed(key)
-
-        def rank(i: int) -> int:
-            return hashed(scored[i].endpoint.name)
-
+        ranks = _rendezvous(key, [scored[i].candidate.endpoint.name for i in tied])
         if self.load_bound is None:
-            return max(tied, key=rank)
-        order = sorted(tied, key=rank, reverse=True)
+            return tied[ranks.index(max(ranks))]  # the first of equal ranks, as max() keeps
+        order = [tied[j] for j in sorted(range(len(tied)), key=ranks.__getitem__, reverse=True)]
         depths = [queue_depth(s.candidate) for s in scored]
         limit = self.load_bound * sum(depths) / len(depths) + 1.0
         return next((i for i in order if depths[i] <= limit), order[0])

@@ -96,7 +96,7 @@ class RoutingResult:
     @property
     def endpoints(self) -> tuple[Endpoint, ...]:
         """The ranked endpoints (the pick first)."""
-        return tuple(scored.endpoint for scored in self.ranked)
+        return tuple([scored.candidate.endpoint for scored in self.ranked])
 
     def describe_drops(self) -> str:
         """``healthy dropped 2, model dropped 1`` (for an error message); ``""`` when none."""

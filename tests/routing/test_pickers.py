@@ -114,6 +114,28 @@ def test_max_score_load_bound_keeps_a_key_until_its_endpoint_is_crowded() -> Non
     assert len(overflow) > 1
 
 
+def test_max_score_load_bound_takes_the_first_within_the_bound_in_rendezvous_order() -> None:
+    """Past the bound a key goes down its own rendezvous order (the hash of ``key NUL
+    name``, highest first) to the first endpoint within the bound: exactly that one."""
+    bounded = picker("max-score", {"tolerance": 1.0, "load_bound": 1.0})
+    crowded = _loaded(9, 0, 7, 1, 8, 0)  # mean 25/6: the bound 1.0 * 25/6 + 1 (5.17)
+    names = [s.endpoint.name for s in crowded]
+    depths = [9, 0, 7, 1, 8, 0]
+
+    def expected(key: str) -> int:
+        def hashed(i: int) -> int:
+            data = f"{key}\x00{names[i]}".encode()
+            return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+        order = sorted(range(len(names)), key=hashed, reverse=True)
+        return next(i for i in order if depths[i] <= 25 / 6 + 1)
+
+    keys = [f"k{k}" for k in range(60)]
+    picks = [bounded.pick(request(affinity_key=key), crowded) for key in keys]
+    assert picks == [expected(key) for key in keys]
+    assert set(picks) == {1, 3, 5}  # every endpoint within the bound takes some key
+
+
 def test_max_score_load_bound_is_at_least_one() -> None:
     with pytest.raises(ValueError, match="load_bound"):
         picker("max-score", {"load_bound": 0.5})
