@@ -19,7 +19,9 @@ changes nothing; the planner tells the model what the request's final route kept
 3. **threshold**: ``u* = min(ttft limit, stall_d)``, the ttft limit being what a local
    prefill does within ``max(remote - h, T * s - wait_d - h)`` with a dedicated
    prefiller, else within ``T - wait_d - h`` (everything when ``wait_d + remote > T``);
-   the stall bound applies only when a dedicated prefiller answers within ``T * s``.
+   the stall bound applies when a dedicated prefiller answers within ``T * s``, and
+   when the prompt kept local would miss ``T`` anyway (``wait_d + local + h > T``): a
+   request lost on either path goes where it stalls no stream.
    ``t = 1 - (u* + 1/2) / L``: ``d`` admits iff ``u <= u*`` (reasons ``local`` when
    ``u* >= L``, ``stall`` when the stall bound set it, else ``cost-model``). No
    compatible prefiller: :class:`Local`, ``no-prefiller``.
@@ -213,8 +215,12 @@ class GoodputPolicy:
             late = context.decoder.endpoint.spill and local + p.hop > target  # keeps none
             return Local(self.name, "queued"), None if late else uncached
         by_ttft = self._ttft_limit(model, tokens, wait, remote, target, dedicated=dedicated)
-        # a real alternative to a stall: a prefiller that does not decode, in time
-        sure = dedicated and wait + remote <= target * p.slack
+        # a real alternative to a stall: a prefiller that does not decode, in time, or
+        # a local prefill that would miss the target anyway (nothing to save by a stall)
+        sure = dedicated and (
+            wait + remote <= target * p.slack
+            or wait + model.local_seconds(uncached, tokens) + p.hop > target
+        )
         by_stall = m.stall_limit(context, model) if sure else math.inf
         keep = min(by_ttft, by_stall)
         kept = uncached if uncached <= keep else None

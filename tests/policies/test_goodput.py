@@ -257,6 +257,29 @@ def test_an_idle_prefill_pool_takes_what_would_stall_a_saturated_one_leaves_it_l
     assert threshold_of(moved) == 0.0 and moved.reason == "local"
 
 
+def test_a_prompt_lost_on_either_path_goes_where_it_stalls_no_stream() -> None:
+    """With the prefill pool too late for the target, a busy decoder keeps a prompt it
+    prefills in time (above), but not one whose local prefill misses the target too:
+    keeping that one would save nothing and stall every stream beside it."""
+
+    def decided(tokens: int, dec: Candidate) -> Route:
+        policy = _policy()
+        policy.model.out_mean = 10  # window 0.3 s: 1000 tokens of room
+        policy.model.out_low = 10  # no short stream: the mean bound binds
+        queue = (prefiller(reading=load(running=1, waiting=40)),)  # remote: about 25 s
+        return _decided(policy, context(tokens=tokens, dec=dec, prefillers=queue))
+
+    busy = decoder(in_flight=30)
+    in_time = decided(9_000, busy)  # 0.9 s local, within the 1 s target
+    assert threshold_of(in_time) == 0.0 and in_time.reason == "local"
+    late = decided(12_000, busy)  # 1.2 s local, past it
+    assert late.reason == "stall"
+    assert threshold_of(late) == pytest.approx(1 - 1000.5 / 12_000)
+    # an idle decoder has no stream to stall: it keeps the late prompt
+    alone = decided(12_000, decoder())
+    assert threshold_of(alone) == 0.0 and alone.reason == "local"
+
+
 def test_a_long_prompt_that_misses_either_way_stays_where_it_is_cheaper() -> None:
     policy = _policy()
     decision = _decided(policy, context(tokens=30_000, prefillers=(prefiller(reading=load()),)))
