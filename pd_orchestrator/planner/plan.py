@@ -702,7 +702,7 @@ def _peers(ranking: RoutingResult) -> tuple[Candidate, ...]:
 def _decoding(ranking: RoutingResult, pick: Candidate) -> tuple[Endpoint, ...]:
     """The ranked endpoints that decode, best first, led by ``pick`` when it is a spilling
     prefiller (ranked beside them, it serves the request whole)."""
-    decoders = tuple([e for s in ranking.ranked if (e := s.candidate.endpoint).role.decodes])
+    decoders = tuple([e for e in ranking.endpoints if e.role.decodes])
     return (pick.endpoint, *decoders) if pick.endpoint.spill else decoders
 
 

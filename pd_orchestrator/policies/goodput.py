@@ -207,20 +207,18 @@ class GoodputPolicy:
         if spill is not None:
             return Whole(self.name, "spill", spill), None
         dedicated = any(not c.endpoint.role.decodes for c in context.prefillers)
+        local = wait + model.local_seconds(uncached, tokens)  # the prompt kept here
+        late = local + p.hop > target  # kept here, it misses its target anyway
         if room <= 0.0:
-            local = wait + model.local_seconds(uncached, tokens)
             known = hit is not None or cached is not None
             if dedicated and self._drains(local, remote, target, known=known):
                 return GoPD(self.name, "drain", self.soonest(context, wait), prefiller=via), None
-            late = context.decoder.endpoint.spill and local + p.hop > target  # keeps none
-            return Local(self.name, "queued"), None if late else uncached
+            keeps_none = context.decoder.endpoint.spill and late
+            return Local(self.name, "queued"), None if keeps_none else uncached
         by_ttft = self._ttft_limit(model, tokens, wait, remote, target, dedicated=dedicated)
         # a real alternative to a stall: a prefiller that does not decode, in time, or
-        # a local prefill that would miss the target anyway (nothing to save by a stall)
-        sure = dedicated and (
-            wait + remote <= target * p.slack
-            or wait + model.local_seconds(uncached, tokens) + p.hop > target
-        )
+        # a prompt lost here anyway (nothing to save by a stall)
+        sure = dedicated and (late or wait + remote <= target * p.slack)
         by_stall = m.stall_limit(context, model) if sure else math.inf
         keep = min(by_ttft, by_stall)
         kept = uncached if uncached <= keep else None
