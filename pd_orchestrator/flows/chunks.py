@@ -154,10 +154,24 @@ def _finish(choice: Json) -> str | None:
 _OTHER_DELTAS = ("tool_calls", "reasoning_content", "reasoning")
 
 
+_view = tuple.__new__
+"""Makes a :class:`ChunkView` from all its fields in order, without the named tuple's
+keyword-taking ``__new__`` (a Python function): once per relayed chunk."""
+
+
 def view_chunk(chunk: Json, kind: Kind) -> ChunkView:
     """Read one streamed chunk of an answer of ``kind``; :class:`MalformedChunk` when a
     field it reads has a type vLLM never sends (each is checked where it is read)."""
-    choice = _first_choice(chunk)
+    choices = chunk.get("choices")
+    if type(choices) is list and len(choices) == 1:  # one choice, as every leg asks
+        choice = choices[0]  # checked inline: this runs once per relayed chunk
+        if type(choice) is not dict:
+            raise MalformedChunk("a choice is not an object")
+        index = choice.get("index", 0)
+        if index != 0 or type(index) is not int:
+            raise MalformedChunk("a leg asks for one choice; the answer has another")
+    else:  # a usage chunk, or a fault
+        choice = _first_choice(chunk)
     usage = chunk.get("usage")
     if usage is not None and type(usage) is not dict:
         _absent(usage, dict, "usage")
@@ -195,8 +209,9 @@ def view_chunk(chunk: Json, kind: Kind) -> ChunkView:
     if finish is not None and type(finish) is not str:
         _absent(finish, str, "finish_reason")
     prompt_ids = None if raw_prompt is None else _ids(raw_prompt, "prompt_token_ids")
-    logprobs = choice.get("logprobs")
-    return ChunkView(True, text, token_ids, finish, prompt_ids, usage, other, logprobs, arguments)
+    fields = (True, text, token_ids, finish, prompt_ids, usage, other,
+              choice.get("logprobs"), arguments)  # fmt: skip
+    return _view(ChunkView, fields)
 
 
 def _arguments(message: Json) -> str:
@@ -240,7 +255,8 @@ def relay_chunk(
     chunk: Json, identity: Identity, *, keep_ids: bool, first: bool, index: int = 0
 ) -> Json:
     """A same-API chunk for the client: its identity, ids only if asked, no usage,
-    the choice numbered ``index``.
+    the choice numbered ``index``. ``chunk`` is one :func:`view_chunk` read (its
+    choices, if any, are one object).
 
     Takes ``chunk`` over (it is changed and returned: no copy on the relay path).
     """
@@ -251,9 +267,9 @@ def relay_chunk(
     out.pop("kv_transfer_params", None)
     if not keep_ids or not first:
         out.pop("prompt_token_ids", None)
-    for choice in out.get("choices") or []:
-        if not isinstance(choice, dict):
-            continue
+    choices = out.get("choices")
+    if choices:  # its one choice, an object (:func:`view_chunk` read it)
+        choice = choices[0]
         if not keep_ids:
             choice.pop("token_ids", None)
         if not keep_ids or not first:

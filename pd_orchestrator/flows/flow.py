@@ -89,7 +89,7 @@ from connectors import Connector
 from pd_orchestrator.config.settings import HandbackConfig, UpstreamConfig
 from pd_orchestrator.flows.attempts import Attempt, Single
 from pd_orchestrator.flows.bodies import COMPLETIONS, Route, continuation_body, with_threshold
-from pd_orchestrator.flows.chunks import ChunkView
+from pd_orchestrator.flows.chunks import CACHE_THRESHOLD, ChunkView
 from pd_orchestrator.flows.handover import Handover, retryable
 from pd_orchestrator.flows.legs import Leg, Legs
 from pd_orchestrator.flows.machine import Alone, Done, FlowMachine, Serve, Step, ThroughPD
@@ -447,15 +447,16 @@ class Flow:
         transcript = self.transcript
         ids = view.token_ids
         if ids:
-            remaining = transcript.remaining
-            if remaining is not None and len(ids) > remaining:
+            limit = transcript.limit  # the remaining allowance, read inline: once per chunk
+            if limit is not None and len(ids) > limit - len(transcript.generated):
                 raise leg.fault("more tokens than the request allows")
             leg.tokens += len(ids)
         if transcript.identity is None:
             transcript.adopt_identity(chunk)
         transcript.absorb(view, original_prompt=leg.original_prompt)
-        if not view.rejected:
-            renderer.emit(leg, chunk, view, view.finish_reason)
+        finish = view.finish_reason
+        if finish != CACHE_THRESHOLD:
+            renderer.emit(leg, chunk, view, finish)
         elif view.text or ids:
             renderer.emit(leg, chunk, view, None)
 

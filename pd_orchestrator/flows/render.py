@@ -164,7 +164,7 @@ class StreamRenderer(_Rendering):
                 self._prompt_ids(out, view.prompt_token_ids)
         self._role_sent = self._role_sent or self._chat
         self._first_sent = True
-        self._out.append(encode_event(out))
+        self._out.append(b"data: " + orjson.dumps(out) + b"\n\n")  # encode_event, inline
         if view.text or view.token_ids:
             self._contents += 1
 

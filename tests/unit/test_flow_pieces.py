@@ -8,6 +8,7 @@ import pytest
 
 from pd_orchestrator.flows.bodies import continuation_body, leg_body
 from pd_orchestrator.flows.chunks import (
+    ChunkView,
     Identity,
     MalformedChunk,
     relay_chunk,
@@ -91,11 +92,16 @@ def test_chat_chunk_views() -> None:
         ("chat", {"choices": [{"index": 0, "delta": "x"}]}),
         ("chat", {"choices": [{"index": 0, "delta": {"content": ["x"]}}]}),
         ("chat", {"prompt_token_ids": "1 2", "choices": [{"index": 0, "delta": {}}]}),
+        ("completion", {"choices": [{"index": 0, "text": "x"}, {"index": 1, "text": "y"}]}),
+        ("completion", {"choices": [{"index": 1, "text": "x"}]}),
+        ("completion", {"choices": [{"index": "0", "text": "x"}]}),
+        ("completion", {"choices": [{"index": 0, "text": "x"}], "usage": []}),
     ],
     ids=[
         "choices-object", "choice-not-object", "ids-strings", "ids-booleans", "ids-not-list",
         "text-number", "finish-number", "prompt-ids-floats", "usage-number", "delta-string",
-        "content-list", "chat-prompt-ids-string",
+        "content-list", "chat-prompt-ids-string", "two-choices", "index-one", "index-string",
+        "usage-list-beside-a-choice",
     ],
 )  # fmt: skip
 def test_fields_of_a_type_vllm_never_sends_are_malformed(kind: str, chunk: dict[str, Any]) -> None:
@@ -107,6 +113,15 @@ def test_a_malformed_whole_answer_is_malformed() -> None:
     answer = {"choices": [{"index": 0, "message": {"content": "x"}, "finish_reason": 0}]}
     with pytest.raises(MalformedChunk, match="finish_reason"):
         view_answer(answer, "chat")
+
+
+def test_a_decode_step_s_chunk_reads_every_field() -> None:
+    choice = {"index": 0, "text": "x", "token_ids": [7], "finish_reason": "stop",
+              "prompt_token_ids": [1, 2], "logprobs": {"a": 1}}  # fmt: skip
+    chunk = {"choices": [choice], "usage": {"n": 1}}
+    view = view_chunk(chunk, "completion")
+    assert view == ChunkView(True, "x", (7,), "stop", (1, 2), {"n": 1}, False, {"a": 1}, "")
+    assert type(view) is ChunkView and view.decisive and not view.rejected
 
 
 def test_absent_and_null_fields_are_read_as_empty() -> None:
