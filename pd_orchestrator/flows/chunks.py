@@ -163,14 +163,10 @@ def view_chunk(chunk: Json, kind: Kind) -> ChunkView:
     """Read one streamed chunk of an answer of ``kind``; :class:`MalformedChunk` when a
     field it reads has a type vLLM never sends (each is checked where it is read)."""
     choices = chunk.get("choices")
-    if type(choices) is list and len(choices) == 1:  # one choice, as every leg asks
-        choice = choices[0]  # checked inline: this runs once per relayed chunk
-        if type(choice) is not dict:
-            raise MalformedChunk("a choice is not an object")
-        index = choice.get("index", 0)
-        if index != 0 or type(index) is not int:
-            raise MalformedChunk("a leg asks for one choice; the answer has another")
-    else:  # a usage chunk, or a fault
+    # one choice numbered 0, as every leg asks, read inline (once per relayed chunk);
+    # anything else is a usage chunk or a fault, which the usual reading names
+    choice = choices[0] if type(choices) is list and len(choices) == 1 else None
+    if type(choice) is not dict or (index := choice.get("index", 0)) != 0 or type(index) is not int:
         choice = _first_choice(chunk)
     usage = chunk.get("usage")
     if usage is not None and type(usage) is not dict:

@@ -447,8 +447,8 @@ class Flow:
         transcript = self.transcript
         ids = view.token_ids
         if ids:
-            limit = transcript.limit  # the remaining allowance, read inline: once per chunk
-            if limit is not None and len(ids) > limit - len(transcript.generated):
+            remaining = transcript.remaining
+            if remaining is not None and len(ids) > remaining:
                 raise leg.fault("more tokens than the request allows")
             leg.tokens += len(ids)
         if transcript.identity is None:
