@@ -74,41 +74,50 @@ least wait) when ``wait_d + h >= T*s`` and the remote path pays; else keep ``u``
 ``u* = min(ttft limit, stall_d)`` and send ``t = 1 - (u* + 1/2) / L``.
 
 Learning (:meth:`GoodputModel.observe`, :meth:`GoodputModel.keep`): per pool, the ITL
-(an EWMA, ``alpha``) and the rates from served requests, each sample
-``tokens / (ttft - hops - transfer - attention)``; a rate is a bounded decaying
-maximum: the sample is first clipped into ``[r / k, k * r]`` (``k = 1.5``), then
-``r <- max(x, r + alpha * (x - r))`` (a fast sample lifts it at once, by at most ``k``,
-queueing pulls it down slowly, by at most ``alpha * (1 - 1/k)`` of it a sample), so no
-one sample, however far off, moves a rate by more than x1.5. That suits a sample timed
-beside other work (streams decoding, other prompts prefilling), which is slower than
-the engine by what that work took: a bound, not a measure. A sample timed on an
-endpoint with nothing else running or queued there (:attr:`LatencyObservation.alone`)
-measures the engine up to its jitter, which is two-sided; the decaying maximum of
-such samples sits above the engine's rate by about that jitter (on the CPU pair,
-1.3x to 1.6x in the runs that missed the profile by more than a quarter), so the rate
-moves instead to the peak of the last sixteen of them, the fastest of their medians per
-octave of new tokens (across lengths, where the engine runs fastest, as the maximum
-had it; at one length, the middle of its samples), by at most x1.5. A local sample is learnt
+(an EWMA, ``alpha``) and the rates from served requests, each sample ``tokens / (ttft -
+hops - transfer - attention)``; a rate is a bounded decaying maximum: the sample is
+first clipped into ``[r / k, k * r]`` (``k = 1.5``), then ``r <- max(x, r + alpha * (x -
+r))`` (a fast sample lifts it at once, by at most ``k``, queueing pulls it down slowly,
+by at most ``alpha * (1 - 1/k)`` of it a sample), so no one sample, however far off,
+moves a rate by more than x1.5. That suits a sample timed beside other work (streams
+decoding, other prompts prefilling), which is slower than the engine by what that work
+took: a bound, not a measure. A sample timed on an endpoint with nothing else running or
+queued there (:attr:`LatencyObservation.alone`) measures the engine up to its jitter,
+which is two-sided; the decaying maximum of such samples sits above the engine's rate by
+about that jitter (on the CPU pair, 1.3x to 1.6x in the runs that missed the profile by
+more than a quarter), so the rate moves instead to the peak of the last sixteen of them,
+the fastest of their medians per octave of new tokens (across lengths, where the engine
+runs fastest, as the maximum had it; at one length, the middle of its samples), by at
+most x1.5. Where no profile or parameter gives the attention term ``a``, the pool learns
+it from both paths' samples timed alone (:func:`_fit_attention`: the median slope of
+seconds per new token against the mean context a new token attends to, between pairs of
+one path's samples at lengths far enough apart, from its fastest octave on; a fixed cost
+makes shorter ones slow), and each rate is read net of it; at one length, or before
+eight such samples, it stays 0 (a linear model): learnt as linear, a 60k-token prompt's
+local prefill was priced at half its time on the simulated H200, and kept on decoders
+where it stalled their streams; learnt from fewer, one sample slowed by a prompt that
+arrived while it prefilled taught four times the engine's term. A local sample is learnt
 only when the decoder reported its cached count (``prompt_tokens_details``; None:
 unknown, not learnt, as a warm prompt would pass for a whole prefill). A rate learns
 only from a request whose prefilling endpoint (the decoder, or the P/D request's
 prefiller) had nothing queued when it was planned (:attr:`LatencyObservation.queued`):
-under sustained load every other sample times the queue too, and the decaying
-maximum followed them down to a third of the engine's rate. A P/D sample counts
-what the prefiller lacked when it reported its cached count (else the whole prompt,
-and then one above twice the best known rate is a prompt the prefiller held, not
-learnt): counted whole, the prompts a prefiller held taught a remote rate half as
-fast again as the engine's (48,600 tokens/s against 33,900 on shared-prefix). ``m`` and
-``o`` are EWMAs; ``o_low`` a stochastic quantile (:func:`_learn_quantile`). ``kept_d``
-grows by the uncached tokens of each request the final route keeps at ``d`` (told
-after composition); the hit rates the decision read from readings are remembered
-until a reading gives another.
+under sustained load every other sample times the queue too, and the decaying maximum
+followed them down to a third of the engine's rate. A P/D sample counts what the
+prefiller lacked when it reported its cached count (else the whole prompt, and then one
+above twice the best known rate is a prompt the prefiller held, not learnt): counted
+whole, the prompts a prefiller held taught a remote rate half as fast again as the
+engine's (48,600 tokens/s against 33,900 on shared-prefix). ``m`` and ``o`` are EWMAs;
+``o_low`` a stochastic quantile (:func:`_learn_quantile`). ``kept_d`` grows by the
+uncached tokens of each request the final route keeps at ``d`` (told after composition);
+the hit rates the decision read from readings are remembered until a reading gives
+another.
 Seeds: the known profile's (:attr:`Endpoint.knowledge`: the pool's measured profile
 file, or the profile a simulator runs) rate, step, attention term and hand-over, else
-``prefill_tokens_per_s``, a linear model and a hand-over at ``transfer_tokens_per_s``;
-a hardware label alone picks no profile. :func:`knowledge_of` says which, and the
-gateway logs it per pool at start-up, shows it in ``/status`` and in the
-``pd_orchestrator_policy_knowledge`` gauge.
+``prefill_tokens_per_s``, a linear model (its attention term learnt) and a hand-over at
+``transfer_tokens_per_s``; a hardware label alone picks no profile; a pool with no
+profile that has learnt no local sample (a prefill pool) takes no part in ``T``.
+:func:`knowledge_of` says which, and the gateway logs it per pool at start-up, shows
+it in ``/status`` and in the ``pd_orchestrator_policy_knowledge`` gauge.
 Measurements behind these choices: benchmarks/README.md.
 """
 
@@ -144,25 +153,24 @@ _Positive = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
 
 
 class GoodputParams(NoParams):
-    """SLO targets ``ttft`` and ``tpot`` (seconds); ``slack``: the share of the TTFT
-    target a local prefill may use when remote would be faster, the decoder wait
-    from which it drains, and the share the remote path must fit in for the stall
-    bound to apply; ``tpot_goal``: the share of ``tpot`` the mean stream is held to;
-    the seeds ``prefill_tokens_per_s`` (when no profile is known) and
-    ``transfer_tokens_per_s`` (KV moved per second; None: the known profile's
-    hand-over, its fixed and per-token costs, else 300,000, 40 GB/s at 128 KiB a token,
-    and no fixed cost);
-    ``hop`` (one leg's one-way latency), ``out_mean`` (the seed of the mean output,
-    tokens), ``alpha`` (learning rate); ``prefill_attention``: seconds a prefilled
-    token spends on each token before it (None: the known profile's when there is
-    one, else 0, a linear model). ``ttft_scale``: with k > 0, a prompt's TTFT target
-    ``T`` scales with it, as an SLO set relative to the request alone does: the larger
-    of ``ttft`` and k times its cold prefill alone on the fastest pool the model knows
-    of for it (0: ``T`` is ``ttft`` for every prompt). ``attainment``: the share of
-    requests the targets are to hold for; the short-stream bound protects the
-    ``1 - attainment`` quantile of the outputs. ``time_scale``: seconds of the
-    gateway's clock per second of the knowledge (a fleet of simulators run at
-    ``--time-scale`` S: S; see :func:`on_clock`). See the module docstring."""
+    """SLO targets ``ttft`` and ``tpot`` (seconds); ``slack``: the share of the TTFT target
+    a local prefill may use when remote would be faster, the decoder wait from which it
+    drains, and the share the remote path must fit in for the stall bound to apply;
+    ``tpot_goal``: the share of ``tpot`` the mean stream is held to; the seeds
+    ``prefill_tokens_per_s`` (when no profile is known) and ``transfer_tokens_per_s``
+    (KV moved per second; None: the known profile's hand-over, its fixed and per-token
+    costs, else 300,000, 40 GB/s at 128 KiB a token, and no fixed cost); ``hop`` (one
+    leg's one-way latency), ``out_mean`` (the seed of the mean output, tokens),
+    ``alpha`` (learning rate); ``prefill_attention``: seconds a prefilled token spends
+    on each token before it (None: the known profile's when there is one, else learnt
+    from samples timed alone, 0 until they show it). ``ttft_scale``: with k above 0, a
+    prompt's TTFT target ``T`` scales with it, as an SLO set relative to the request
+    alone does: the larger of ``ttft`` and k times its cold prefill alone on the fastest
+    pool the model knows of for it (0: ``T`` is ``ttft`` for every prompt).
+    ``attainment``: the share of requests the targets are to hold for; the short-stream
+    bound protects the ``1 - attainment`` quantile of the outputs. ``time_scale``:
+    seconds of the gateway's clock per second of the knowledge (a fleet of simulators
+    run at ``--time-scale`` S: S; see :func:`on_clock`). See the module docstring."""
 
     ttft: _Positive = 1.0
     tpot: _Positive = 0.03
@@ -210,7 +218,7 @@ def knowledge_of(endpoint: Endpoint) -> str:
     """What the model of ``endpoint``'s pool starts from, in words: ``measured profile
     FILE``, ``simulator profile NAME`` (:attr:`Endpoint.knowledge`) or ``seeds``
     (``prefill_tokens_per_s``, a linear model, the seed hand-over; learnt from
-    traffic)."""
+    traffic, the attention term too)."""
     known = endpoint.knowledge
     return "seeds" if known is None else known.source
 
@@ -249,15 +257,22 @@ def _learn_rate(rate: float, sample: float, alpha: float) -> float:
     return max(sample, rate + alpha * (sample - rate))
 
 
-def _learn_measured(
-    rate: float, sample: float, tokens: int, alone: list[tuple[int, float]]
-) -> float:
-    """A sample timed on an endpoint with nothing else there, of ``tokens`` new
-    tokens: it joins ``alone`` (the last :data:`_ALONE` such samples, with their
-    tokens), and the rate moves to their peak (:func:`_peak`), clipped as any sample."""
-    alone.append((tokens, sample))
+Alone = tuple[int, int, float]
+"""A sample timed alone (:func:`_learn_measured`): its new tokens, the tokens held
+before them, and the seconds their prefill took (hops and hand-over taken off)."""
+
+
+def _learn_measured(model: PoolModel, rate: float, sample: Alone, alone: list[Alone]) -> float:
+    """A sample timed on an endpoint with nothing else there: it joins ``alone`` (the
+    last :data:`_ALONE` such samples of its path, local or remote); where no profile or
+    parameter gives the attention term, the pool learns it from both paths' samples
+    (:func:`_fit_attention`); the rate moves from ``rate`` to their peak (:func:`_peak`),
+    clipped as any sample."""
+    alone.append(sample)
     del alone[:-_ALONE]
-    return _clipped(rate, _peak(alone))
+    if model.fits_attn:
+        model.attn = _fit_attention([model.alone_local, model.alone_remote], model.attn)
+    return _clipped(rate, _peak(alone, model.attn))
 
 
 def _clipped(rate: float, sample: float) -> float:
@@ -268,16 +283,63 @@ def _clipped(rate: float, sample: float) -> float:
     return min(max(sample, rate / _MAX_STEP), rate * _MAX_STEP)
 
 
-def _peak(alone: list[tuple[int, float]]) -> float:
-    """The fastest of the samples' medians per octave of their tokens: across lengths
-    the rate is the one where the engine runs fastest (where a fixed cost weighs
-    least and the attention term has not yet grown, what the decaying maximum
-    followed), at one length the middle of its samples, so a jitter either way
-    moves it by nothing once most of them agree."""
+def _peak(alone: list[Alone], attn: float) -> float:
+    """The fastest of the samples' medians per octave of their new tokens, each sample's
+    rate net of the attention term ``attn``: across lengths the rate is the one where
+    the engine runs fastest (where a fixed cost weighs least and the attention term, when
+    not known, has not yet grown, what the decaying maximum followed), at one length
+    the middle of its samples, so a jitter either way moves it by nothing once most of
+    them agree."""
     octaves: dict[int, list[float]] = {}
-    for tokens, rate in alone:
-        octaves.setdefault(tokens.bit_length(), []).append(rate)
-    return max(statistics.median(rates) for rates in octaves.values())
+    for new, held, seconds in alone:
+        spent = seconds - attn * new * (held + new / 2)
+        if spent > 0:
+            octaves.setdefault(new.bit_length(), []).append(new / spent)
+    return max((statistics.median(rates) for rates in octaves.values()), default=0.0)
+
+
+def _fit_attention(paths: list[list[Alone]], attn: float) -> float:
+    """The attention term the samples timed alone on ``paths`` show (``attn``: the one
+    held, kept while they do not say). Each sample is a point ``(x, y)``, ``x = held +
+    new / 2`` the mean context a new token attends to, ``y`` its seconds per new token,
+    which a prefill at rate ``r`` with the term ``a`` makes ``1 / r + a * x``. Below the
+    fastest octave of new tokens (by the median ``y`` of each) a fixed cost per prefill
+    makes short prompts slow, which no attention explains, so only a path's samples
+    from that octave on count, and the term is the median slope between pairs of them
+    far enough apart (``x`` at least :data:`_APART` times the other's; each pair on one
+    path, whose rate is one; at least :data:`_POINTS` samples and :data:`_PAIRS` pairs,
+    else ``attn``): a sample slowed by work that arrived while it prefilled, or by
+    jitter, moves a median by nothing; 0 at least, and at most the slope that leaves a
+    path's fastest octave half its time per token for the linear part."""
+    count, slopes, bound = 0, [], math.inf
+    for alone in paths:
+        octaves: dict[int, list[tuple[float, float]]] = {}
+        for new, held, seconds in alone:
+            octaves.setdefault(new.bit_length(), []).append((held + new / 2, seconds / new))
+        if not octaves:
+            continue
+        fastest = min(octaves, key=lambda o: statistics.median(y for _, y in octaves[o]))
+        points = [xy for octave, group in octaves.items() if octave >= fastest for xy in group]
+        count += len(points)
+        slopes += [(y2 - y1) / (x2 - x1) for x1, y1 in points for x2, y2 in points
+                   if x2 >= _APART * x1]  # fmt: skip
+        x0 = statistics.median(x for x, _ in octaves[fastest])
+        bound = min(bound, statistics.median(y for _, y in octaves[fastest]) / (2.0 * x0))
+    if count < _POINTS or len(slopes) < _PAIRS:
+        return attn
+    return min(max(statistics.median(slopes), 0.0), bound)
+
+
+_APART = 1.5
+"""How much further one sample's context must be than another's for their pair to
+say something of the attention term (:func:`_fit_attention`)."""
+
+_PAIRS = 8
+"""The fewest pairs of samples timed alone from which an attention term is learnt."""
+
+_POINTS = 8
+"""The fewest samples timed alone (from the fastest octave on) from which an attention
+term is learnt."""
 
 
 _ALONE = 16
@@ -306,7 +368,10 @@ class PoolModel:
     the hand-over's cost (:class:`OctaveLine`, fixed and per token, learnt apart)
     and, learnt where no profile is known, the ITL against the streams a batch
     holds (``steps``, fixed and per stream; empty before any); ``alone_local`` and
-    ``alone_remote``, each rate's last samples timed alone (:func:`_learn_measured`)."""
+    ``alone_remote``, each rate's last samples timed alone (:func:`_learn_measured`);
+    ``fits_attn``: whether ``attn`` is learnt from the local ones (no profile or
+    parameter gives it); ``measured``: whether a local sample has been learnt (a pool
+    with no profile is no measure of a cold prefill before, :meth:`GoodputModel.ttft_target`)."""
 
     rate_local: float
     rate_remote: float
@@ -318,8 +383,10 @@ class PoolModel:
     attn: float = 0.0
     handover: OctaveLine = field(default_factory=lambda: OctaveLine(0.0, 1.0 / _SEED_TRANSFER))
     steps: OctaveLine = field(default_factory=OctaveLine)
-    alone_local: list[tuple[int, float]] = field(default_factory=list)
-    alone_remote: list[tuple[int, float]] = field(default_factory=list)
+    alone_local: list[Alone] = field(default_factory=list)
+    alone_remote: list[Alone] = field(default_factory=list)
+    fits_attn: bool = False
+    measured: bool = False
 
     def attention_seconds(self, new: float, held: float) -> float:
         """The attention term of a prefill of ``new`` tokens after ``held`` cached ones:
@@ -372,13 +439,16 @@ def _seeded_pool(profile: LatencyProfile | None, params: GoodputParams) -> PoolM
     gateway's clock) when known, else from the seeds in ``params``."""
     rate = _rate_of(profile, params.prefill_tokens_per_s)
     attn = params.prefill_attention
+    fits = attn is None and profile is None
     if attn is None:
         attn = profile.attn if profile is not None else 0.0
     if profile is not None:
         handover = OctaveLine(profile.a_kv, profile.transfer_seconds(1) - profile.a_kv)
     else:
         handover = OctaveLine(0.0, params.time_scale / _SEED_TRANSFER)
-    return PoolModel(rate, rate, profile=profile, seed=rate, attn=attn, handover=handover)
+    return PoolModel(
+        rate, rate, profile=profile, seed=rate, attn=attn, handover=handover, fits_attn=fits
+    )
 
 
 @dataclass(slots=True)
@@ -430,6 +500,7 @@ class GoodputModel:
                 "handover_per_token": pool.handover.slope,
                 "step_fixed": pool.steps.fixed if pool.steps.octaves else None,
                 "step_per_stream": pool.steps.slope if pool.steps.octaves else None,
+                "attention": pool.attn,
                 "alone_local": len(pool.alone_local),
                 "alone_remote": len(pool.alone_remote),
             }
@@ -459,14 +530,19 @@ class GoodputModel:
         of it and k times the prompt's cold prefill alone on the fastest hardware the
         model knows of for it: the decoder's pool (``model``) or a prefiller's, each at
         its own local rate (a remote rate, learnt from P/D samples whose prefiller may
-        have held part of the prompt, is no measure of a cold prefill)."""
+        have held part of the prompt, is no measure of a cold prefill); a prefiller's
+        pool with no profile counts once it has learnt a local sample (before, its seeds
+        are a guess: a linear seed made every long prompt's target tighter than the
+        decoders' learnt attention term gives)."""
         p = self.params
         if p.ttft_scale <= 0.0:
             return p.ttft
         tokens = context.prompt_tokens
         alone = model.local_seconds(tokens, tokens)
         for prefiller in context.prefillers:
-            alone = min(alone, self.pool(prefiller.endpoint).local_seconds(tokens, tokens))
+            pool = self.pool(prefiller.endpoint)
+            if pool.profile is not None or pool.measured:
+                alone = min(alone, pool.local_seconds(tokens, tokens))
         return max(p.ttft, p.ttft_scale * alone)
 
     def remote_ttft(self, context: ThresholdContext, model: PoolModel) -> float | None:
@@ -699,21 +775,27 @@ class GoodputModel:
         if observation.remote:
             held = observation.prefill_cached
             own = tokens if held is None else tokens - min(held, tokens)
-            seconds = self._prefill_leg(observation, model, ttft)
-            rate = _rate_sample(model, own, tokens - own, seconds - 2 * p.hop)
+            seconds = self._prefill_leg(observation, model, ttft) - 2 * p.hop
+            rate = _rate_sample(model, own, tokens - own, seconds)
             if rate is not None and (held is not None or rate <= _plausible(model)):
                 if observation.alone:
-                    model.rate_remote = _learn_measured(model.rate_remote, rate, own,
-                                                        model.alone_remote)  # fmt: skip
+                    sample = (own, tokens - own, seconds)
+                    model.rate_remote = _learn_measured(
+                        model, model.rate_remote, sample, model.alone_remote
+                    )
                 else:
                     model.rate_remote = _learn_rate(model.rate_remote, rate, p.alpha)
         elif observation.cached_tokens is not None:
             cached = observation.cached_tokens
-            rate = _rate_sample(model, tokens - cached, cached, ttft - 2 * p.hop)
+            seconds = ttft - 2 * p.hop
+            rate = _rate_sample(model, tokens - cached, cached, seconds)
             if rate is not None:
+                model.measured = True
                 if observation.alone:
-                    model.rate_local = _learn_measured(model.rate_local, rate, tokens - cached,
-                                                       model.alone_local)  # fmt: skip
+                    sample = (tokens - cached, cached, seconds)
+                    model.rate_local = _learn_measured(
+                        model, model.rate_local, sample, model.alone_local
+                    )
                 else:
                     model.rate_local = _learn_rate(model.rate_local, rate, p.alpha)
 

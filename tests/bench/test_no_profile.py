@@ -66,6 +66,31 @@ def test_goodput_with_no_profile_starts_from_the_seeds_and_learns_the_local_rate
     assert pool.rate_local > seed + 0.5 * (engine - seed)
 
 
+def test_goodput_with_no_profile_learns_the_engine_s_attention_term() -> None:
+    """Cold prompts of 2k to 32k tokens one after another, each alone on the fleet:
+    the policy, told no attention term, learns one within a quarter of the simulated
+    engine's (H200: 0.96 ns a pair), and a 32k-token prompt's local prefill is priced
+    within a tenth of what the engine takes."""
+    fleet = _fleet(_args(no_profile=True))
+    (strategy,) = resolve_strategies(["goodput"])
+    virtual = VirtualFleet(fleet, strategy, AFFINITY)
+    lengths = [2_000, 4_000, 8_000, 16_000, 32_000] * 4
+    requests = tuple(
+        BenchRequest(i, f"s{i}", 0, (Segment(100 + i, n),), max_tokens=4, arrival=5.0 * i)
+        for i, n in enumerate(lengths)
+    )
+    result = virtual.run(Workload("test", "test", requests))
+    assert all(r.ok for r in result.records)
+    resolver = virtual.planner.threshold
+    assert resolver is not None and isinstance(resolver.policy, GoodputPolicy)
+    (pool,) = (p for name, p in resolver.policy.model.pools.items() if "decode" in name)
+    engine = get_profile("h200-llama3-8b")
+    assert pool.profile is None and pool.fits_attn
+    assert pool.attn == pytest.approx(engine.attn, rel=0.25)
+    truth = engine.a_pf + engine.prefill_seconds(32_000, 0)
+    assert pool.local_seconds(32_000, 32_000) == pytest.approx(truth, rel=0.1)
+
+
 def _cold(first: int, count: int, spacing: float) -> tuple[BenchRequest, ...]:
     return tuple(
         BenchRequest(i, f"s{first + i}", 0, (Segment(100 + first + i, 2_000),), 4, spacing * i)

@@ -50,6 +50,7 @@ async def test_a_pool_runs_goodput_from_its_measured_profile_and_the_gateway_say
     assert learnt["handover_fixed"] == pytest.approx(measured.a_kv)
     assert learnt["rate_local"] > 0
     assert learnt["step_per_stream"] is None  # a measured profile has the step
+    assert learnt["attention"] == pytest.approx(measured.attn)  # and the attention term
     text = await metrics_text(gateway.url)
     knowledge = "pd_orchestrator_policy_knowledge"
     assert metric(text, knowledge, pool="decode", source="measured") == 1
