@@ -54,8 +54,7 @@ they are closed.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -356,37 +355,44 @@ class Legs:
             self._prefill_failed = False
             self.metrics.prefill_retries.inc()
         backlog = self._backlog(phase, body, stream=False)
-        with self._leg(endpoint, name, span, backlog, held=False):
-            return await self.upstream.post_json(
+        blocks = self._enter(endpoint, backlog)
+        try:
+            answer = await self.upstream.post_json(
                 endpoint, path, self._encoded(body), phase=phase,
                 headers=self._headers(endpoint, span, extra), prompt_tokens=self.prompt_tokens,
             )  # fmt: skip
+        except BaseException as exc:
+            self._abandon(endpoint, name, span, backlog, blocks, exc)
+            raise
+        self.fleet.leave(endpoint.name, backlog, blocks)
+        return answer
 
-    @contextmanager
-    def _leg(
-        self, endpoint: Endpoint, name: str, span: Span | None, backlog: int, *, held: bool
-    ) -> Iterator[None]:
-        """One upstream request: counted in :attr:`sent`, in flight on ``endpoint``
-        while it runs (and after it succeeded when ``held``: a stream, until it is
-        closed; its ``backlog``, and the prompt's :attr:`blocks` with it, until its
-        first decisive chunk); a failure or a cancellation accounted for here, the
-        one place."""
+    def _enter(self, endpoint: Endpoint, backlog: int) -> Sequence[int]:
+        """One upstream request starts: counted in :attr:`sent`, in flight on
+        ``endpoint`` until it ends (a whole answer's) or is closed (a stream's), its
+        ``backlog``, and the prompt's :attr:`blocks` with it (returned), until its first
+        decisive chunk. Pair with ``fleet.leave`` or :meth:`_abandon`."""
         self.sent += 1
-        fleet, where = self.fleet, endpoint.name
         blocks = self.blocks if backlog else ()
-        fleet.enter(where, backlog, blocks)
-        try:
-            yield
-        except UpstreamError as exc:
-            fleet.leave(where, backlog, blocks)
+        self.fleet.enter(endpoint.name, backlog, blocks)
+        return blocks
+
+    def _abandon(
+        self,
+        endpoint: Endpoint,
+        name: str,
+        span: Span | None,
+        backlog: int,
+        blocks: Sequence[int],
+        exc: BaseException,
+    ) -> None:
+        """A request :meth:`_enter` started ended in ``exc`` before its answer: out of
+        flight, and its failure or cancellation accounted for here, the one place."""
+        self.fleet.leave(endpoint.name, backlog, blocks)
+        if isinstance(exc, UpstreamError):
             self._failed_leg(endpoint, exc, name, span)
-            raise
-        except BaseException:
-            fleet.leave(where, backlog, blocks)
+        else:
             self._cancelled_leg(endpoint, name, span)
-            raise
-        if not held:
-            fleet.leave(where, backlog, blocks)
 
     def _backlog(self, phase: Phase, body: Json, *, stream: bool) -> int:
         """Prompt tokens the leg holds in its endpoint's backlog (module docstring)."""
@@ -470,11 +476,15 @@ class Legs:
         backlog: int,
     ) -> ChunkStream:
         """The stream answering ``body``, in flight on ``endpoint`` until it is closed."""
-        with self._leg(endpoint, phase, span, backlog, held=True):
+        blocks = self._enter(endpoint, backlog)
+        try:
             stream = await self.upstream.open_stream(
                 endpoint, path, self._encoded(body), phase=phase,
                 headers=self._headers(endpoint, span, extra), prompt_tokens=self.prompt_tokens,
             )  # fmt: skip
+        except BaseException as exc:
+            self._abandon(endpoint, phase, span, backlog, blocks, exc)
+            raise
         self.fleet.record_accepted(endpoint.name)
         return stream
 

@@ -143,7 +143,13 @@ class _SseSplitter:
         if len(data) > self.limit and max(map(len, (self._tail, *events))) > self.limit:
             self._tail = b""
             raise _LineTooLong
-        return [payload for event in events if (payload := _payload(event)) is not None]
+        payloads: list[bytes] = []
+        for event in events:
+            if event.startswith(b"data: ") and b"\n" not in event:  # the common event
+                payloads.append(event[6:])
+            elif (payload := _payload(event)) is not None:
+                payloads.append(payload)
+        return payloads
 
     def rest(self) -> bytes | None:
         """The payload of a last event not followed by a blank line, if any."""
@@ -216,30 +222,35 @@ class ChunkStream:
         raise StopAsyncIteration
 
     def _decode(self, payloads: list[bytes]) -> list[Json]:
+        """The chunks of ``payloads`` up to ``[DONE]``; a chunk that is no object, or
+        says an error, goes to :meth:`_checked` (read here: one check per chunk)."""
         batch: list[Json] = []
         for payload in payloads:
             if payload == b"[DONE]":
                 self._done = True
                 break
-            batch.append(self._chunk(payload))
+            try:
+                chunk = orjson.loads(payload)
+            except orjson.JSONDecodeError as exc:
+                raise self._error("invalid JSON chunk") from exc
+            if not isinstance(chunk, dict) or "error" in chunk or chunk.get("object") == "error":
+                chunk = self._checked(chunk)
+            batch.append(chunk)
         return batch
 
-    def _chunk(self, payload: bytes) -> Json:
-        try:
-            chunk = orjson.loads(payload)
-        except orjson.JSONDecodeError as exc:
-            raise self._error("invalid JSON chunk") from exc
+    def _checked(self, chunk: object) -> Json:
+        """A chunk that is no object (a protocol error), or one that says an error
+        (raised as the upstream's status when it carries a message; else relayed)."""
         if not isinstance(chunk, dict):
             raise self._error("chunk is not an object")
-        if "error" in chunk or chunk.get("object") == "error":
-            message = error_message(chunk)
-            if message is not None:
-                inner = chunk.get("error")
-                code = inner.get("code") if isinstance(inner, dict) else chunk.get("code")
-                status = code if isinstance(code, int) and 400 <= code < 600 else 500
-                raise UpstreamStatusError(
-                    self.endpoint.name, self.phase, status, message, role=role_label(self.endpoint)
-                )
+        message = error_message(chunk)
+        if message is not None:
+            inner = chunk.get("error")
+            code = inner.get("code") if isinstance(inner, dict) else chunk.get("code")
+            status = code if isinstance(code, int) and 400 <= code < 600 else 500
+            raise UpstreamStatusError(
+                self.endpoint.name, self.phase, status, message, role=role_label(self.endpoint)
+            )
         return chunk
 
     def _error(self, message: str) -> UpstreamProtocolError:
