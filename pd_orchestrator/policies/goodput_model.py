@@ -272,7 +272,8 @@ def _learn_measured(model: PoolModel, rate: float, sample: Alone, alone: list[Al
     del alone[:-_ALONE]
     if model.fits_attn:
         model.attn = _fit_attention([model.alone_local, model.alone_remote], model.attn)
-    return _clipped(rate, _peak(alone, model.attn))
+    peak = _peak(alone, model.attn)
+    return _clipped(rate, peak) if peak > 0 else rate
 
 
 def _clipped(rate: float, sample: float) -> float:
@@ -285,7 +286,8 @@ def _clipped(rate: float, sample: float) -> float:
 
 def _peak(alone: list[Alone], attn: float) -> float:
     """The fastest of the samples' medians per octave of their new tokens, each sample's
-    rate net of the attention term ``attn``: across lengths the rate is the one where
+    rate net of the attention term ``attn`` (0: no sample leaves time for a rate once
+    the term is taken off): across lengths the rate is the one where
     the engine runs fastest (where a fixed cost weighs least and the attention term, when
     not known, has not yet grown, what the decaying maximum followed), at one length
     the middle of its samples, so a jitter either way moves it by nothing once most of
@@ -369,9 +371,9 @@ class PoolModel:
     and, learnt where no profile is known, the ITL against the streams a batch
     holds (``steps``, fixed and per stream; empty before any); ``alone_local`` and
     ``alone_remote``, each rate's last samples timed alone (:func:`_learn_measured`);
-    ``fits_attn``: whether ``attn`` is learnt from the local ones (no profile or
-    parameter gives it); ``measured``: whether a local sample has been learnt (a pool
-    with no profile is no measure of a cold prefill before, :meth:`GoodputModel.ttft_target`)."""
+    ``fits_attn``: whether ``attn`` is learnt from them (no profile or parameter gives
+    it); ``measured``: whether a local sample has been learnt (before, a pool with no
+    profile says nothing of a cold prefill: :meth:`GoodputModel.ttft_target`)."""
 
     rate_local: float
     rate_remote: float

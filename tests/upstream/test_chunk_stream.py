@@ -26,12 +26,12 @@ class _Pieces:
         self.pieces = pieces
         self.closed = False
 
-    async def _read(self) -> AsyncIterator[bytes]:
+    async def _each(self) -> AsyncIterator[bytes]:
         for piece in self.pieces:
             yield piece
 
     def __aiter__(self) -> AsyncIterator[bytes]:
-        return self._read()
+        return self._each()
 
     async def aclose(self) -> None:
         self.closed = True
