@@ -53,11 +53,15 @@ async def _exited(process: subprocess.Popen[str], bound: float = 30.0) -> int:
 
 
 async def _refused(url: str) -> bool:
+    """Whether new connections to ``url`` are refused. One the server took while it
+    stopped listening may be closed unanswered, or answered late: not refused yet."""
     try:
         async with httpx.AsyncClient(timeout=2) as http:
             await http.get(f"{url}/health")
     except httpx.ConnectError:
         return True
+    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.TimeoutException):
+        pass  # still closing: poll again
     return False
 
 

@@ -116,10 +116,15 @@ def _complete(url: str, prompt: str) -> httpx.Response:
 
 
 def _refused(url: str) -> bool:
+    """Whether nothing listens at ``url`` any more (a connection refused). A server
+    still shutting down may take the connection and close it unanswered, or answer
+    late: not refused yet."""
     try:
         httpx.get(f"{url}/health", timeout=2)
     except httpx.ConnectError:
         return True
+    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.TimeoutException):
+        pass  # shutting down: not refused yet
     return False
 
 
