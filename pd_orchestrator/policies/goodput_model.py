@@ -272,7 +272,7 @@ def _learn_measured(model: PoolModel, rate: float, sample: Alone, alone: list[Al
     del alone[:-_ALONE]
     if model.fits_attn:
         model.attn = _fit_attention([model.alone_local, model.alone_remote], model.attn)
-    peak = _peak(alone, model.attn)
+    peak = _peak(alone, model)
     return _clipped(rate, peak) if peak > 0 else rate
 
 
@@ -284,17 +284,16 @@ def _clipped(rate: float, sample: float) -> float:
     return min(max(sample, rate / _MAX_STEP), rate * _MAX_STEP)
 
 
-def _peak(alone: list[Alone], attn: float) -> float:
+def _peak(alone: list[Alone], model: PoolModel) -> float:
     """The fastest of the samples' medians per octave of their new tokens, each sample's
-    rate net of the attention term ``attn`` (0: no sample leaves time for a rate once
-    the term is taken off): across lengths the rate is the one where
-    the engine runs fastest (where a fixed cost weighs least and the attention term, when
-    not known, has not yet grown, what the decaying maximum followed), at one length
-    the middle of its samples, so a jitter either way moves it by nothing once most of
-    them agree."""
+    rate net of ``model``'s attention term (0: no sample leaves time for a rate once the
+    term is taken off): across lengths the rate is the one where the engine runs
+    fastest (where a fixed cost weighs least and the attention term, when not known,
+    has not yet grown, what the decaying maximum followed), at one length the middle of
+    its samples, so a jitter either way moves it by nothing once most of them agree."""
     octaves: dict[int, list[float]] = {}
     for new, held, seconds in alone:
-        spent = seconds - attn * new * (held + new / 2)
+        spent = seconds - model.attention_seconds(new, held)
         if spent > 0:
             octaves.setdefault(new.bit_length(), []).append(new / spent)
     return max((statistics.median(rates) for rates in octaves.values()), default=0.0)
@@ -320,13 +319,14 @@ def _fit_attention(paths: list[list[Alone]], attn: float) -> float:
             octaves.setdefault(new.bit_length(), []).append((held + new / 2, seconds / new))
         if not octaves:
             continue
-        fastest = min(octaves, key=lambda o: statistics.median(y for _, y in octaves[o]))
+        medians = {o: statistics.median(y for _, y in group) for o, group in octaves.items()}
+        fastest = min(medians, key=medians.__getitem__)
         points = [xy for octave, group in octaves.items() if octave >= fastest for xy in group]
         count += len(points)
         slopes += [(y2 - y1) / (x2 - x1) for x1, y1 in points for x2, y2 in points
                    if x2 >= _APART * x1]  # fmt: skip
         x0 = statistics.median(x for x, _ in octaves[fastest])
-        bound = min(bound, statistics.median(y for _, y in octaves[fastest]) / (2.0 * x0))
+        bound = min(bound, medians[fastest] / (2.0 * x0))
     if count < _POINTS or len(slopes) < _PAIRS:
         return attn
     return min(max(statistics.median(slopes), 0.0), bound)
