@@ -39,8 +39,9 @@ samples, each at the streams its decoder ran when the request was planned, plus
 itself (flat while the samples span one octave; before any, ``S`` is ``itl_d``);
 ``n_d``: the streams decoding at ``d``; ``age_d``: seconds since the pool's last ITL
 sample (:meth:`GoodputModel.recent_itl`: a sample times streams that have finished
-a window or so later; without a profile the ITL does not age, as nothing else
-measures the step); ``u_p``: ``L`` at a
+a window or so later; it ages towards the step the pool otherwise knows, the
+profile's, or without one ``S(n_d)``, which before any sample is ``itl_d`` and does
+not age); ``u_p``: ``L`` at a
 prefiller that also decodes, else ``L`` less what ``p`` holds (index, else ``hit_p``);
 ``kept_d``: the uncached tokens kept at ``d``, decaying with time constant ``W`` (its
 duty cycle); ``whole_p`` counts the queue whole (a spilling prefiller decodes what it
@@ -693,20 +694,20 @@ class GoodputModel:
         return max(observed * bare, step)
 
     def recent_itl(self, model: PoolModel, now: float) -> float:
-        """The pool's observed ITL as evidence of its step at ``now`` (0 before any).
-        With a profile, decaying with the time since its last sample, with time constant
-        ``W``, towards the profile's step (the larger of the two sets the bare step): a
-        sample times the streams decoding over the window before it, with the prefill
-        share of that window, which :meth:`local_share` decays alike; once they have
-        finished it says nothing of the streams decoding now (after an idle spell, the
-        ITL of the last busy one would hold the stall bound at the free chunk). Without
-        a profile it stands as learnt: it is the only measure of the step, and decayed
-        to nothing it would price every step beside a decoding stream as free (on the
-        CPU pair a cold prompt was then prefilled beside a stream)."""
+        """The pool's observed ITL as evidence of its step at ``now`` (0 before any),
+        decaying with the time since its last sample, with time constant ``W``, towards
+        the step the pool otherwise knows (:meth:`stream_step`, the larger of the two
+        sets the bare step): a sample times the streams decoding over the window before
+        it, with the prefill share of that window, which :meth:`local_share` decays
+        alike; once they have finished it says nothing of the streams decoding now
+        (after an idle spell, the ITL of the last busy one would hold the stall bound at
+        the free chunk). That step is the profile's, or without one the ITL learnt
+        against the batch, and before a sample of it the pool's ITL undecayed: a step
+        beside a decoding stream is never priced free (on the CPU pair a cold prompt was
+        prefilled beside a stream while the ITL, the only measure then, decayed to
+        nothing)."""
         if model.itl is None:
             return 0.0
-        if model.profile is None:
-            return model.itl
         return model.itl * math.exp(-max(0.0, now - model.itl_at) / self.window())
 
     def stream_step(self, model: PoolModel, prompt: int, count: int) -> float:

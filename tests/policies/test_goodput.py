@@ -713,16 +713,43 @@ def test_an_itl_observed_before_an_idle_spell_no_longer_sets_the_bare_step() -> 
     assert policy.model.stall_limit(idle, model) == pytest.approx(left, rel=1e-3)
 
 
-def test_without_a_profile_the_observed_itl_does_not_age() -> None:
-    # the only measure of the step: aged to nothing, a stream's step would look free
+def test_without_a_profile_the_observed_itl_ages_but_never_below_the_pools_itl() -> None:
+    # before a step is learnt against the batch, the pool's ITL is the only measure of
+    # the step: the observed one ages, but a stream's step is never priced free
     policy = _policy()
     model = policy.model.pools["decode"]
+    policy.model.out_mean = 100  # W = 3 s
     assert model.profile is None
     model.itl, model.itl_at = 0.016, 100.0  # learnt while busy, past the goal's 15 ms
-    for now in (100.0, 130.0, 1_000.0):
-        assert policy.model.recent_itl(model, now) == pytest.approx(0.016)
+    assert not model.steps.octaves
+    assert policy.model.recent_itl(model, 100.0) == pytest.approx(0.016)
+    assert policy.model.recent_itl(model, 103.0) == pytest.approx(0.016 * math.exp(-1))
+    assert policy.model.recent_itl(model, 1_000.0) < 1e-9
     busy = context(tokens=4_000, dec=decoder(in_flight=1), now=1_000.0)
     assert policy.model.stall_limit(busy, model) == model.free_tokens
+
+
+def test_without_a_profile_a_busy_spells_itl_yields_to_the_learnt_step_when_idle() -> None:
+    """The ITL of the last busy spell (a warm-up's tail, 19 ms at 40 streams) held the
+    stall bound at the free chunk for good: after an idle spell, the step learnt at the
+    streams decoding now (5.5 ms at two) sets it, as a profile's step does."""
+    policy = _policy()
+    policy.model.out_mean, policy.model.out_low = 100, 100  # W = 3 s; the mean bound binds
+    model = policy.model.pools["decode"]
+    model.itl = None
+    for _ in range(100):
+        for streams in (1, 3, 7):
+            itl = 0.005 + 0.00025 * (streams + 1)
+            policy.observe(LatencyObservation("m", "decode", 0.0, itl=itl, streams=streams))
+    for _ in range(100):  # the busy spell's end: at 40 streams, half the time prefilling
+        policy.observe(LatencyObservation("m", "decode", 100.0, itl=0.019, streams=39))
+    assert model.itl == pytest.approx(0.019, rel=0.01)
+    assert model.steps.at(2) < 0.0065
+    now = context(tokens=4_000, dec=decoder(in_flight=2), now=100.0)
+    assert policy.model.stall_limit(now, model) == model.free_tokens  # the goal is spent
+    idle = context(tokens=4_000, dec=decoder(in_flight=2), now=130.0)  # ten windows later
+    left = (1 - model.steps.at(2) / (0.03 * 0.5)) * 3.0 * RATE
+    assert policy.model.stall_limit(idle, model) == pytest.approx(left, rel=1e-3)
 
 
 def test_without_a_profile_the_step_is_learnt_against_the_batch() -> None:
