@@ -729,18 +729,25 @@ def test_without_a_profile_the_observed_itl_ages_but_never_below_the_pools_itl()
     assert policy.model.stall_limit(busy, model) == model.free_tokens
 
 
-def test_without_a_profile_a_busy_spells_itl_yields_to_the_learnt_step_when_idle() -> None:
-    """The ITL of the last busy spell (a warm-up's tail, 19 ms at 40 streams) held the
-    stall bound at the free chunk for good: after an idle spell, the step learnt at the
-    streams decoding now (5.5 ms at two) sets it, as a profile's step does."""
+def _stepped() -> tuple[GoodputPolicy, PoolModel]:
+    """A policy with no profile (``W`` 3 s, the mean bound binding) whose pool learnt
+    its step against the batch from ITLs at 2 to 8 streams: 5 ms + 0.25 ms a stream."""
     policy = _policy()
-    policy.model.out_mean, policy.model.out_low = 100, 100  # W = 3 s; the mean bound binds
+    policy.model.out_mean, policy.model.out_low = 100, 100
     model = policy.model.pools["decode"]
     model.itl = None
     for _ in range(100):
         for streams in (1, 3, 7):
             itl = 0.005 + 0.00025 * (streams + 1)
             policy.observe(LatencyObservation("m", "decode", 0.0, itl=itl, streams=streams))
+    return policy, model
+
+
+def test_without_a_profile_a_busy_spells_itl_yields_to_the_learnt_step_when_idle() -> None:
+    """The ITL of the last busy spell (a warm-up's tail, 19 ms at 40 streams) held the
+    stall bound at the free chunk for good: after an idle spell, the step learnt at the
+    streams decoding now (5.5 ms at two) sets it, as a profile's step does."""
+    policy, model = _stepped()
     for _ in range(100):  # the busy spell's end: at 40 streams, half the time prefilling
         policy.observe(LatencyObservation("m", "decode", 100.0, itl=0.019, streams=39))
     assert model.itl == pytest.approx(0.019, rel=0.01)
@@ -756,14 +763,7 @@ def test_without_a_profile_the_step_is_learnt_against_the_batch() -> None:
     """ITLs timed at 2 to 8 streams (5 ms + 0.25 ms a stream) price a step at 40
     streams (15 ms) that the mean ITL (about 6 ms) does not: a prompt a quiet decoder
     keeps goes P/D from a crowded one."""
-    policy = _policy()
-    policy.model.out_mean, policy.model.out_low = 100, 100  # W = 3 s; the mean bound binds
-    model = policy.model.pools["decode"]
-    model.itl = None
-    for _ in range(100):
-        for streams in (1, 3, 7):
-            itl = 0.005 + 0.00025 * (streams + 1)
-            policy.observe(LatencyObservation("m", "decode", 0.0, itl=itl, streams=streams))
+    policy, model = _stepped()
     assert model.itl is not None and model.itl < 0.0065
     assert model.steps.at(40) == pytest.approx(0.015, rel=0.01)
     learnt = policy.model.learnt()["decode"]
