@@ -702,10 +702,10 @@ class GoodputModel:
         alike; once they have finished it says nothing of the streams decoding now
         (after an idle spell, the ITL of the last busy one would hold the stall bound at
         the free chunk). That step is the profile's, or without one the ITL learnt
-        against the batch, and before a sample of it the pool's ITL undecayed: a step
-        beside a decoding stream is never priced free (on the CPU pair a cold prompt was
-        prefilled beside a stream while the ITL, the only measure then, decayed to
-        nothing)."""
+        against the batch, and before a sample of it the pool's ITL undecayed: once an
+        ITL is learnt, a step beside a decoding stream is never priced free (on the CPU
+        pair a cold prompt was prefilled beside a stream while the ITL, the only measure
+        then, decayed to nothing)."""
         if model.itl is None:
             return 0.0
         return model.itl * math.exp(-max(0.0, now - model.itl_at) / self.window())
