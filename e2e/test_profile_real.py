@@ -19,7 +19,11 @@ missed by up to 47%). Then:
     remote prefill rates within 25% of the rate the profile gives those prompts (the
     policy's rate counts a prompt's whole TTFT, less hops: ``L / (a_pf + L * lin +
     attention)``), then, while a stream decodes, keeps a warm prompt on the decoder
-    and sends a cold long one P/D.
+    and sends a cold long one P/D; and a fresh gateway from the same seeds learns
+    both rates before any request, from the cold prompts it times on the idle pair
+    when it starts (:mod:`pd_orchestrator.gateway.calibrate`), within 25% of the rate
+    the same prompts show sent straight to the pair around it (one moment's speed,
+    not the profile's over the module's minutes).
 
 Every figure is printed (``pytest -s``) and named in the assertion that reads it.
 Every check must hold. The learnt rates were expected failures while the policy's
@@ -46,7 +50,7 @@ from typing import Any
 
 import httpx
 import pytest
-from targets import gateway_for, vllm_target
+from targets import Target, gateway_for, vllm_target
 
 from pd_orchestrator.children import Child, python_command, start_child, stop_child
 from pd_orchestrator.model.hardware import LatencyProfile
@@ -219,6 +223,8 @@ class Timeline:
     workload: list[tuple[list[int], int]]
     pair_replay: list[tuple[float, float]]
     served: Served
+    timed: dict[str, Any]
+    """What a fresh gateway learnt from its start-up timing (:func:`_timed_at_start`)."""
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +232,8 @@ def timeline(pair: Any, tmp_path_factory: pytest.TempPathFactory) -> Timeline:
     """:data:`PASSES` profile runs; after each, a part of (b)'s workload on the decoder
     and a part of (c)'s learning through a ``goodput`` gateway (started after the first
     run, from seeds four times below its rate; :class:`_Learning`); then (c)'s
-    decisions beside a stream. The profile is fitted to every run's fit settings."""
+    decisions beside a stream, and a fresh gateway's start-up timing
+    (:func:`_timed_at_start`). The profile is fitted to every run's fit settings."""
     folder = tmp_path_factory.mktemp("profile")
     started = time.monotonic()
     rng = random.Random(7)
@@ -250,6 +257,7 @@ def timeline(pair: Any, tmp_path_factory: pytest.TempPathFactory) -> Timeline:
             learning.after_a_run(gateway.url)
         profiled = _fitted(pair, runs, folder / "cpu-pair.yaml")
         served = learning.finish(gateway.url, seed, _profile_rate(profiled.profile, LEARN_TOKENS))
+    timed = _timed_at_start(pair, target, tmp_path_factory.mktemp("timed"), seed)
     p = profiled.profile
     sys.stderr.write(
         f"profiled in {len(runs)} runs, {profiled.source['requests']} requests, "
@@ -258,7 +266,7 @@ def timeline(pair: Any, tmp_path_factory: pytest.TempPathFactory) -> Timeline:
         f"ns/pair); step {(p.a_dec + p.weights) * 1e3:.2f} ms + {p.ctx_read * 1e9:.1f} ns/"
         f"context token; hand-over {p.a_kv * 1e3:.1f} ms\n"
     )
-    return Timeline(profiled, workload, replay, served)
+    return Timeline(profiled, workload, replay, served, timed)
 
 
 @pytest.fixture(scope="module")
@@ -469,8 +477,9 @@ def _stream(gateway: str, prompt: list[int]) -> Iterator[subprocess.Popen[bytes]
 def _goodput_config(seed: float) -> dict[str, Any]:
     """Goodput from seeds (no profile): ``seed`` tokens/s, a TTFT target the remote path
     meets and an ITL target the pair cannot keep while it prefills (a decoding stream
-    makes the stall bound, a step's free tokens, decide)."""
-    params = {"ttft": 30.0, "tpot": 0.001, "prefill_tokens_per_s": seed}
+    makes the stall bound, a step's free tokens, decide); no start-up timing: (c) is
+    what traffic teaches."""
+    params = {"ttft": 30.0, "tpot": 0.001, "prefill_tokens_per_s": seed, "probe_tokens": []}
     return {"threshold": {"policy": {"type": "goodput", "params": params}}}
 
 
@@ -610,6 +619,81 @@ def test_goodput_keeps_a_warm_prompt_local_and_sends_a_cold_long_one_pd(served: 
     warm, cold = served.busy[0], [route for route in served.busy[1:] if route is not None]
     assert warm is not None and len(cold) >= LEARN_ROUNDS // 2, "too few decided beside a stream"
     assert [warm, *cold] == ["decode"] + ["pd"] * len(cold), served.busy
+
+
+HOP = 0.002
+"""``goodput``'s one-way latency of a leg (its default): a sample is its time less two."""
+
+
+def _cold_rates(pair: Any, rng: random.Random, count: int) -> dict[str, list[float]]:
+    """``count`` cold :data:`LEARN_TOKENS`-token prompts sent to each server one after
+    another, ``max_tokens`` 1, not streamed, as the gateway's start-up timing sends
+    them: each one's rate as the policy reads a sample, tokens over its time less two
+    hops (tokens/s)."""
+    rates: dict[str, list[float]] = {"decoder": [], "prefiller": []}
+    with httpx.Client(timeout=60) as client:
+        for name, server in (("decoder", pair.decoder), ("prefiller", pair.prefiller)):
+            for _ in range(count):
+                body = {"model": "tiny", "prompt": _prompt(rng, LEARN_TOKENS), "max_tokens": 1,
+                        "temperature": 0}  # fmt: skip
+                started = time.monotonic()
+                answer = client.post(f"{server.url}/v1/completions", json=body)
+                seconds = time.monotonic() - started
+                assert answer.status_code == 200, answer.text
+                rates[name].append(LEARN_TOKENS / (seconds - 2 * HOP))
+    return rates
+
+
+def _timed_at_start(pair: Any, target: Target, folder: Path, seed: float) -> dict[str, Any]:
+    """A fresh ``goodput`` gateway from the same seeds, which times the pair when it
+    starts (:mod:`pd_orchestrator.gateway.calibrate`; :data:`LEARN_TOKENS`-token
+    prompts, eight on each server: the seed, four times below the rate, reaches it in
+    four bounded steps, and the median of eight is not moved by the one or two prompts
+    this shared host slows by a third): ``/status``'s ``goodput_timing``, what the
+    policy holds for the decoder's pool once both pools are timed, and for each; and
+    the pair's own rate then (:func:`_cold_rates`, four prompts a server just before
+    the gateway starts and four once it has timed: the median of each server's)."""
+    rng = random.Random(13)
+    before = _cold_rates(pair, rng, 4)
+    params = {"ttft": 30.0, "tpot": 0.001, "prefill_tokens_per_s": seed, "hop": HOP,
+              "probe_tokens": [LEARN_TOKENS], "probe_repeats": 8}  # fmt: skip
+    threshold = {"policy": {"type": "goodput", "params": params}}
+    with gateway_for(target, folder, threshold=threshold) as gateway:
+        deadline = time.monotonic() + 60
+        while True:
+            status = _status(gateway.url)
+            timing = status.get("goodput_timing") or {}
+            if timing and not any(str(v).startswith("timing") for v in timing.values()):
+                break
+            assert time.monotonic() < deadline, f"not timed within 60 s: {timing}"
+            time.sleep(0.2)
+    after = _cold_rates(pair, rng, 4)
+    pair_rates = {
+        "rate_local": statistics.median(before["decoder"] + after["decoder"]),
+        "rate_remote": statistics.median(before["prefiller"] + after["prefiller"]),
+    }
+    pools = status["goodput_learnt"]["goodput"]
+    return {"timing": timing, "learnt": _learnt(status), "pools": pools, "pair": pair_rates}
+
+
+@pytest.mark.parametrize("rate", ["rate_local", "rate_remote"])
+def test_the_start_up_timing_learns_the_pair_s_rates_before_any_request(
+    timeline: Timeline, rate: str
+) -> None:
+    """(c) at start-up: before any request, the gateway's own cold prompts on the idle
+    pair teach ``goodput`` the decoder's local rate and, through the prefiller, its
+    remote one: within 25% of the rate the same prompts show sent straight to the
+    server around it (the pair's speed then; the profile, taken over every run of the
+    module, is printed beside it)."""
+    timed, served = timeline.timed, timeline.served
+    learnt, pair = timed["learnt"][rate], timed["pair"][rate]
+    error = _relative(learnt, pair)
+    print(f"(c) timed at start-up ({timed['timing']}): {rate} {learnt:,.0f} tokens/s against "
+          f"the server's {pair:,.0f} then ({error:.1%}) and the profile's {served.expected:,.0f} "
+          f"at {LEARN_TOKENS} tokens ({_relative(learnt, served.expected):.1%}); seeded "
+          f"{served.seed:,.0f}; all it holds: {timed['pools']}")  # fmt: skip
+    assert all(v.startswith("timed") for v in timed["timing"].values()), timed["timing"]
+    assert error <= BOUND, f"{rate} {learnt:,.0f} vs the server's {pair:,.0f} then"
 
 
 @pytest.mark.parametrize("rate", ["rate_local", "rate_remote"])

@@ -532,6 +532,7 @@ async def _run_bound(
     gateways: Sequence[str] = (),
 ) -> RunResult:
     await _wait_ready(url, "/ready")
+    await _wait_timed(url)
     result = await run_target(
         url,
         workload,
@@ -546,6 +547,24 @@ async def _run_bound(
     async with httpx.AsyncClient(timeout=10.0) as client:
         result.reasons = await read_decisions(client, gateways)
     return result
+
+
+async def _wait_timed(url: str, limit: float = 120.0) -> None:
+    """Poll the gateway's ``/status`` until no pool is being timed (``goodput_timing``,
+    :mod:`~pd_orchestrator.gateway.calibrate`) in :data:`_SETTLED_READS` reads in a row
+    (its workers answer in turn), as the virtual bench runs the workload after the
+    start-up timing (``TimeoutError`` after ``limit`` s)."""
+    settled = 0
+    async with httpx.AsyncClient(base_url=url, timeout=5.0) as client:
+        with anyio.fail_after(limit):
+            while settled < _SETTLED_READS:
+                timing = (await client.get("/status")).json().get("goodput_timing", {})
+                busy = any(str(v).startswith("timing") for v in timing.values())
+                settled = 0 if busy else settled + 1
+                await anyio.sleep(0.05)
+
+
+_SETTLED_READS = 5
 
 
 async def _wait_ready(url: str, path: str, limit: float = 30.0) -> None:

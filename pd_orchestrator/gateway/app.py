@@ -57,6 +57,7 @@ from pd_orchestrator.gateway.admission import (
     request_id_of,
 )
 from pd_orchestrator.gateway.auth import OPEN_PATHS, ApiKeys, forwarded_headers, unauthorized
+from pd_orchestrator.gateway.calibrate import calibrate, planned
 from pd_orchestrator.gateway.completion import CompletionPath
 from pd_orchestrator.gateway.lifecycle import Drain, closing_connections
 from pd_orchestrator.gateway.limits import BodyKind, check_head
@@ -231,7 +232,9 @@ class Gateway:
                         )
 
     async def _start_monitors(self, state: GatewayState) -> None:
-        """(Re)start health checks and load polls for ``state``'s fleet."""
+        """(Re)start health checks and load polls for ``state``'s fleet, then time the
+        pools its ``goodput`` policies know nothing of
+        (:func:`~pd_orchestrator.gateway.calibrate.calibrate`)."""
         assert self._tasks is not None
         if self._monitors is not None:
             self._monitors.cancel()
@@ -247,7 +250,9 @@ class Gateway:
                         await tg.start(state.allowlist.run)
                     if state.shared is not None:
                         await tg.start(state.shared.run)
+                    probes = planned(state, self.clock)  # marked before the gateway is ready
                     task_status.started()
+                    tg.start_soon(calibrate, state, self.upstream, self.clock, probes)
 
         await self._tasks.start(monitors)
 

@@ -93,6 +93,9 @@ class GatewayState:
     """Which decoders report their cached counts (kept across reloads)."""
     shared: SharedState | None = None
     """The load shared with the other gateways (``shared_state.url``; None: off)."""
+    timing: dict[str, str] = field(default_factory=dict)
+    """Per pool timed at start-up, how its timing stands, in words
+    (:mod:`~pd_orchestrator.gateway.calibrate`)."""
 
 
 def goodput_knowledge(config: GatewayConfig) -> dict[str, str]:

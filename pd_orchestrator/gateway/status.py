@@ -37,10 +37,12 @@ def status_document(state: GatewayState, now: float) -> dict[str, Any]:
     :mod:`~pd_orchestrator.fleet.cache_reports`); with a ``goodput`` policy,
     ``goodput_starts_from``: per pool, a measured profile, a simulator's or seeds, and
     ``goodput_learnt``: per policy and pool, the rates, ITL and hand-over costs its
-    model holds now; with ``shared_state.url``, ``shared_state``: the NATS server,
-    whether it is reachable (else this gateway counts its own state only) and how
-    many other gateways count. ``in_flight`` and ``backlog`` include the other
-    gateways' while shared."""
+    model holds now, and ``goodput_timing``: per pool timed at start-up
+    (:mod:`~pd_orchestrator.gateway.calibrate`), ``timing on E``, ``timed on E: N
+    prompts`` or ``failed on E after N prompts``; with ``shared_state.url``,
+    ``shared_state``: the NATS server, whether it is reachable (else this gateway
+    counts its own state only) and how many other gateways count. ``in_flight`` and
+    ``backlog`` include the other gateways' while shared."""
     endpoints = []
     for status in state.fleet.snapshot():
         endpoint = status.endpoint
@@ -88,6 +90,8 @@ def status_document(state: GatewayState, now: float) -> dict[str, Any]:
         threshold = state.planner.threshold
         if threshold is not None:
             document["goodput_learnt"] = threshold.learnt()
+        if state.timing:
+            document["goodput_timing"] = dict(state.timing)
     return document
 
 

@@ -80,8 +80,10 @@ __all__ = [
     "RequestFacts",
     "Served",
     "after_prefill",
+    "alone_at",
     "compatibility_class",
     "leg_seconds",
+    "queued_at",
 ]
 
 DECODE_ONLY = Local("none", "no-threshold")
@@ -380,7 +382,7 @@ class Served:
     prefill_seconds: float | None = None
 
 
-def _queued(prefilled: Candidate | None) -> bool | None:
+def queued_at(prefilled: Candidate | None) -> bool | None:
     """Whether the endpoint that prefilled a served prompt (its prefiller when it went
     P/D, else its decoder), as the plan's snapshot saw it, had prompts queued when the
     plan was made: tokens the gateways counted queued there, or requests its reading
@@ -391,10 +393,10 @@ def _queued(prefilled: Candidate | None) -> bool | None:
     return prefilled.backlog > 0 or (load is not None and load.waiting > 0)
 
 
-def _alone(prefilled: Candidate | None, queued: bool | None) -> bool | None:
+def alone_at(prefilled: Candidate | None, queued: bool | None) -> bool | None:
     """Whether the endpoint that prefilled a served prompt, as the plan's snapshot saw
     it, had nothing else there when the plan was made: no request running by the
-    gateways' counts and its fresh reading, nothing ``queued`` (:func:`_queued`'s;
+    gateways' counts and its fresh reading, nothing ``queued`` (:func:`queued_at`'s;
     None: not in the snapshot, or no fresh reading, so another gateway's requests may
     have been there)."""
     if prefilled is None or prefilled.load is None:
@@ -651,7 +653,7 @@ class Planner:
             return
         planned = _planned(plan, decoder)
         prefilled = _planned(plan, served.prefiller) if served.remote else planned
-        queued = _queued(prefilled)
+        queued = queued_at(prefilled)
         resolver.observe(
             LatencyObservation(
                 facts.model,
@@ -665,7 +667,7 @@ class Planner:
                 remote=served.remote,
                 after_prefill=served.after_prefill,
                 queued=queued,
-                alone=_alone(prefilled, queued),
+                alone=alone_at(prefilled, queued),
                 prefill_cached=served.prefill_cached,
                 prefill_seconds=served.prefill_seconds,
                 streams=None if planned is None else planned.streams,

@@ -43,6 +43,7 @@ benchmarks/README.md.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -55,6 +56,7 @@ from pd_orchestrator.policies.base import (
     ThresholdPolicy,
     clamp_ratio,
 )
+from pd_orchestrator.policies.calibration import Probe, plan_probes
 from pd_orchestrator.policies.goodput_model import (
     GoodputModel,
     GoodputParams,
@@ -124,6 +126,16 @@ class GoodputPolicy:
 
     def observe(self, observation: LatencyObservation) -> None:
         self.model.observe(observation)
+
+    def probes(self, candidates: Sequence[Candidate]) -> list[Probe]:
+        """The cold prompts to time at start-up
+        (:func:`~pd_orchestrator.policies.calibration.plan_probes`): on each pool of
+        ``candidates`` with no profile that has learnt no local rate, each of
+        ``probe_tokens`` (shortest first) ``probe_repeats`` times, within
+        ``probe_seconds``."""
+        p = self.params
+        lengths = tuple(n for n in sorted(p.probe_tokens) for _ in range(p.probe_repeats))
+        return plan_probes(candidates, self.model.unknown, lengths, p.probe_seconds)
 
     def soonest(self, context: ThresholdContext, wait: float) -> str | None:
         """The peer (:attr:`ThresholdContext.peers`) where a drained request's decode

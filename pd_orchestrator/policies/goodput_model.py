@@ -117,6 +117,11 @@ file, or the profile a simulator runs) rate, step, attention term and hand-over,
 ``prefill_tokens_per_s``, a linear model (its attention term learnt) and a hand-over at
 ``transfer_tokens_per_s``; a hardware label alone picks no profile; a pool with no
 profile that has learnt no local sample (a prefill pool) takes no part in ``T``.
+Before the first request, the gateway times cold prompts of its own on each pool with
+no profile (:mod:`~pd_orchestrator.policies.calibration`, :meth:`GoodputModel.calibrate`):
+learnt as samples timed alone, 2k to 32k tokens, they give the rates and the
+attention term that a cold burst, planned before any of its requests has ended,
+would otherwise price at the seeds.
 :func:`knowledge_of` says which, and the gateway logs it per pool at start-up, shows
 it in ``/status`` and in the ``pd_orchestrator_policy_knowledge`` gauge.
 Measurements behind these choices: benchmarks/README.md.
@@ -127,7 +132,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated
 
 from pydantic import Field
@@ -136,6 +141,7 @@ from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.model.hardware import LatencyProfile
 from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.policies.base import LatencyObservation, ThresholdContext
+from pd_orchestrator.policies.calibration import Probe, Timed
 from pd_orchestrator.policies.octave_line import OctaveLine
 from pd_orchestrator.routing.registry import NoParams
 
@@ -151,6 +157,9 @@ __all__ = [
 ]
 
 _Positive = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
+
+_MIN_SAMPLE = 512
+"""Prompt tokens below which a TTFT says more about fixed costs than about a rate."""
 
 
 class GoodputParams(NoParams):
@@ -168,6 +177,10 @@ class GoodputParams(NoParams):
     prompt's TTFT target ``T`` scales with it, as an SLO set relative to the request
     alone does: the larger of ``ttft`` and k times its cold prefill alone on the fastest
     pool the model knows of for it (0: ``T`` is ``ttft`` for every prompt).
+    ``probe_tokens``: the lengths of the cold prompts the gateway times at start-up on
+    a pool with no profile that has learnt no local rate, each ``probe_repeats`` times,
+    shortest first, none sent once ``probe_seconds`` have passed on that pool
+    (:mod:`~pd_orchestrator.policies.calibration`; empty: none, it starts on the seeds).
     ``attainment``: the share of requests the targets are to hold for; the short-stream
     bound protects the ``1 - attainment`` quantile of the outputs. ``time_scale``:
     seconds of the gateway's clock per second of the knowledge (a fleet of simulators
@@ -186,6 +199,11 @@ class GoodputParams(NoParams):
     time_scale: _Positive = 1.0
     ttft_scale: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.0
     attainment: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.9
+    probe_tokens: tuple[Annotated[int, Field(ge=_MIN_SAMPLE, le=1_000_000)], ...] = (
+        2048, 4096, 8192, 16384, 32768,
+    )  # fmt: skip
+    probe_repeats: Annotated[int, Field(ge=1, le=8)] = 2
+    probe_seconds: _Positive = 30.0
 
 
 def on_clock(params: GoodputParams) -> GoodputParams:
@@ -766,6 +784,34 @@ class GoodputModel:
             self.out_low = _learn_quantile(self.out_low, observation.output_tokens, level, alpha)
         self._learn_rates(observation, model)
 
+    def unknown(self, endpoint: Endpoint) -> bool:
+        """Whether ``endpoint``'s pool has no profile and has learnt no local rate (what
+        the gateway times at start-up: :mod:`~pd_orchestrator.policies.calibration`)."""
+        if profile_of(endpoint) is not None:
+            return False
+        model = self.pools.get(endpoint.pool)
+        return model is None or not model.measured
+
+    def calibrate(self, probe: Probe, timed: Timed) -> None:
+        """Learn a probe prompt the gateway timed itself, as a served request's rates are
+        learnt and nothing else (no means, no ITL: it is no client's request): a local
+        sample of the probed endpoint's pool, and a remote one of each decoder pool
+        :attr:`Probe.decoders` names; a pool with a profile learns nothing of it."""
+        local = LatencyObservation(
+            "", probe.endpoint.pool, 0.0, timed.seconds, prompt_tokens=timed.tokens,
+            cached_tokens=timed.cached, remote=False, queued=timed.queued, alone=timed.alone,
+        )  # fmt: skip
+        targets = [(probe.endpoint, local)]
+        for decoder in probe.decoders:
+            remote = replace(
+                local, pool=decoder.pool, remote=True, cached_tokens=None,
+                prefill_cached=timed.cached, prefill_seconds=timed.seconds,
+            )  # fmt: skip
+            targets.append((decoder, remote))
+        for endpoint, observation in targets:
+            if profile_of(endpoint) is None:
+                self._learn_rates(observation, self.pool(endpoint))
+
     def _learn_rates(self, observation: LatencyObservation, model: PoolModel) -> None:
         ttft, tokens = observation.ttft, observation.prompt_tokens
         if ttft is None or not tokens or observation.remote is None:
@@ -844,9 +890,6 @@ _CACHED_FACTOR = 2.0
 
 _MAX_SHARE = 0.9
 """The prefill share above which the observed ITL says little of the bare step."""
-
-_MIN_SAMPLE = 512
-"""Prompt tokens below which a TTFT says more about fixed costs than about a rate."""
 
 
 def _queue_share(hit: float | None, cached: int | None, tokens: int, *, routed: bool) -> float:

@@ -13,13 +13,15 @@ per-model overrides when any are configured.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pd_orchestrator.config.policy import PromptLengthConfig, ThresholdConfig
+from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.model.route import Route, at
 from pd_orchestrator.policies.base import LatencyObservation, ThresholdContext, ThresholdPolicy
 from pd_orchestrator.policies.build import PolicyConfigError, build_policy
+from pd_orchestrator.policies.calibration import Probe, Timed
 from pd_orchestrator.policies.estimator import PromptLengthEstimator
 from pd_orchestrator.policies.goodput import GoodputPolicy
 from pd_orchestrator.policies.overrides import build_overrides
@@ -89,6 +91,21 @@ class ThresholdResolver:
             old = before.get(policy.name)
             if old is not None:
                 policy.model.inherit(old.model)
+
+    def probes(self, candidates: Sequence[Candidate]) -> list[Probe]:
+        """The cold prompts the ``goodput`` policies ask the gateway to time at start-up
+        (:meth:`GoodputPolicy.probes`), one probe per endpoint (the first policy's)."""
+        probes: dict[str, Probe] = {}
+        for policy in _goodputs(self.policy):
+            for probe in policy.probes(candidates):
+                probes.setdefault(probe.endpoint.name, probe)
+        return list(probes.values())
+
+    def calibrate(self, probe: Probe, timed: Timed) -> None:
+        """A probe prompt as the gateway timed it, for every ``goodput`` policy
+        (:meth:`~pd_orchestrator.policies.goodput_model.GoodputModel.calibrate`)."""
+        for policy in _goodputs(self.policy):
+            policy.model.calibrate(probe, timed)
 
     def learnt(self) -> dict[str, dict[str, dict[str, float | None]]]:
         """Per ``goodput`` policy (by name), what its cost model holds per pool

@@ -51,7 +51,7 @@ def test_goodput_with_no_profile_starts_from_the_seeds_and_learns_the_local_rate
     seed (20k tokens/s) towards the engine's (H200: 1 / 29.5 us, about 33.9k)."""
     fleet = _fleet(_args(no_profile=True))
     (strategy,) = resolve_strategies(["goodput"])
-    virtual = VirtualFleet(fleet, strategy, AFFINITY)
+    virtual = _from_traffic(VirtualFleet(fleet, strategy, AFFINITY))
     requests = tuple(
         BenchRequest(i, f"s{i}", 0, (Segment(100 + i, 2_000),), max_tokens=4, arrival=2.0 * i)
         for i in range(40)
@@ -73,7 +73,7 @@ def test_goodput_with_no_profile_learns_the_engine_s_attention_term() -> None:
     within a tenth of what the engine takes."""
     fleet = _fleet(_args(no_profile=True))
     (strategy,) = resolve_strategies(["goodput"])
-    virtual = VirtualFleet(fleet, strategy, AFFINITY)
+    virtual = _from_traffic(VirtualFleet(fleet, strategy, AFFINITY))
     lengths = [2_000, 4_000, 8_000, 16_000, 32_000] * 4
     requests = tuple(
         BenchRequest(i, f"s{i}", 0, (Segment(100 + i, n),), max_tokens=4, arrival=5.0 * i)
@@ -103,11 +103,11 @@ def test_a_warm_up_is_learnt_from_not_counted_and_over_before_the_measured_start
     warm = Workload("test", "test", _cold(0, 40, 2.0))
     measured = Workload("test", "test", _cold(40, 5, 0.5))
     (strategy,) = resolve_strategies(["goodput"])
-    alone = VirtualFleet(fleet, strategy, AFFINITY).run(warm)
+    alone = _from_traffic(VirtualFleet(fleet, strategy, AFFINITY)).run(warm)
     warm_end = max(r.arrival + (r.e2e or 0.0) for r in alone.records)
 
     (strategy,) = resolve_strategies(["goodput"])
-    virtual = VirtualFleet(fleet, strategy, AFFINITY)
+    virtual = _from_traffic(VirtualFleet(fleet, strategy, AFFINITY))
     result = virtual.run(warmed(warm, measured, pause=3.0))
     assert [r.index for r in result.records] == [0, 1, 2, 3, 4]
     assert [r.session for r in result.records] == [f"s{40 + i}" for i in range(5)]
@@ -116,9 +116,49 @@ def test_a_warm_up_is_learnt_from_not_counted_and_over_before_the_measured_start
     # the policy learnt from the warm-up: its rate is further from the seed than the
     # measured requests alone take it
     (strategy,) = resolve_strategies(["goodput"])
-    cold = VirtualFleet(fleet, strategy, AFFINITY)
+    cold = _from_traffic(VirtualFleet(fleet, strategy, AFFINITY))
     cold.run(measured)
     assert _local_rate(virtual) > _local_rate(cold) >= GoodputParams().prefill_tokens_per_s
+
+
+def _goodput(virtual: VirtualFleet) -> GoodputPolicy:
+    resolver = virtual.planner.threshold
+    assert resolver is not None and isinstance(resolver.policy, GoodputPolicy)
+    return resolver.policy
+
+
+def _from_traffic(virtual: VirtualFleet) -> VirtualFleet:
+    """``virtual`` with its ``goodput`` policy timing nothing at start-up: what it knows
+    comes from the workload's requests alone."""
+    policy = _goodput(virtual)
+    policy.params = policy.params.model_copy(update={"probe_tokens": ()})
+    return virtual
+
+
+def test_goodput_with_no_profile_times_the_pools_before_the_first_request() -> None:
+    """The start-up probe, as the gateway sends it: before the workload's first request
+    arrives, each pool has timed cold prompts of 2k to 32k tokens, from which the
+    decoder pool learns its local rate and attention term and, through the prefiller's,
+    its remote rate, each within a tenth of the simulated engine's (H200), and a
+    32k-token prompt is priced within a tenth of its time; with a profile, nothing is
+    timed and the first request arrives at 0."""
+    (strategy,) = resolve_strategies(["goodput"])
+    request = BenchRequest(0, "s0", 0, (Segment(100, 100),), max_tokens=2, arrival=0.0)
+    virtual = VirtualFleet(_fleet(_args(no_profile=True)), strategy, AFFINITY)
+    (record,) = virtual.run(Workload("test", "test", (request,))).records
+    assert record.ok and 1.0 < record.arrival < GoodputParams().probe_seconds
+    (pool,) = (p for name, p in _goodput(virtual).model.pools.items() if "decode" in name)
+    engine = get_profile("h200-llama3-8b")
+    assert pool.profile is None and len(pool.alone_local) == len(pool.alone_remote) == 10
+    assert pool.rate_local == pytest.approx(1 / engine.lin, rel=0.1)
+    assert pool.rate_remote == pytest.approx(1 / engine.lin, rel=0.1)
+    assert pool.attn == pytest.approx(engine.attn, rel=0.1)
+    truth = engine.a_pf + engine.prefill_seconds(32_000, 0)
+    assert pool.local_seconds(32_000, 32_000) == pytest.approx(truth, rel=0.1)
+    (strategy,) = resolve_strategies(["goodput"])
+    known = VirtualFleet(_fleet(_args(no_profile=False)), strategy, AFFINITY)
+    (record,) = known.run(Workload("test", "test", (request,))).records
+    assert record.arrival == 0.0
 
 
 def _local_rate(virtual: VirtualFleet) -> float:

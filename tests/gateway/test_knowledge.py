@@ -6,8 +6,11 @@ and the gateway as real processes."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import anyio
 import httpx
 import pytest
 
@@ -55,3 +58,118 @@ async def test_a_pool_runs_goodput_from_its_measured_profile_and_the_gateway_say
     knowledge = "pd_orchestrator_policy_knowledge"
     assert metric(text, knowledge, pool="decode", source="measured") == 1
     assert metric(text, knowledge, pool="prefill", source="seeds") == 1
+
+
+def _seeded_pools(decoder_url: str, prefiller_url: str) -> list[dict[str, object]]:
+    """A decode and a prefill pool on simulators, neither naming a profile."""
+    return [
+        {"name": "decode", "role": "decode", "hardware": "h200", "model": "sim-model",
+         "endpoints": [{"name": "d0", "url": decoder_url}]},
+        {"name": "prefill", "role": "prefill", "hardware": "h200", "model": "sim-model",
+         "endpoints": [{"name": "p0", "url": prefiller_url}]},
+    ]  # fmt: skip
+
+
+async def _learnt_once(url: str, check: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    """The decode pool's learnt state once ``check`` holds for it (fails after 30 s)."""
+    async with httpx.AsyncClient(timeout=10) as client:
+        with anyio.fail_after(30):
+            while True:
+                status = (await client.get(f"{url}/status")).json()
+                learnt: dict[str, Any] = status["goodput_learnt"].get("goodput", {})
+                if check(learnt):
+                    return learnt
+                await anyio.sleep(0.1)
+
+
+async def test_a_pool_with_no_profile_is_timed_when_the_gateway_starts(
+    sim_factory: SimFactory, gateway_factory: GatewayFactory
+) -> None:
+    """Before any request, the gateway times cold prompts on each pool with no profile:
+    the decoder's teach its local rate, the prefiller's its own and the decode pool's
+    remote rate. The simulators run the H200 profile (about 30,000 tokens/s on these
+    lengths): the rates leave the 20,000 seed for it."""
+    sim = ("--profile", "h200-llama3-8b", "--model", "sim-model", "--kv-connector", "nixl")
+    decoder, prefiller = sim_factory(*sim, name="decode"), sim_factory(*sim, name="prefill")
+    params = {"probe_tokens": [2048, 4096], "probe_repeats": 1}
+    config = {
+        "pools": _seeded_pools(decoder.url, prefiller.url),
+        "threshold": {"policy": {"type": "goodput", "params": params}},
+        "health": {"interval": 0.5},
+    }
+    gateway = gateway_factory(config)
+    learnt = await _learnt_once(
+        gateway.url,
+        lambda pools: (
+            pools.get("decode", {}).get("alone_local") == 2
+            and pools["decode"]["alone_remote"] == 2
+            and pools.get("prefill", {}).get("alone_local") == 2
+        ),
+    )
+    seed = 20_000
+    for pool, rate in (
+        ("decode", "rate_local"),
+        ("decode", "rate_remote"),
+        ("prefill", "rate_local"),
+    ):
+        assert 1.2 * seed < learnt[pool][rate] <= 1.5 * seed + 1, (pool, rate, learnt)
+    text = await metrics_text(decoder.url)
+    assert metric(text, "vllm:prompt_tokens_total") >= 2048 + 4096  # the decoder's prompts
+    async with httpx.AsyncClient(timeout=10) as client:
+        status = (await client.get(f"{gateway.url}/status")).json()
+    assert status["goodput_timing"] == {
+        "decode": "timed on d0: 2 prompts",
+        "prefill": "timed on p0: 2 prompts",
+    }
+
+
+async def test_no_probe_is_longer_than_the_model_takes(
+    sim_factory: SimFactory, gateway_factory: GatewayFactory
+) -> None:
+    """A probe length beyond the endpoint's ``max_model_len`` is not sent: the pool
+    learns from traffic, starting on the seeds."""
+    sim = ("--profile", "instant", "--model", "sim-model", "--max-model-len", "1024")
+    decoder, prefiller = sim_factory(*sim, name="decode"), sim_factory(*sim, name="prefill")
+    config = {
+        "pools": _seeded_pools(decoder.url, prefiller.url),
+        "threshold": {"policy": {"type": "goodput", "params": {"probe_tokens": [2048]}}},
+        "health": {"interval": 0.5},
+    }
+    gateway = gateway_factory(config)
+    body = {"model": "sim-model", "prompt": "hello " * 20, "max_tokens": 2}
+    assert (await call(gateway.url, "completion", body)).status == 200
+    await anyio.sleep(1.0)  # time for a probe, had one been sent
+    learnt = await _learnt_once(gateway.url, lambda pools: "decode" in pools)
+    assert learnt["decode"]["rate_local"] == 20_000 and learnt["decode"]["alone_local"] == 0
+    assert metric(await metrics_text(decoder.url), "vllm:prompt_tokens_total") < 1024
+
+
+async def test_a_probe_the_endpoint_refuses_leaves_the_pool_to_traffic(
+    sim_factory: SimFactory, gateway_factory: GatewayFactory
+) -> None:
+    """The decoder serves another model than its pool names: it answers the probe with
+    an error; ``/status`` says so, the pool stays on the seeds and the gateway goes on
+    serving (here the prefill pool, whose probe succeeds, is timed all the same)."""
+    decoder = sim_factory("--profile", "instant", "--model", "other-model", name="decode")
+    prefiller = sim_factory("--profile", "h200-llama3-8b", "--model", "sim-model", name="prefill")
+    params = {"probe_tokens": [1024], "probe_repeats": 1}
+    config = {
+        "pools": _seeded_pools(decoder.url, prefiller.url),
+        "threshold": {"policy": {"type": "goodput", "params": params}},
+        "health": {"interval": 0.5},
+    }
+    gateway = gateway_factory(config)
+    async with httpx.AsyncClient(timeout=10) as client:
+        with anyio.fail_after(30):
+            while True:
+                status = (await client.get(f"{gateway.url}/status")).json()
+                timing = status.get("goodput_timing", {})
+                if not any(str(v).startswith("timing") for v in timing.values()):
+                    break
+                await anyio.sleep(0.1)
+    assert timing == {"decode": "failed on d0 after 0 prompts", "prefill": "timed on p0: 1 prompt"}
+    learnt = status["goodput_learnt"]["goodput"]
+    assert learnt["decode"]["rate_local"] == 20_000 and learnt["decode"]["alone_local"] == 0
+    assert learnt["decode"]["rate_remote"] > 20_000  # the prefiller's prompt
+    body = {"model": "sim-model", "prompt": "hello " * 20, "max_tokens": 2}
+    assert (await call(gateway.url, "completion", body)).status in (200, 404)  # it serves

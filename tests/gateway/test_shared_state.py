@@ -76,7 +76,8 @@ def _config(sim_factory: SimFactory, url: str) -> dict[str, Any]:
     ]  # fmt: skip
     return {
         "pools": pools,
-        "threshold": {"policy": {"type": "goodput"}},
+        # no start-up timing: its prompts would hold the slow decoder for seconds
+        "threshold": {"policy": {"type": "goodput", "params": {"probe_tokens": []}}},
         "health": {"interval": 0.5},
         "shared_state": {"url": url, "interval": 0.05, "ttl": 1.0},
     }

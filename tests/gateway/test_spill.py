@@ -53,7 +53,7 @@ async def test_goodput_serves_a_stream_whole_on_a_spilling_prefiller_when_decode
     reference = module_sims("--profile", "instant", name="reference")
     # A TPOT target no step meets: once the gateway has timed one stream, every
     # decoder is crowded, and the prefiller (no stream timed there) is not.
-    policy = {"type": "goodput", "params": {"tpot": 1e-9}}
+    policy = {"type": "goodput", "params": {"tpot": 1e-9, "probe_tokens": []}}
     config = {
         "pools": [
             _pool("decode", "decode", [decoder]),
@@ -98,7 +98,8 @@ async def test_goodput_serves_a_request_whole_on_the_spilling_prefiller_the_rout
             _pool("decode", "decode", [decoder]),
             _pool("prefill", "prefill", [prefiller], spill=True, hardware="mi325x", group="h200"),
         ],
-        "threshold": {"policy": {"type": "goodput"}},  # no decoder is crowded or queued
+        # no decoder is crowded or queued; no start-up timing (rates from traffic)
+        "threshold": {"policy": {"type": "goodput", "params": {"probe_tokens": []}}},
         "routing": ROUTING,
         "health": {"interval": 0.5},
     }

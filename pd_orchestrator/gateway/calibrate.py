@@ -1,0 +1,190 @@
+"""Timing the pools the ``goodput`` policy knows nothing of, once the gateway starts.
+
+The policy says which endpoints to time and at which lengths
+(:mod:`~pd_orchestrator.policies.calibration`: one endpoint of each pool with no
+profile that has learnt no local rate); this module sends the prompts and tells the
+policy what they took. Each prompt is a fresh cold one (random token ids within any
+model's vocabulary, as the profiler sends), ``max_tokens`` 1, to ``/v1/completions``,
+timed from its send to its answer, with the cached count the answer reports (0 where
+it reports none: no block of a fresh prompt can be held, so unlike a client's prompt
+an unreported count is known). Every prompt goes after the one before has been
+answered, one endpoint after another: a prompt timed while another probe runs beside
+it (on the same host, the same link) would time that too; on the CPU pair, timed at
+once, the decoder's and the prefiller's prompts read a quarter and three fifths
+slow. Lengths beyond the model's ``max_model_len`` (``/v1/models``) are left out,
+and none is sent once the probe's ``seconds`` (``probe_seconds``) have passed.
+
+Requests are served meanwhile, on the seeds until the first answer is learnt, and
+see each prompt in flight at its endpoint as they see one another. An endpoint that
+fails (an error, or twice the probe's ``seconds`` gone) is left to learn from
+traffic, with a warning; nothing else waits on it. It runs when the gateway starts
+and after a reload (a pool a reload adds has learnt nothing), each gateway process
+for itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+from pd_orchestrator.gateway.state import GatewayState
+from pd_orchestrator.planner.plan import alone_at, queued_at
+from pd_orchestrator.policies.calibration import Probe, Timed
+from pd_orchestrator.policies.threshold import ThresholdResolver
+from pd_orchestrator.upstream.client import Phase, Upstream
+from pd_orchestrator.upstream.errors import UpstreamError
+
+__all__ = ["calibrate", "planned"]
+
+logger = logging.getLogger(__name__)
+
+_HARD_BOUND = 2.0
+"""A probe's prompts are sent within its ``seconds``; the one under way when they end
+may take as long again, then it is cut (the upstream request closed: vLLM aborts it)."""
+
+_TOKEN_IDS = (100, 4000)
+"""The range a probe prompt's ids are drawn from (within any model's vocabulary)."""
+
+
+def planned(state: GatewayState, clock: Callable[[], float]) -> list[Probe]:
+    """The probes ``state``'s threshold policies ask for, on the endpoints of its fleet
+    as its load poller last read them; each probed pool is marked ``timing`` in
+    :attr:`GatewayState.timing` (``/status``'s ``goodput_timing``) until it ends."""
+    resolver = state.planner.threshold
+    if resolver is None:
+        return []
+    probes = resolver.probes(state.scraper.candidates(state.fleet.snapshot(), clock()))
+    for probe in probes:
+        state.timing[probe.endpoint.pool] = f"timing on {probe.endpoint.name}"
+    return probes
+
+
+async def calibrate(
+    state: GatewayState, upstream: Upstream, clock: Callable[[], float], probes: list[Probe]
+) -> None:
+    """Time ``probes`` (:func:`planned`), one endpoint after another."""
+    resolver = state.planner.threshold
+    if resolver is None:
+        return
+    for probe in probes:
+        await _time_probe(state, upstream, clock, resolver, probe)
+
+
+async def _time_probe(
+    state: GatewayState,
+    upstream: Upstream,
+    clock: Callable[[], float],
+    resolver: ThresholdResolver,
+    probe: Probe,
+) -> None:
+    """One endpoint's probe, bounded by :data:`PROBE_SECONDS`; a failure is logged."""
+    endpoint = probe.endpoint
+    timed = 0
+    with anyio.move_on_after(probe.seconds * _HARD_BOUND) as bound:
+        try:
+            model, longest = await _served(upstream, probe)
+            rng = random.Random()
+            started = clock()
+            for length in probe.lengths:
+                if clock() - started >= probe.seconds:
+                    break
+                if longest is not None and length > longest:
+                    continue
+                prompt = [rng.randrange(*_TOKEN_IDS) for _ in range(length)]
+                timing = await _time_one(state, upstream, clock, probe, model, prompt)
+                resolver.calibrate(probe, timing)
+                timed += 1
+        except UpstreamError as exc:
+            state.timing[endpoint.pool] = f"failed on {endpoint.name} after {_prompts(timed)}"
+            logger.warning(
+                "goodput: timing pool %s on %s failed (%s); it learns from traffic",
+                endpoint.pool, endpoint.name, exc,
+            )  # fmt: skip
+            return
+    if bound.cancelled_caught:
+        logger.warning(
+            "goodput: timing pool %s on %s took over %.0f s; it learns from traffic",
+            endpoint.pool, endpoint.name, probe.seconds * _HARD_BOUND,
+        )  # fmt: skip
+    state.timing[endpoint.pool] = f"timed on {endpoint.name}: {_prompts(timed)}"
+    logger.info(
+        "goodput: pool %s timed on %s (%d cold prompts): %s",
+        endpoint.pool, endpoint.name, timed, _rates(resolver, probe),
+    )  # fmt: skip
+
+
+async def _served(upstream: Upstream, probe: Probe) -> tuple[str, int | None]:
+    """The model to name (the endpoint's, else the first ``/v1/models`` lists) and the
+    longest prompt that leaves room for one output token (None: not said)."""
+    reply = await upstream.get(probe.endpoint, "/v1/models", limit=10.0)
+    listed: Any = json.loads(reply.content) if reply.status_code == 200 else {}
+    models = listed.get("data") if isinstance(listed, dict) else None
+    first = models[0] if isinstance(models, list) and models and isinstance(models[0], dict) else {}
+    name = probe.endpoint.model or first.get("id")
+    if not isinstance(name, str):
+        raise UpstreamError(probe.endpoint.name, Phase.PROBE, "/v1/models names no model")
+    longest = first.get("max_model_len")
+    return name, longest - 1 if isinstance(longest, int) and longest > 1 else None
+
+
+async def _time_one(
+    state: GatewayState,
+    upstream: Upstream,
+    clock: Callable[[], float],
+    probe: Probe,
+    model: str,
+    prompt: list[int],
+) -> Timed:
+    """Send one cold prompt and time it; whether it was queued or alone at its send,
+    as the load poller and the gateway's counts saw the endpoint. While it is out it
+    counts in flight there, its tokens queued, so that requests planned meanwhile see
+    it."""
+    endpoint = probe.endpoint
+    (seen,) = state.scraper.candidates([state.fleet.status_of(endpoint.name)], clock())
+    queued = queued_at(seen)
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
+    state.fleet.enter(endpoint.name, len(prompt))  # counted as a request is
+    try:
+        sent = clock()
+        answer = await upstream.post_json(
+            endpoint, "/v1/completions", body, phase=Phase.PREFILL, prompt_tokens=len(prompt)
+        )
+        seconds = clock() - sent
+    finally:
+        state.fleet.leave(endpoint.name, len(prompt))
+    usage = answer.get("usage")
+    usage = usage if isinstance(usage, dict) else {}
+    tokens = usage.get("prompt_tokens")
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return Timed(
+        tokens if isinstance(tokens, int) and tokens > 0 else len(prompt),
+        cached if isinstance(cached, int) and cached >= 0 else 0,  # fresh ids: none held
+        max(0.0, seconds),
+        queued=queued,
+        alone=alone_at(seen, queued),
+    )
+
+
+def _prompts(count: int) -> str:
+    return f"{count} prompt" if count == 1 else f"{count} prompts"
+
+
+def _rates(resolver: ThresholdResolver, probe: Probe) -> str:
+    """What the policies learnt of the probed pools, in words."""
+    pools = [probe.endpoint.pool, *(d.pool for d in probe.decoders)]
+    words = []
+    for name, learnt in resolver.learnt().items():
+        for pool in pools:
+            rates = learnt.get(pool)
+            if rates is not None:
+                words.append(
+                    f"{name} {pool} local {rates['rate_local']:.0f} tokens/s, "
+                    f"remote {rates['rate_remote']:.0f} tokens/s"
+                )
+    return "; ".join(words) or "nothing learnt"

@@ -1,0 +1,100 @@
+"""Start-up calibration: the cold prompts a gateway times itself on a pool it knows
+nothing of, before the first burst is planned on the seeds.
+
+Without a profile, ``goodput`` prices every prefill at the ``prefill_tokens_per_s``
+seed until requests end and teach it (the cached count a rate needs comes only with
+a request's last usage). A cold burst is planned before any of its requests ends, so
+all of it is planned on the seed: on the simulated H200 the seed (20,000 tokens/s)
+read each decoder's wait 1.7 times too long, and a burst at x13 kept 140 of 400
+prompts queued on their decoders against 66 with the profile. So the gateway first
+times a few cold prompts of its own on one endpoint of each pool that has no profile
+and has learnt no local rate (:func:`plan_probes`), as the profiler's first phase
+does, and the policy learns them as samples (:meth:`GoodputModel.calibrate`):
+
+* on a pool that decodes, the pool's local rate;
+* on a dedicated prefill pool, its own local rate and the remote rate of each decoder
+  pool of its group that has no profile (the prefill leg of a P/D request is the same
+  computation, on the same engine).
+
+This module plans and records; the gateway (:mod:`pd_orchestrator.gateway.calibrate`)
+and the virtual bench carry the probes out: each prompt after the one before has
+been answered, one endpoint after another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from pd_orchestrator.model.endpoints import Endpoint
+from pd_orchestrator.model.load import Candidate
+from pd_orchestrator.model.records import record
+
+__all__ = ["Probe", "Timed", "plan_probes"]
+
+
+@record
+class Probe:
+    """The cold prompts to time on ``endpoint``, one of each length of ``lengths``
+    (tokens), one after another, none sent once ``seconds`` have passed since the
+    first; ``decoders``: one endpoint of each decoder pool whose remote rate these
+    prompts time (those of a dedicated prefiller's group)."""
+
+    endpoint: Endpoint
+    lengths: tuple[int, ...]
+    decoders: tuple[Endpoint, ...] = ()
+    seconds: float = 30.0
+
+
+@record
+class Timed:
+    """One probe prompt as timed: ``tokens`` the prompt's tokens as the endpoint
+    counted them, ``cached`` of those what it held (None: not reported, so not learnt
+    as a local rate), ``seconds`` from its send to its answer (the two hops, the
+    prefill and one step). ``queued`` and ``alone``: as
+    :class:`~pd_orchestrator.policies.base.LatencyObservation` has them, when it was
+    sent."""
+
+    tokens: int
+    cached: int | None
+    seconds: float
+    queued: bool | None = None
+    alone: bool | None = None
+
+
+def plan_probes(
+    candidates: Sequence[Candidate],
+    unknown: Callable[[Endpoint], bool],
+    lengths: tuple[int, ...],
+    seconds: float,
+) -> list[Probe]:
+    """One :class:`Probe` per pool ``unknown`` says needs one (no profile, no local rate
+    learnt), on its healthy endpoint with the fewest streams (ties: by name), of
+    ``lengths`` within ``seconds``; none without ``lengths``. A dedicated prefill
+    pool's probe names one endpoint of each decoder pool of its group that has no
+    profile."""
+    if not lengths:
+        return []
+    picks: dict[str, Candidate] = {}
+    for candidate in sorted(candidates, key=lambda c: (c.streams, c.endpoint.name)):
+        pool = candidate.endpoint.pool
+        if candidate.healthy and pool not in picks and unknown(candidate.endpoint):
+            picks[pool] = candidate
+    return [
+        Probe(c.endpoint, lengths, _decoders_of(c.endpoint, candidates), seconds)
+        for c in sorted(picks.values(), key=lambda c: c.endpoint.name)
+    ]
+
+
+def _decoders_of(prefiller: Endpoint, candidates: Sequence[Candidate]) -> tuple[Endpoint, ...]:
+    """One endpoint (the first by name) of each decoder pool of a dedicated
+    ``prefiller``'s group whose endpoints carry no profile; none for an endpoint that
+    decodes."""
+    if prefiller.role.decodes:
+        return ()
+    first: dict[str, Endpoint] = {}
+    for candidate in sorted(candidates, key=lambda c: c.endpoint.name):
+        endpoint = candidate.endpoint
+        same = endpoint.group == prefiller.group and endpoint.role.decodes
+        if same and endpoint.knowledge is None and endpoint.pool not in first:
+            first[endpoint.pool] = endpoint
+    return tuple(first.values())
