@@ -11,10 +11,14 @@ times a few cold prompts of its own on one endpoint of each pool that has no pro
 and has learnt no local rate (:func:`plan_probes`), as the profiler's first phase
 does, and the policy learns them as samples (:meth:`GoodputModel.calibrate`):
 
-* on a pool that decodes, the pool's local rate;
+* on a pool that decodes, the pool's local rate (and, with lengths far enough apart,
+  the attention term of its prefills);
 * on a dedicated prefill pool, its own local rate and the remote rate of each decoder
   pool of its group that has no profile (the prefill leg of a P/D request is the same
   computation, on the same engine).
+
+What it does not teach: the decode step against the batch and the hand-over's
+costs, which only traffic shows (a pool's first streams and P/D requests).
 
 This module plans and records; the gateway (:mod:`pd_orchestrator.gateway.calibrate`)
 and the virtual bench carry the probes out: each prompt after the one before has
