@@ -61,6 +61,7 @@ from pd_orchestrator.model.measured import (
     fit,
     load_measured,
 )
+from pd_orchestrator.policies.goodput_model import GoodputParams
 
 pytestmark = [
     pytest.mark.timeout(600),
@@ -621,7 +622,7 @@ def test_goodput_keeps_a_warm_prompt_local_and_sends_a_cold_long_one_pd(served: 
     assert [warm, *cold] == ["decode"] + ["pd"] * len(cold), served.busy
 
 
-HOP = 0.002
+HOP = GoodputParams().hop
 """``goodput``'s one-way latency of a leg (its default): a sample is its time less two."""
 
 

@@ -32,7 +32,6 @@ would pass either stops; what was measured is fitted).
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import random
 import statistics
@@ -57,6 +56,7 @@ from pd_orchestrator.model.measured import (
     TransferPoint,
 )
 from pd_orchestrator.model.records import record
+from pd_orchestrator.policies.calibration import COLD_TOKEN_IDS
 from pd_orchestrator.upstream.client import Phase, Upstream
 from pd_orchestrator.upstream.errors import UpstreamError
 
@@ -89,7 +89,7 @@ class ProfileOptions:
     repeats: int = 3
     max_requests: int = 400
     max_seconds: float = 600.0
-    token_ids: tuple[int, int] = (100, 4000)
+    token_ids: tuple[int, int] = COLD_TOKEN_IDS
     block_size: int = 16
     seed: int | None = None
 
@@ -224,13 +224,10 @@ class Profiler:
     async def _served_model(self) -> tuple[str, int | None]:
         """The first model ``/v1/models`` names and its ``max_model_len`` (None: not
         said)."""
-        reply = await self.upstream.get(self.decoder, "/v1/models", limit=30.0)
-        data = json.loads(reply.content) if reply.status_code == 200 else {}
-        models = data.get("data") if isinstance(data, dict) else None
-        if not models:
+        name, length = await self.upstream.served_model(self.decoder, limit=30.0)
+        if name is None:
             raise RuntimeError(f"{self.options.url}/v1/models names no model (give --model)")
-        length = models[0].get("max_model_len")
-        return str(models[0]["id"]), length if isinstance(length, int) else None
+        return name, length
 
     async def _capacity(self) -> int | None:
         reply = await self.upstream.get(self.decoder, "/metrics", limit=30.0)

@@ -24,17 +24,15 @@ for itself.
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 from collections.abc import Callable
-from typing import Any
 
 import anyio
 
 from pd_orchestrator.gateway.state import GatewayState
 from pd_orchestrator.planner.plan import alone_at, queued_at
-from pd_orchestrator.policies.calibration import Probe, Timed
+from pd_orchestrator.policies.calibration import COLD_TOKEN_IDS, Probe, Timed
 from pd_orchestrator.policies.threshold import ThresholdResolver
 from pd_orchestrator.upstream.client import Phase, Upstream
 from pd_orchestrator.upstream.errors import UpstreamError
@@ -46,9 +44,6 @@ logger = logging.getLogger(__name__)
 _HARD_BOUND = 2.0
 """A probe's prompts are sent within its ``seconds``; the one under way when they end
 may take as long again, then it is cut (the upstream request closed: vLLM aborts it)."""
-
-_TOKEN_IDS = (100, 4000)
-"""The range a probe prompt's ids are drawn from (within any model's vocabulary)."""
 
 
 def planned(state: GatewayState, clock: Callable[[], float]) -> list[Probe]:
@@ -82,7 +77,8 @@ async def _time_probe(
     resolver: ThresholdResolver,
     probe: Probe,
 ) -> None:
-    """One endpoint's probe, bounded by :data:`PROBE_SECONDS`; a failure is logged."""
+    """One endpoint's probe: its prompts sent within its ``seconds``, the whole cut
+    after twice that (:data:`_HARD_BOUND`); a failure is logged."""
     endpoint = probe.endpoint
     timed = 0
     with anyio.move_on_after(probe.seconds * _HARD_BOUND) as bound:
@@ -95,7 +91,7 @@ async def _time_probe(
                     break
                 if longest is not None and length > longest:
                     continue
-                prompt = [rng.randrange(*_TOKEN_IDS) for _ in range(length)]
+                prompt = [rng.randrange(*COLD_TOKEN_IDS) for _ in range(length)]
                 timing = await _time_one(state, upstream, clock, probe, model, prompt)
                 resolver.calibrate(probe, timing)
                 timed += 1
@@ -121,15 +117,11 @@ async def _time_probe(
 async def _served(upstream: Upstream, probe: Probe) -> tuple[str, int | None]:
     """The model to name (the endpoint's, else the first ``/v1/models`` lists) and the
     longest prompt that leaves room for one output token (None: not said)."""
-    reply = await upstream.get(probe.endpoint, "/v1/models", limit=10.0)
-    listed: Any = json.loads(reply.content) if reply.status_code == 200 else {}
-    models = listed.get("data") if isinstance(listed, dict) else None
-    first = models[0] if isinstance(models, list) and models and isinstance(models[0], dict) else {}
-    name = probe.endpoint.model or first.get("id")
-    if not isinstance(name, str):
+    listed, longest = await upstream.served_model(probe.endpoint, limit=10.0)
+    name = probe.endpoint.model or listed
+    if name is None:
         raise UpstreamError(probe.endpoint.name, Phase.PROBE, "/v1/models names no model")
-    longest = first.get("max_model_len")
-    return name, longest - 1 if isinstance(longest, int) and longest > 1 else None
+    return name, longest - 1 if longest is not None and longest > 1 else None
 
 
 async def _time_one(

@@ -33,7 +33,12 @@ from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.model.records import record
 
-__all__ = ["Probe", "Timed", "plan_probes"]
+__all__ = ["COLD_TOKEN_IDS", "Probe", "Timed", "plan_probes"]
+
+COLD_TOKEN_IDS = (100, 4000)
+"""The range a cold prompt's token ids are drawn from, within any model's vocabulary
+(the start-up timing's and the profiler's): fresh random ids share no block with
+any other prompt."""
 
 
 @record

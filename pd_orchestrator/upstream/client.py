@@ -460,6 +460,24 @@ class Upstream:
         reply = await self._exchange(endpoint, request, Phase.PROBE, timeouts)
         return _decoded(endpoint, Phase.PROBE, reply, "lookup answer")
 
+    async def served_model(
+        self, endpoint: Endpoint, *, limit: float
+    ) -> tuple[str | None, int | None]:
+        """The first model ``endpoint``'s ``/v1/models`` lists and its ``max_model_len``
+        (None where it names none or says none, or answers another status than 200);
+        bounded by ``limit`` seconds. Failures raise :class:`UpstreamError`."""
+        reply = await self.get(endpoint, "/v1/models", limit=limit)
+        listed: Any = orjson.loads(reply.content) if reply.status_code == 200 else {}
+        models = listed.get("data") if isinstance(listed, dict) else None
+        first = models[0] if isinstance(models, list) and models else None
+        if not isinstance(first, dict):
+            return None, None
+        name, length = first.get("id"), first.get("max_model_len")
+        return (
+            name if isinstance(name, str) else None,
+            length if isinstance(length, int) else None,
+        )
+
     async def get(self, endpoint: Endpoint, path: str, *, limit: float) -> Reply:
         """A GET for health and metrics, bounded by ``limit`` seconds (any status is
         returned). Failures raise :class:`UpstreamError`."""
