@@ -253,6 +253,15 @@ class _Instance:
             preemptions=preemptions,
         )
 
+    def rebase(self) -> None:
+        """Start the next hit-rate window now, after the start-up timing's prompts (as
+        the gateway's scraper does, :meth:`~pd_orchestrator.fleet.scraper.LoadScraper.
+        rebase`); the snapshot held gives no hit rate until then."""
+        stats = self.engine.stats
+        self._seen = (stats.prefix_queries, stats.prefix_hits, stats.preemptions)
+        if self.load is not None:
+            self.load = replace(self.load, prefix_hit_rate=None)
+
     def candidate(self) -> Candidate:
         return Candidate(self.endpoint, True, self.in_flight, self.load, self.backlog)
 
@@ -633,7 +642,8 @@ class VirtualFleet:
 class _Probing:
     """One start-up probe (:class:`~pd_orchestrator.policies.calibration.Probe`) on its
     endpoint's engine: each length a fresh cold prompt (a content no workload uses),
-    ``max_tokens`` 1, sent when the one before was answered while the probe's
+    ``max_tokens`` 1, then the decode step prompt, sent when the one before was
+    answered while the probe's
     ``seconds`` have not passed; each answer, timed from
     its send to its arrival back (two hops), is told to the policies; ``done(t)`` after
     the last (or after a prompt the engine refuses)."""
@@ -655,15 +665,17 @@ class _Probing:
         self.alone: bool | None = None
 
     def send(self, now: float) -> None:
-        """Send the next prompt at ``now`` (``done`` when none is left)."""
-        lengths = self.probe.lengths
+        """Send the next prompt (:meth:`_next`) at ``now`` (``done`` when none is left
+        or the probe's ``seconds`` have passed)."""
         if self.step == 0:
             self.started = now
-        if self.step >= len(lengths) or now - self.started >= self.probe.seconds:
-            self.done(now)
+        prompt = self._next()
+        if prompt is None or now - self.started >= self.probe.seconds:
+            self._end(now)
             return
+        length, output = prompt
         key = content_key("probe", self.number, self.step)
-        digest = digest_segments((Segment(key, lengths[self.step]),), self.fleet.spec.block_size)
+        digest = digest_segments((Segment(key, length),), self.fleet.spec.block_size)
         self.step += 1
         engine = self.instance.engine
         self.queued = engine.num_waiting > 0
@@ -672,11 +684,21 @@ class _Probing:
         request = EngineRequest(
             request_id=f"probe.{self.number}.{self.step}",
             prompt_token_ids=(),
-            sampling=SamplingSpec(max_tokens=1, ignore_eos=True),
+            sampling=SamplingSpec(max_tokens=output, ignore_eos=True),
             digest=digest,
         )
         hop = self.fleet.options.hop
         self.fleet.submit(self.instance, now + hop, request, self.answered, self.refused)
+
+    def _next(self) -> tuple[int, int] | None:
+        """The next prompt's length and output tokens: each length for 1, then the
+        shortest for the decode step's :attr:`Probe.step_tokens` (None: none left)."""
+        lengths = self.probe.lengths
+        if self.step < len(lengths):
+            return lengths[self.step], 1
+        if self.step == len(lengths) and lengths and self.probe.step_tokens > 1:
+            return min(lengths), self.probe.step_tokens
+        return None
 
     def answered(self, now: float, output: RequestOutput) -> None:
         if output.finish_reason is None:
@@ -688,11 +710,19 @@ class _Probing:
             back - self.sent,
             queued=self.queued,
             alone=self.alone,
+            output=output.num_output_tokens,
         )
         self.resolver.calibrate(self.probe, timed)
         self.send(back)
 
     def refused(self, now: float, why: str) -> None:
+        self._end(now)
+
+    def _end(self, now: float) -> None:
+        """The probe is over: the endpoint's next hit-rate window starts now and the
+        policies forget the one they hold (as the gateway does), then ``done``."""
+        self.instance.rebase()
+        self.resolver.calibrated(self.probe.endpoint.name)
         self.done(now)
 
 

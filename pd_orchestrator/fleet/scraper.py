@@ -25,6 +25,7 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 import anyio
 from anyio.abc import TaskStatus
@@ -293,6 +294,15 @@ class LoadScraper:
         self._readings[endpoint.name] = reading
         self._snapshots[endpoint.name] = snapshot
         return snapshot
+
+    async def rebase(self, endpoint: Endpoint) -> None:
+        """Start ``endpoint``'s next hit-rate window now, after requests of the gateway's
+        own (the start-up timing's cold prompts) that no client's traffic is: one poll,
+        whose snapshot keeps everything but the hit rate of a window that held them
+        (None until the next poll)."""
+        snapshot = await self.poll(endpoint)
+        if snapshot is not None:
+            self._snapshots[endpoint.name] = replace(snapshot, prefix_hit_rate=None)
 
     async def poll_all(self) -> None:
         """Poll every endpoint of the fleet, concurrently."""

@@ -4,7 +4,8 @@ The policy says which endpoints to time and at which lengths
 (:mod:`~pd_orchestrator.policies.calibration`: one endpoint of each pool with no
 profile that has learnt no local rate); this module sends the prompts and tells the
 policy what they took. Each prompt is a fresh cold one (random token ids within any
-model's vocabulary, as the profiler sends), ``max_tokens`` 1, to ``/v1/completions``,
+model's vocabulary, as the profiler sends), ``max_tokens`` 1 (the decode step
+prompt: ``probe_step_tokens``, EOS ignored), to ``/v1/completions``,
 timed from its send to its answer, with the cached count the answer reports (0 where
 it reports none: no block of a fresh prompt can be held, so unlike a client's prompt
 an unreported count is known). Every prompt goes after the one before has been
@@ -68,6 +69,9 @@ async def calibrate(
         return
     for probe in probes:
         await _time_probe(state, upstream, clock, resolver, probe)
+        # the probe's prompts missed every block: no hit rate of theirs is the traffic's
+        await state.scraper.rebase(probe.endpoint)
+        resolver.calibrated(probe.endpoint.name)
 
 
 async def _time_probe(
@@ -93,6 +97,13 @@ async def _time_probe(
                     continue
                 prompt = [rng.randrange(*COLD_TOKEN_IDS) for _ in range(length)]
                 timing = await _time_one(state, upstream, clock, probe, model, prompt)
+                resolver.calibrate(probe, timing)
+                timed += 1
+            step = _step_length(probe, longest)
+            if step is not None and clock() - started < probe.seconds:
+                prompt = [rng.randrange(*COLD_TOKEN_IDS) for _ in range(step)]
+                output = probe.step_tokens
+                timing = await _time_one(state, upstream, clock, probe, model, prompt, output)
                 resolver.calibrate(probe, timing)
                 timed += 1
         except UpstreamError as exc:
@@ -124,6 +135,16 @@ async def _served(upstream: Upstream, probe: Probe) -> tuple[str, int | None]:
     return name, longest - 1 if longest is not None and longest > 1 else None
 
 
+def _step_length(probe: Probe, longest: int | None) -> int | None:
+    """The length of the probe's decode step prompt: its shortest that leaves room for
+    its ``step_tokens`` (None: no step is timed, or none fits)."""
+    if probe.step_tokens <= 1:
+        return None
+    room = None if longest is None else longest + 1 - probe.step_tokens
+    fitting = [n for n in probe.lengths if room is None or n <= room]
+    return min(fitting, default=None)
+
+
 async def _time_one(
     state: GatewayState,
     upstream: Upstream,
@@ -131,15 +152,19 @@ async def _time_one(
     probe: Probe,
     model: str,
     prompt: list[int],
+    output: int = 1,
 ) -> Timed:
-    """Send one cold prompt and time it; whether it was queued or alone at its send,
-    as the load poller and the gateway's counts saw the endpoint. While it is out it
-    counts in flight there, its tokens queued, so that requests planned meanwhile see
-    it."""
+    """Send one cold prompt for ``output`` tokens (EOS ignored) and time it; whether it
+    was queued or alone at its send, as the load poller and the gateway's counts saw
+    the endpoint. While it is out it counts in flight there, its tokens queued, so
+    that requests planned meanwhile see it."""
     endpoint = probe.endpoint
     (seen,) = state.scraper.candidates([state.fleet.status_of(endpoint.name)], clock())
     queued = queued_at(seen)
-    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
+    body = {
+        "model": model, "prompt": prompt, "max_tokens": output, "temperature": 0.0,
+        "ignore_eos": True,
+    }  # fmt: skip
     state.fleet.enter(endpoint.name, len(prompt))  # counted as a request is
     try:
         sent = clock()
@@ -154,12 +179,14 @@ async def _time_one(
     tokens = usage.get("prompt_tokens")
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    generated = usage.get("completion_tokens")
     return Timed(
         tokens if isinstance(tokens, int) and tokens > 0 else len(prompt),
         cached if isinstance(cached, int) and cached >= 0 else 0,  # fresh ids: none held
         max(0.0, seconds),
         queued=queued,
         alone=alone_at(seen, queued),
+        output=generated if isinstance(generated, int) and generated > 0 else output,
     )
 
 
@@ -177,6 +204,7 @@ def _rates(resolver: ThresholdResolver, probe: Probe) -> str:
             if rates is not None:
                 words.append(
                     f"{name} {pool} local {rates['rate_local']:.0f} tokens/s, "
-                    f"remote {rates['rate_remote']:.0f} tokens/s"
+                    f"remote {rates['rate_remote']:.0f} tokens/s, "
+                    f"fixed {(rates['prefill_fixed'] or 0.0) * 1e3:.1f} ms a prefill"
                 )
     return "; ".join(words) or "nothing learnt"

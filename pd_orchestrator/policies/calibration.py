@@ -17,8 +17,15 @@ does, and the policy learns them as samples (:meth:`GoodputModel.calibrate`):
   pool of its group that has no profile (the prefill leg of a P/D request is the same
   computation, on the same engine).
 
-What it does not teach: the decode step against the batch and the hand-over's
-costs, which only traffic shows (a pool's first streams and P/D requests).
+* on a pool that decodes, one more prompt of the shortest length that generates
+  ``probe_step_tokens`` tokens: its time less its prefill is the decode step of one
+  stream, the step the pool prices until traffic teaches it against the batch
+  (before, a cold burst with no profile priced every decode step as free: on the
+  simulated mixed fleet every one of a burst's stall bounds read a step of 0 ms,
+  where the profile's read 7.2 ms).
+
+What it does not teach: the step's growth with the batch and the hand-over's costs,
+which only traffic shows (a pool's first streams and P/D requests).
 
 This module plans and records; the gateway (:mod:`pd_orchestrator.gateway.calibrate`)
 and the virtual bench carry the probes out: each prompt after the one before has
@@ -46,12 +53,16 @@ class Probe:
     """The cold prompts to time on ``endpoint``, one of each length of ``lengths``
     (tokens), one after another, none sent once ``seconds`` have passed since the
     first; ``decoders``: one endpoint of each decoder pool whose remote rate these
-    prompts time (those of a dedicated prefiller's group)."""
+    prompts time (those of a dedicated prefiller's group); ``step_tokens``: after them,
+    on an endpoint that decodes, one more cold prompt of the shortest length with that
+    many output tokens, whose time less its prefill is ``step_tokens - 1`` decode steps
+    of one stream (0: none)."""
 
     endpoint: Endpoint
     lengths: tuple[int, ...]
     decoders: tuple[Endpoint, ...] = ()
     seconds: float = 30.0
+    step_tokens: int = 0
 
 
 @record
@@ -61,13 +72,15 @@ class Timed:
     as a local rate), ``seconds`` from its send to its answer (the two hops, the
     prefill and one step). ``queued`` and ``alone``: as
     :class:`~pd_orchestrator.policies.base.LatencyObservation` has them, when it was
-    sent."""
+    sent; ``output``: the tokens it generated (more than 1: the probe's decode step
+    prompt, :attr:`Probe.step_tokens`, whose ``seconds`` also count those steps)."""
 
     tokens: int
     cached: int | None
     seconds: float
     queued: bool | None = None
     alone: bool | None = None
+    output: int = 1
 
 
 def plan_probes(
@@ -75,12 +88,13 @@ def plan_probes(
     unknown: Callable[[Endpoint], bool],
     lengths: tuple[int, ...],
     seconds: float,
+    step_tokens: int = 0,
 ) -> list[Probe]:
     """One :class:`Probe` per pool ``unknown`` says needs one (no profile, no local rate
     learnt), on its healthy endpoint with the fewest streams (ties: by name), of
-    ``lengths`` within ``seconds``; none without ``lengths``. A dedicated prefill
-    pool's probe names one endpoint of each decoder pool of its group that has no
-    profile."""
+    ``lengths`` within ``seconds``, and ``step_tokens`` where that endpoint decodes
+    (or spills); none without ``lengths``. A dedicated prefill pool's probe names one
+    endpoint of each decoder pool of its group that has no profile."""
     if not lengths:
         return []
     picks: dict[str, Candidate] = {}
@@ -88,10 +102,21 @@ def plan_probes(
         pool = candidate.endpoint.pool
         if candidate.healthy and pool not in picks and unknown(candidate.endpoint):
             picks[pool] = candidate
-    return [
-        Probe(c.endpoint, lengths, _decoders_of(c.endpoint, candidates), seconds)
-        for c in sorted(picks.values(), key=lambda c: c.endpoint.name)
-    ]
+    ordered = sorted(picks.values(), key=lambda c: c.endpoint.name)
+    return [_probe(c.endpoint, lengths, candidates, seconds, step_tokens) for c in ordered]
+
+
+def _probe(
+    endpoint: Endpoint,
+    lengths: tuple[int, ...],
+    candidates: Sequence[Candidate],
+    seconds: float,
+    step_tokens: int,
+) -> Probe:
+    """``endpoint``'s probe: its decode step only where it decodes or spills."""
+    decodes = endpoint.role.decodes or endpoint.spill
+    decoders = _decoders_of(endpoint, candidates)
+    return Probe(endpoint, lengths, decoders, seconds, step_tokens if decodes else 0)
 
 
 def _decoders_of(prefiller: Endpoint, candidates: Sequence[Candidate]) -> tuple[Endpoint, ...]:

@@ -97,7 +97,12 @@ makes shorter ones slow), and each rate is read net of it; at one length, or bef
 eight such samples, it stays 0 (a linear model): learnt as linear, a 60k-token prompt's
 local prefill was priced at half its time on the simulated H200, and kept on decoders
 where it stalled their streams; learnt from fewer, one sample slowed by a prompt that
-arrived while it prefilled taught four times the engine's term. A local sample is learnt
+arrived while it prefilled taught four times the engine's term. Once a path (the local
+one first) has eight such samples over three octaves or more, the pool fits the fixed
+cost every prefill pays, the rate and the term together through one sample per octave
+(:func:`_fit_prefill`, as the ``profile`` command fits an engine), and reads each rate
+net of both: read as rate, the simulated H200's fixed 8 ms put the rate its start-up
+prompts taught 3.6% short. A local sample is learnt
 only when the decoder reported its cached count (``prompt_tokens_details``; None:
 unknown, not learnt, as a warm prompt would pass for a whole prefill). A rate learns
 only from a request whose prefilling endpoint (the decoder, or the P/D request's
@@ -121,7 +126,11 @@ Before the first request, the gateway times cold prompts of its own on each pool
 no profile (:mod:`~pd_orchestrator.policies.calibration`, :meth:`GoodputModel.calibrate`):
 learnt as samples timed alone, 2k to 32k tokens, they give the rates and the
 attention term that a cold burst, planned before any of its requests has ended,
-would otherwise price at the seeds.
+would otherwise price at the seeds, and one that generates ``probe_step_tokens``
+tokens gives a pool that decodes its step of one stream (:meth:`_learn_step`;
+``S(n)`` flat at it until traffic teaches the line), which such a burst would
+otherwise price at 0. The hit rate remembered at a probed endpoint is forgotten when
+its probe ends (:meth:`GoodputModel.calibrated`).
 :func:`knowledge_of` says which, and the gateway logs it per pool at start-up, shows
 it in ``/status`` and in the ``pd_orchestrator_policy_knowledge`` gauge.
 Measurements behind these choices: benchmarks/README.md.
@@ -140,6 +149,7 @@ from pydantic import Field
 from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.model.hardware import LatencyProfile
 from pd_orchestrator.model.load import Candidate
+from pd_orchestrator.model.measured import nonnegative_least_squares
 from pd_orchestrator.policies.base import LatencyObservation, ThresholdContext
 from pd_orchestrator.policies.calibration import Probe, Timed
 from pd_orchestrator.policies.octave_line import OctaveLine
@@ -180,7 +190,9 @@ class GoodputParams(NoParams):
     ``probe_tokens``: the lengths of the cold prompts the gateway times at start-up on
     a pool with no profile that has learnt no local rate, each ``probe_repeats`` times,
     shortest first, none sent once ``probe_seconds`` have passed on that pool
-    (:mod:`~pd_orchestrator.policies.calibration`; empty: none, it starts on the seeds).
+    (:mod:`~pd_orchestrator.policies.calibration`; empty: none, it starts on the seeds),
+    then on a pool that decodes one prompt of the shortest length generating
+    ``probe_step_tokens`` tokens, which times its decode step (0: not timed).
     ``attainment``: the share of requests the targets are to hold for; the short-stream
     bound protects the ``1 - attainment`` quantile of the outputs. ``time_scale``:
     seconds of the gateway's clock per second of the knowledge (a fleet of simulators
@@ -204,6 +216,7 @@ class GoodputParams(NoParams):
     )  # fmt: skip
     probe_repeats: Annotated[int, Field(ge=1, le=8)] = 2
     probe_seconds: _Positive = 30.0
+    probe_step_tokens: Annotated[int, Field(ge=0, le=1024)] = 32
 
 
 def on_clock(params: GoodputParams) -> GoodputParams:
@@ -290,7 +303,11 @@ def _learn_measured(model: PoolModel, rate: float, sample: Alone, alone: list[Al
     alone.append(sample)
     del alone[:-_ALONE]
     if model.fits_attn:
-        model.attn = _fit_attention([model.alone_local, model.alone_remote], model.attn)
+        fitted = _fit_prefill(model.alone_local) or _fit_prefill(model.alone_remote)
+        if fitted is None:
+            model.attn = _fit_attention([model.alone_local, model.alone_remote], model.attn)
+        else:
+            model.fixed, model.attn = fitted
     peak = _peak(alone, model)
     return _clipped(rate, peak) if peak > 0 else rate
 
@@ -312,7 +329,7 @@ def _peak(alone: list[Alone], model: PoolModel) -> float:
     its samples, so a jitter either way moves it by nothing once most of them agree."""
     octaves: dict[int, list[float]] = {}
     for new, held, seconds in alone:
-        spent = seconds - model.attention_seconds(new, held)
+        spent = seconds - model.fixed - model.attention_seconds(new, held)
         if spent > 0:
             octaves.setdefault(new.bit_length(), []).append(new / spent)
     return max((statistics.median(rates) for rates in octaves.values()), default=0.0)
@@ -349,6 +366,43 @@ def _fit_attention(paths: list[list[Alone]], attn: float) -> float:
     if count < _POINTS or len(slopes) < _PAIRS:
         return attn
     return min(max(statistics.median(slopes), 0.0), bound)
+
+
+def _fit_prefill(alone: list[Alone]) -> tuple[float, float] | None:
+    """``(fixed, attn)``: the cost every prefill pays whatever its length and the
+    attention term, as the ``profile`` command fits a measured engine's (each octave of
+    new tokens a point, the sample at the median of its seconds per new token; the
+    non-negative least squares of ``fixed + new / r + attn * new * (held + new / 2)``
+    through them, each weighted by its own time, so that a short prompt's jitter counts
+    as much as a long one's). None where it cannot say: fewer than :data:`_POINTS`
+    samples, fewer than :data:`_OCTAVES` octaves, or a fit with no rate, or a fixed
+    cost above half the shortest point's time (a path whose short prompts were slowed
+    by something else)."""
+    if len(alone) < _POINTS:
+        return None
+    octaves: dict[int, list[Alone]] = {}
+    for sample in alone:
+        octaves.setdefault(sample[0].bit_length(), []).append(sample)
+    if len(octaves) < _OCTAVES:
+        return None
+    points = [_median_sample(group) for group in octaves.values()]
+    rows = [[1.0 / s, new / s, new * (held + new / 2) / s] for new, held, s in points]
+    fixed, per_token, attn = nonnegative_least_squares(rows, [1.0] * len(points))
+    if per_token <= 0.0 or fixed > 0.5 * min(s for *_, s in points):
+        return None
+    return fixed, attn
+
+
+def _median_sample(group: list[Alone]) -> Alone:
+    """The sample of ``group`` at the median of their seconds per new token (the lower
+    middle one of an even count)."""
+    ranked = sorted(group, key=lambda sample: sample[2] / sample[0])
+    return ranked[(len(ranked) - 1) // 2]
+
+
+_OCTAVES = 3
+"""The fewest octaves of new tokens from which a fixed prefill cost is learnt beside the
+attention term and the rate (:func:`_fit_prefill`)."""
 
 
 _APART = 1.5
@@ -392,7 +446,11 @@ class PoolModel:
     ``alone_remote``, each rate's last samples timed alone (:func:`_learn_measured`);
     ``fits_attn``: whether ``attn`` is learnt from them (no profile or parameter gives
     it); ``measured``: whether a local sample has been learnt (before, a pool with no
-    profile says nothing of a cold prefill: :meth:`GoodputModel.ttft_target`)."""
+    profile says nothing of a cold prefill: :meth:`GoodputModel.ttft_target`);
+    ``fixed``: the seconds every prefill timed alone paid whatever its length, learnt
+    with ``attn`` (:func:`_fit_prefill`) and taken off each sample before its rate is
+    read; like a profile's fixed prefill cost, it prices nothing (a prefill beside
+    streams rides steps they pay for)."""
 
     rate_local: float
     rate_remote: float
@@ -408,6 +466,7 @@ class PoolModel:
     alone_remote: list[Alone] = field(default_factory=list)
     fits_attn: bool = False
     measured: bool = False
+    fixed: float = 0.0
 
     def attention_seconds(self, new: float, held: float) -> float:
         """The attention term of a prefill of ``new`` tokens after ``held`` cached ones:
@@ -522,6 +581,7 @@ class GoodputModel:
                 "step_fixed": pool.steps.fixed if pool.steps.octaves else None,
                 "step_per_stream": pool.steps.slope if pool.steps.octaves else None,
                 "attention": pool.attn,
+                "prefill_fixed": pool.fixed,
                 "alone_local": len(pool.alone_local),
                 "alone_remote": len(pool.alone_remote),
             }
@@ -796,7 +856,12 @@ class GoodputModel:
         """Learn a probe prompt the gateway timed itself, as a served request's rates are
         learnt and nothing else (no means, no ITL: it is no client's request): a local
         sample of the probed endpoint's pool, and a remote one of each decoder pool
-        :attr:`Probe.decoders` names; a pool with a profile learns nothing of it."""
+        :attr:`Probe.decoders` names; a pool with a profile learns nothing of it. The
+        decode step prompt (:attr:`Timed.output` above 1) teaches its pool the step
+        of one stream instead (:meth:`_learn_step`)."""
+        if timed.output > 1:
+            self._learn_step(probe.endpoint, timed)
+            return
         local = LatencyObservation(
             "", probe.endpoint.pool, 0.0, timed.seconds, prompt_tokens=timed.tokens,
             cached_tokens=timed.cached, remote=False, queued=timed.queued, alone=timed.alone,
@@ -811,6 +876,30 @@ class GoodputModel:
         for endpoint, observation in targets:
             if profile_of(endpoint) is None:
                 self._learn_rates(observation, self.pool(endpoint))
+
+    def calibrated(self, endpoint: str) -> None:
+        """The probe on ``endpoint`` (a name) has ended: forget the hit rate remembered
+        there. A reading whose window held the probe's cold prompts counts their misses
+        as the endpoint's, and a rate it gave would stand until a reading gives another
+        (on a cold burst, all of it: on the simulated mixed fleet the probed endpoints'
+        hit rate of 0 cost the burst 6 points of attainment at x18)."""
+        self.hits.pop(endpoint, None)
+
+    def _learn_step(self, endpoint: Endpoint, timed: Timed) -> None:
+        """The decode step of one stream from a probe that generated ``timed.output``
+        tokens: its time less the two hops and its prefill (the fixed cost, the rate
+        and the attention term learnt so far) over the steps after the first token;
+        learnt as the pool's step at one stream (``steps``), where it has no profile
+        and the time leaves a step (a prompt the rates misjudge by more than the
+        steps took teaches nothing)."""
+        model = self.pool(endpoint)
+        if model.profile is not None or timed.cached is None:
+            return
+        new = timed.tokens - min(timed.cached, timed.tokens)
+        prefill = model.fixed + model.local_seconds(new, timed.tokens)
+        step = (timed.seconds - 2 * self.params.hop - prefill) / (timed.output - 1)
+        if step > 0.0:
+            model.steps.learn(1, step, self.params.alpha)
 
     def _learn_rates(self, observation: LatencyObservation, model: PoolModel) -> None:
         ttft, tokens = observation.ttft, observation.prompt_tokens
@@ -872,7 +961,7 @@ class GoodputModel:
 def _rate_sample(model: PoolModel, new: int, held: int, seconds: float) -> float | None:
     """The rate ``new`` tokens prefilled after ``held`` cached ones in ``seconds`` show,
     net of the attention term (None: too few tokens to say, or no time left)."""
-    spent = seconds - model.attention_seconds(new, held)
+    spent = seconds - model.fixed - model.attention_seconds(new, held)
     return new / spent if new >= _MIN_SAMPLE and spent > 0 else None
 
 

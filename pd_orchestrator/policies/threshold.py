@@ -107,6 +107,13 @@ class ThresholdResolver:
         for policy in _goodputs(self.policy):
             policy.model.calibrate(probe, timed)
 
+    def calibrated(self, endpoint: str) -> None:
+        """The probe on ``endpoint`` has ended: every ``goodput`` policy forgets the hit
+        rate it remembers there
+        (:meth:`~pd_orchestrator.policies.goodput_model.GoodputModel.calibrated`)."""
+        for policy in _goodputs(self.policy):
+            policy.model.calibrated(endpoint)
+
     def learnt(self) -> dict[str, dict[str, dict[str, float | None]]]:
         """Per ``goodput`` policy (by name), what its cost model holds per pool
         (:meth:`~pd_orchestrator.policies.goodput_model.GoodputModel.learnt`)."""

@@ -89,6 +89,9 @@ def test_goodput_with_no_profile_learns_the_engine_s_attention_term() -> None:
     assert pool.attn == pytest.approx(engine.attn, rel=0.25)
     truth = engine.a_pf + engine.prefill_seconds(32_000, 0)
     assert pool.local_seconds(32_000, 32_000) == pytest.approx(truth, rel=0.1)
+    assert pool.fixed == pytest.approx(engine.a_pf, rel=0.1)
+    one_stream = engine.step_seconds(2048, 1)  # the step prompt: 2k tokens, one stream
+    assert pool.steps.at(1) == pytest.approx(one_stream, rel=0.1)
 
 
 def _cold(first: int, count: int, spacing: float) -> tuple[BenchRequest, ...]:
@@ -139,9 +142,11 @@ def test_goodput_with_no_profile_times_the_pools_before_the_first_request() -> N
     """The start-up probe, as the gateway sends it: before the workload's first request
     arrives, each pool has timed cold prompts of 2k to 32k tokens, from which the
     decoder pool learns its local rate and attention term and, through the prefiller's,
-    its remote rate, each within a tenth of the simulated engine's (H200), and a
-    32k-token prompt is priced within a tenth of its time; with a profile, nothing is
-    timed and the first request arrives at 0."""
+    its remote rate, each within a tenth of the simulated engine's (H200), with the
+    engine's fixed prefill cost parted from them (within a tenth), a 32k-token prompt
+    priced within a tenth of its time, and its decode step of one stream within a
+    tenth of the engine's; with a profile, nothing is timed and the first request
+    arrives at 0."""
     (strategy,) = resolve_strategies(["goodput"])
     request = BenchRequest(0, "s0", 0, (Segment(100, 100),), max_tokens=2, arrival=0.0)
     virtual = VirtualFleet(_fleet(_args(no_profile=True)), strategy, AFFINITY)
@@ -155,6 +160,9 @@ def test_goodput_with_no_profile_times_the_pools_before_the_first_request() -> N
     assert pool.attn == pytest.approx(engine.attn, rel=0.1)
     truth = engine.a_pf + engine.prefill_seconds(32_000, 0)
     assert pool.local_seconds(32_000, 32_000) == pytest.approx(truth, rel=0.1)
+    assert pool.fixed == pytest.approx(engine.a_pf, rel=0.1)
+    one_stream = engine.step_seconds(2048, 1)  # the step prompt: 2k tokens, one stream
+    assert pool.steps.at(1) == pytest.approx(one_stream, rel=0.1)
     (strategy,) = resolve_strategies(["goodput"])
     known = VirtualFleet(_fleet(_args(no_profile=False)), strategy, AFFINITY)
     (record,) = known.run(Workload("test", "test", (request,))).records

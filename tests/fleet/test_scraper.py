@@ -490,3 +490,28 @@ async def test_a_stale_reading_keeps_what_it_said_of_admission_only() -> None:
         await scraper.poll(endpoint)  # restarted with an older plugin: it says so
         [older] = scraper.candidates(fleet.snapshot(), now=51.0)
         assert older.load is not None and not older.admission_only
+
+
+@pytest.mark.anyio
+async def test_a_rebase_starts_the_hit_rate_window_after_the_gateways_own_prompts(
+    sim_factory: SimFactory,
+) -> None:
+    """Cold prompts of the gateway's own (the start-up timing's) miss every block: after
+    a rebase the snapshot gives no hit rate, and the next window counts only what came
+    after them (a warm prompt's 3 of 4 blocks), not 3 of 12."""
+    sim = sim_factory("--model", MODEL, "--profile", "instant")
+    endpoint = _endpoint("d0", sim.url)
+    warm = {"model": MODEL, "prompt": list(range(300, 364)), "max_tokens": 1}
+    cold = [{"model": MODEL, "prompt": list(range(b, b + 64)), "max_tokens": 1} for b in (500, 600)]
+    async with upstream() as up, httpx.AsyncClient(timeout=10) as client:
+        scraper = LoadScraper(FleetState([endpoint]), up, LoadConfig())
+        assert (await client.post(f"{sim.url}/v1/completions", json=warm)).status_code == 200
+        assert await scraper.poll(endpoint) is not None
+        for body in cold:
+            assert (await client.post(f"{sim.url}/v1/completions", json=body)).status_code == 200
+        await scraper.rebase(endpoint)
+        rebased = scraper.snapshot("d0")
+        assert rebased is not None and rebased.prefix_hit_rate is None
+        assert (await client.post(f"{sim.url}/v1/completions", json=warm)).status_code == 200
+        after = await scraper.poll(endpoint)
+        assert after is not None and after.prefix_hit_rate == 0.75

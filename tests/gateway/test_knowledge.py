@@ -87,8 +87,10 @@ async def test_a_pool_with_no_profile_is_timed_when_the_gateway_starts(
 ) -> None:
     """Before any request, the gateway times cold prompts on each pool with no profile:
     the decoder's teach its local rate, the prefiller's its own and the decode pool's
-    remote rate. The simulators run the H200 profile (about 30,000 tokens/s on these
-    lengths): the rates leave the 20,000 seed for it."""
+    remote rate, and one more prompt on the decoder, generating 32 tokens, its decode
+    step. The simulators run the H200 profile (about 30,000 tokens/s on these lengths,
+    6.5 ms a step of one stream): the rates leave the 20,000 seed for it, and the step
+    is learnt on the decode pool only."""
     sim = ("--profile", "h200-llama3-8b", "--model", "sim-model", "--kv-connector", "nixl")
     decoder, prefiller = sim_factory(*sim, name="decode"), sim_factory(*sim, name="prefill")
     params = {"probe_tokens": [2048, 4096], "probe_repeats": 1}
@@ -104,8 +106,12 @@ async def test_a_pool_with_no_profile_is_timed_when_the_gateway_starts(
             pools.get("decode", {}).get("alone_local") == 2
             and pools["decode"]["alone_remote"] == 2
             and pools.get("prefill", {}).get("alone_local") == 2
+            and pools["decode"]["step_fixed"] is not None
         ),
     )
+    assert 0.003 < learnt["decode"]["step_fixed"] < 0.02, learnt
+    assert learnt["decode"]["step_per_stream"] == 0.0  # one batch size: flat
+    assert learnt["prefill"]["step_fixed"] is None
     seed = 20_000
     for pool, rate in (
         ("decode", "rate_local"),
@@ -118,7 +124,7 @@ async def test_a_pool_with_no_profile_is_timed_when_the_gateway_starts(
     async with httpx.AsyncClient(timeout=10) as client:
         status = (await client.get(f"{gateway.url}/status")).json()
     assert status["goodput_timing"] == {
-        "decode": "timed on d0: 2 prompts",
+        "decode": "timed on d0: 3 prompts",
         "prefill": "timed on p0: 2 prompts",
     }
 

@@ -40,9 +40,11 @@ def test_one_probe_per_pool_that_knows_nothing_on_its_least_busy_healthy_endpoin
     ]  # fmt: skip
     probes = policy.probes(candidates)
     assert probes == [
-        Probe(D1, (1024, 4096), (), 30.0),
+        # the decoder's probe ends with its decode step prompt (32 output tokens)
+        Probe(D1, (1024, 4096), (), 30.0, step_tokens=32),
         # the prefiller's prompts also time the remote path of the decoder pools of its
-        # group that have no profile: not `known`, not `other` (another group)
+        # group that have no profile: not `known`, not `other` (another group); it times
+        # no decode step (it decodes nothing)
         Probe(P0, (1024, 4096), (D0,), 30.0),
     ]
 
@@ -52,7 +54,7 @@ def test_no_probe_without_lengths_or_once_the_pool_has_learnt_a_local_rate() -> 
     policy = GoodputPolicy()
     policy.model.pool(D0)
     lengths = (2048, 2048, 4096, 4096, 8192, 8192, 16384, 16384, 32768, 32768)
-    assert policy.probes([Candidate(D0)]) == [Probe(D0, lengths)]  # the defaults
+    assert policy.probes([Candidate(D0)]) == [Probe(D0, lengths, step_tokens=32)]  # defaults
     policy.model.calibrate(Probe(D0, (4096,)), Timed(4096, 0, 4096 / 30_000 + 2 * HOP, alone=True))
     assert policy.probes([Candidate(D0)]) == []  # it has learnt a local rate
     assert plan_probes([Candidate(D0)], lambda e: True, (), 30.0) == []
@@ -115,3 +117,87 @@ def test_a_served_request_still_teaches_after_a_probe() -> None:
             )
         )  # fmt: skip
     assert model.pools["decode"].rate_local == pytest.approx(36_000, rel=1e-6)
+
+
+def _engine_seconds(new: int, fixed: float, rate: float, attn: float) -> float:
+    """A cold prefill of ``new`` tokens on an engine with a fixed cost, a rate and an
+    attention term, the way the gateway times it (two hops added)."""
+    return fixed + new / rate + attn * new * new / 2 + 2 * HOP
+
+
+@pytest.mark.parametrize("fixed", [0.0, 0.008, 0.03])
+def test_the_default_probes_learn_the_rate_net_of_a_fixed_prefill_cost(fixed: float) -> None:
+    """The default lengths (2k-32k, twice each) on an engine that pays ``fixed`` seconds
+    a prefill: the pool learns that cost apart, so the rate and the attention term are
+    the engine's (a fixed 8 ms read as rate put it 4% low)."""
+    policy = GoodputPolicy()
+    rate, attn = 34_000.0, 0.96e-9
+    for tokens in policy.model.params.probe_tokens:
+        for _ in range(2):
+            seconds = _engine_seconds(tokens, fixed, rate, attn)
+            policy.model.calibrate(Probe(D0, (tokens,)), Timed(tokens, 0, seconds, alone=True))
+    learnt = policy.model.pools["decode"]
+    assert learnt.fixed == pytest.approx(fixed, abs=1e-6)
+    assert learnt.rate_local == pytest.approx(rate, rel=1e-3)
+    assert learnt.attn == pytest.approx(attn, rel=1e-3)
+    assert policy.model.learnt()["decode"]["prefill_fixed"] == learnt.fixed
+
+
+def test_a_fixed_cost_is_not_learnt_from_too_few_lengths_or_a_slowed_short_prompt() -> None:
+    """Two octaves cannot part a fixed cost from a rate: it stays 0, as it does where
+    the shortest prompts were slowed by something else (a fit that would put more than
+    half their time in the fixed part)."""
+    two = GoodputPolicy().model
+    for tokens in (4096, 4096, 4096, 4096, 8192, 8192, 8192, 8192):
+        seconds = _engine_seconds(tokens, 0.008, 34_000.0, 0.96e-9)
+        two.calibrate(Probe(D0, (tokens,)), Timed(tokens, 0, seconds, alone=True))
+    assert two.pools["decode"].fixed == 0.0
+    slowed = GoodputPolicy().model
+    for tokens in (1024, 1024, 1024, 1024, 4096, 4096, 16384, 16384):
+        seconds = _engine_seconds(tokens, 0.0, 34_000.0, 0.0) + (0.2 if tokens == 1024 else 0.0)
+        slowed.calibrate(Probe(D0, (tokens,)), Timed(tokens, 0, seconds, alone=True))
+    assert slowed.pools["decode"].fixed == 0.0
+
+
+def test_the_decode_step_prompt_teaches_the_step_of_one_stream_and_no_rate() -> None:
+    """A prompt that generated 32 tokens took its prefill (as learnt), then 31 steps: the
+    pool's step at one stream is the rest over 31, and every batch is priced at it until
+    traffic teaches the line; the rates stay. A pool with a profile learns nothing."""
+    policy = GoodputPolicy()
+    model = policy.model
+    fixed, rate, attn, step = 0.008, 34_000.0, 0.96e-9, 0.0065
+    for tokens in model.params.probe_tokens:
+        for _ in range(2):
+            seconds = _engine_seconds(tokens, fixed, rate, attn)
+            model.calibrate(Probe(D0, (tokens,)), Timed(tokens, 0, seconds, alone=True))
+    before = model.pools["decode"].rate_local
+    seconds = _engine_seconds(2048, fixed, rate, attn) + 31 * step
+    model.calibrate(Probe(D0, (2048,)), Timed(2048, 0, seconds, alone=True, output=32))
+    decode = model.pools["decode"]
+    assert decode.steps.at(1) == pytest.approx(step, rel=1e-3)
+    assert model.stream_step(decode, 2048, 16) == pytest.approx(step, rel=1e-3)
+    assert decode.rate_local == before and decode.itl is None
+    model.calibrate(Probe(KNOWN, (2048,)), Timed(2048, 0, 0.5, alone=True, output=32))
+    assert not model.pool(KNOWN).steps.octaves
+
+
+def test_a_decode_step_prompt_faster_than_its_prefill_teaches_no_step() -> None:
+    """Timed shorter than the learnt prefill (a rate gone wrong, a clock) or with no
+    cached count: no step is learnt."""
+    model = GoodputPolicy().model
+    model.calibrate(Probe(D0, (2048,)), Timed(2048, 0, 0.001, alone=True, output=32))
+    model.calibrate(Probe(D0, (2048,)), Timed(2048, None, 5.0, alone=True, output=32))
+    assert not model.pool(D0).steps.octaves
+
+
+def test_the_end_of_a_probe_forgets_the_hit_rate_remembered_at_its_endpoint() -> None:
+    """A reading whose window held the probe's cold prompts read them as misses: once
+    the probe ends, the policy no longer holds that endpoint's hit rate (others stay)."""
+    policy = GoodputPolicy()
+    probed = Candidate(D0, load=LoadSnapshot(1, 0, 0.1, 0.0, prefix_hit_rate=0.0))
+    other = Candidate(D1, load=LoadSnapshot(1, 0, 0.1, 0.0, prefix_hit_rate=0.8))
+    policy.model.saw([probed, other])
+    assert policy.model.hit_rate(Candidate(D0)) == 0.0
+    policy.model.calibrated(D0.name)
+    assert policy.model.hit_rate(Candidate(D0)) is None
+    assert policy.model.hit_rate(Candidate(D1)) == 0.8
