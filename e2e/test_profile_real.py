@@ -93,6 +93,8 @@ them, where a little noise moves it by the gap."""
 LEARN_TOKENS = 1024
 LEARN_PER_PASS = 1
 """(c)'s cold prompts kept local, and as many sent P/D, after each profile run."""
+STEP_TOKENS = GoodputParams().probe_step_tokens
+"""The output tokens of the start-up timing's decode step prompt (the default)."""
 SETTLE_SECONDS = 15.0
 """How long (c) waits at most for the gateway to read the pair idle after a run."""
 MAX_MODEL_LEN = 4096
@@ -652,8 +654,12 @@ def _timed_at_start(pair: Any, target: Target, folder: Path, seed: float) -> dic
     policy holds for the decoder's pool once both pools are timed, and for each; and
     the pair's own time for such a prompt then (:func:`_cold_seconds`, four prompts a
     server just before the gateway starts and four once it has timed: the median of
-    each server's)."""
+    each server's), and the decoder's ITL streaming such a prompt alone (four streams
+    of :data:`STEP_TOKENS` tokens before and four after: the median of their mean
+    gaps)."""
     rng = random.Random(13)
+    streams = [(_prompt(rng, LEARN_TOKENS), STEP_TOKENS) for _ in range(4)]
+    itl = [itl for _, itl in _replay(pair.decoder.url, streams)]
     before = _cold_seconds(pair, rng, 4)
     params = {"ttft": 30.0, "tpot": 0.001, "prefill_tokens_per_s": seed, "hop": HOP,
               "probe_tokens": [LEARN_TOKENS], "probe_repeats": 8}  # fmt: skip
@@ -668,9 +674,12 @@ def _timed_at_start(pair: Any, target: Target, folder: Path, seed: float) -> dic
             assert time.monotonic() < deadline, f"not timed within 60 s: {timing}"
             time.sleep(0.2)
     after = _cold_seconds(pair, rng, 4)
-    pair_seconds = {  # keyed by the rate each server's prompts teach
+    streams = [(_prompt(rng, LEARN_TOKENS), STEP_TOKENS) for _ in range(4)]
+    itl += [itl for _, itl in _replay(pair.decoder.url, streams)]
+    pair_seconds = {  # keyed by what the gateway learns of each
         "rate_local": statistics.median(before["decoder"] + after["decoder"]),
         "rate_remote": statistics.median(before["prefiller"] + after["prefiller"]),
+        "step": statistics.median(itl),
     }
     pools = status["goodput_learnt"]["goodput"]
     return {"timing": timing, "learnt": _learnt(status), "pools": pools, "pair": pair_seconds}
@@ -698,6 +707,23 @@ def test_the_start_up_timing_learns_the_pair_s_rates_before_any_request(
           f"holds: {timed['pools']}")  # fmt: skip
     assert all(v.startswith("timed") for v in timed["timing"].values()), timed["timing"]
     assert error <= BOUND, f"{rate}: {priced * 1e3:.1f} ms vs the server's {pair * 1e3:.1f} ms"
+
+
+def test_the_start_up_timing_learns_the_decoder_s_step(timeline: Timeline) -> None:
+    """(c) at start-up: the decoder's last prompt, generating :data:`STEP_TOKENS` tokens,
+    teaches its pool the decode step of one stream (its time less its prefill as just
+    learnt), within half of the ITL the decoder streams such a prompt at around it
+    (:func:`_timed_at_start`); the prefill pool, which decodes nothing, learns none.
+    Half, not a quarter: a step of about 4 ms on this shared host moved by a third
+    between runs (the streamed ITL read 3.22 to 4.39 ms), and 31 steps timed at once
+    carry every millisecond the host lends elsewhere; before the step was timed, a
+    cold burst priced it at 0."""
+    pools = timeline.timed["pools"]
+    step, itl = pools["decoders"]["step_fixed"], timeline.timed["pair"]["step"]
+    print(f"(c) step timed at start-up {step * 1e3:.2f} ms, the decoder's ITL streaming "
+          f"then {itl * 1e3:.2f} ms ({_relative(step, itl):.1%})")  # fmt: skip
+    assert pools["prefillers"]["step_fixed"] is None
+    assert _relative(step, itl) <= 0.5, f"step {step * 1e3:.2f} ms vs ITL {itl * 1e3:.2f} ms"
 
 
 @pytest.mark.parametrize("rate", ["rate_local", "rate_remote"])
