@@ -642,11 +642,11 @@ class VirtualFleet:
 class _Probing:
     """One start-up probe (:class:`~pd_orchestrator.policies.calibration.Probe`) on its
     endpoint's engine: each length a fresh cold prompt (a content no workload uses),
-    ``max_tokens`` 1, then the decode step prompt, sent when the one before was
-    answered while the probe's
-    ``seconds`` have not passed; each answer, timed from
-    its send to its arrival back (two hops), is told to the policies; ``done(t)`` after
-    the last (or after a prompt the engine refuses)."""
+    ``max_tokens`` 1, then the decode step prompt, each sent when the one before was
+    answered while the probe's ``seconds`` have not passed; each answer, timed from
+    its send to its arrival back (two hops), is told to the policies; after the last
+    (or after a prompt the engine refuses) the instance's hit-rate window starts
+    afresh, then ``done(t)``."""
 
     def __init__(
         self,

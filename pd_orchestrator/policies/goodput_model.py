@@ -889,11 +889,12 @@ class GoodputModel:
         """The decode step of one stream from a probe that generated ``timed.output``
         tokens: its time less the two hops and its prefill (the fixed cost, the rate
         and the attention term learnt so far) over the steps after the first token;
-        learnt as the pool's step at one stream (``steps``), where it has no profile
-        and the time leaves a step (a prompt the rates misjudge by more than the
-        steps took teaches nothing)."""
+        learnt as the pool's step at one stream (``steps``), where it has no profile,
+        has learnt a local rate (a prefill priced on the seeds could take any share of
+        the time) and the time leaves a step (a prompt the rates misjudge by more than
+        the steps took teaches nothing)."""
         model = self.pool(endpoint)
-        if model.profile is not None or timed.cached is None:
+        if model.profile is not None or not model.measured or timed.cached is None:
             return
         new = timed.tokens - min(timed.cached, timed.tokens)
         prefill = model.fixed + model.local_seconds(new, timed.tokens)

@@ -181,13 +181,19 @@ def test_the_decode_step_prompt_teaches_the_step_of_one_stream_and_no_rate() -> 
     assert not model.pool(KNOWN).steps.octaves
 
 
-def test_a_decode_step_prompt_faster_than_its_prefill_teaches_no_step() -> None:
-    """Timed shorter than the learnt prefill (a rate gone wrong, a clock) or with no
-    cached count: no step is learnt."""
+def test_a_decode_step_prompt_teaches_no_step_before_a_rate_or_when_it_cannot() -> None:
+    """Before the pool has learnt a local rate (its prefill priced on the seeds), timed
+    shorter than the learnt prefill (a rate gone wrong, a clock), or with no cached
+    count: no step is learnt."""
     model = GoodputPolicy().model
+    model.calibrate(Probe(D0, (2048,)), Timed(2048, 0, 0.5, alone=True, output=32))
+    assert not model.pool(D0).steps.octaves  # no rate learnt yet
+    model.calibrate(Probe(D0, (4096,)), Timed(4096, 0, 4096 / 30_000 + 2 * HOP, alone=True))
     model.calibrate(Probe(D0, (2048,)), Timed(2048, 0, 0.001, alone=True, output=32))
     model.calibrate(Probe(D0, (2048,)), Timed(2048, None, 5.0, alone=True, output=32))
     assert not model.pool(D0).steps.octaves
+    model.calibrate(Probe(D0, (2048,)), Timed(2048, 0, 0.5, alone=True, output=32))
+    assert model.pool(D0).steps.octaves  # the same prompt, once a rate is learnt
 
 
 def test_the_end_of_a_probe_forgets_the_hit_rate_remembered_at_its_endpoint() -> None:
