@@ -322,8 +322,8 @@ def _clipped(rate: float, sample: float) -> float:
 
 def _peak(alone: list[Alone], model: PoolModel) -> float:
     """The fastest of the samples' medians per octave of their new tokens, each sample's
-    rate net of ``model``'s attention term (0: no sample leaves time for a rate once the
-    term is taken off): across lengths the rate is the one where the engine runs
+    rate net of ``model``'s fixed cost and attention term (0: no sample leaves time for
+    a rate once they are taken off): across lengths the rate is the one where the engine runs
     fastest (where a fixed cost weighs least and the attention term, when not known,
     has not yet grown, what the decaying maximum followed), at one length the middle of
     its samples, so a jitter either way moves it by nothing once most of them agree."""
@@ -961,7 +961,8 @@ class GoodputModel:
 
 def _rate_sample(model: PoolModel, new: int, held: int, seconds: float) -> float | None:
     """The rate ``new`` tokens prefilled after ``held`` cached ones in ``seconds`` show,
-    net of the attention term (None: too few tokens to say, or no time left)."""
+    net of the fixed cost and the attention term (None: too few tokens to say, or no
+    time left)."""
     spent = seconds - model.fixed - model.attention_seconds(new, held)
     return new / spent if new >= _MIN_SAMPLE and spent > 0 else None
 
