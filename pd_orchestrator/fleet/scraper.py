@@ -202,29 +202,39 @@ def _increase(current: float | None, before: float | None) -> float | None:
     return current if current < before else current - before
 
 
-def _hit_rate(reading: MetricsReading, previous: MetricsReading | None) -> float | None:
+def _hit_rate(
+    reading: MetricsReading, previous: MetricsReading | None, since: MetricsReading | None
+) -> float | None:
     queries, hits = reading.prefix_queries, reading.prefix_hits
     if queries is not None and hits is not None:
-        if previous is not None:
-            window_queries = _increase(queries, previous.prefix_queries)
-            window_hits = _increase(hits, previous.prefix_hits)
+        for start in (previous, since):
+            if start is None:
+                continue
+            window_queries = _increase(queries, start.prefix_queries)
+            window_hits = _increase(hits, start.prefix_hits)
             if window_queries and window_hits is not None:
                 return _ratio(window_hits / window_queries)
+        if since is not None:
+            return None
         if queries > 0:
             return _ratio(hits / queries)
     return reading.prefix_hit_rate_gauge
 
 
 def load_snapshot(
-    reading: MetricsReading, observed_at: float, previous: MetricsReading | None = None
+    reading: MetricsReading,
+    observed_at: float,
+    previous: MetricsReading | None = None,
+    since: MetricsReading | None = None,
 ) -> LoadSnapshot:
     """The snapshot of ``reading``, taken at ``observed_at``.
 
     ``previous`` is the endpoint's reading before this one. The prefix hit rate is
     hits over queries in the window between the two; when the window saw no
-    queries (or there is no previous reading), since the server started; else the
-    older servers' gauge; else None. Preemptions count the window (0 without a
-    previous reading).
+    queries (or there is no previous reading), since ``since`` (a reading taken
+    after requests no client sent: :meth:`LoadScraper.rebase`; None when none was
+    queried since), else since the server started; else the older servers' gauge;
+    else None. Preemptions count the window (0 without a previous reading).
     """
     before = previous.preemptions if previous is not None else None
     preempted = _increase(reading.preemptions, before) or 0.0
@@ -233,7 +243,7 @@ def load_snapshot(
         waiting=round(reading.waiting),
         kv_usage=reading.kv_usage,
         observed_at=observed_at,
-        prefix_hit_rate=_hit_rate(reading, previous),
+        prefix_hit_rate=_hit_rate(reading, previous, since),
         preemptions=round(preempted),
         prefix_queries=reading.prefix_queries,
         admission_only=reading.admission_only,
@@ -261,6 +271,7 @@ class LoadScraper:
         self.clock = clock
         self.polled_once = False
         self._readings: dict[str, MetricsReading] = {}
+        self._since: dict[str, MetricsReading] = {}
         self._snapshots: dict[str, LoadSnapshot] = {}
         self._failures: dict[str, int] = {}
         self._unreadable_names: set[str] = set()
@@ -290,19 +301,25 @@ class LoadScraper:
             self._unreadable(endpoint.name, str(exc))
             return None
         self._unreadable_names.discard(endpoint.name)
-        snapshot = load_snapshot(reading, self.clock(), self._readings.get(endpoint.name))
+        name = endpoint.name
+        snapshot = load_snapshot(
+            reading, self.clock(), self._readings.get(name), self._since.get(name)
+        )
         self._readings[endpoint.name] = reading
         self._snapshots[endpoint.name] = snapshot
         return snapshot
 
     async def rebase(self, endpoint: Endpoint) -> None:
-        """Start ``endpoint``'s next hit-rate window now, after requests of the gateway's
-        own (the start-up timing's cold prompts) that no client's traffic is: one poll,
+        """Count ``endpoint``'s hit rate from now on, after requests of the gateway's own
+        (the start-up timing's cold prompts) that no client's traffic is: one poll,
         whose snapshot keeps everything but the hit rate of a window that held them
-        (None until the next poll)."""
+        (None until the next poll), and whose reading stands for the server's start
+        when a later window sees no queries (an idle server read since its start
+        would give the probe's misses, a rate of 0, at every poll)."""
         snapshot = await self.poll(endpoint)
         if snapshot is not None:
             self._snapshots[endpoint.name] = replace(snapshot, prefix_hit_rate=None)
+            self._since[endpoint.name] = self._readings[endpoint.name]
 
     async def poll_all(self) -> None:
         """Poll every endpoint of the fleet, concurrently."""

@@ -230,6 +230,20 @@ def test_load_snapshot_rates(
     assert snapshot.preemptions == preemptions and snapshot.observed_at == 12.5
 
 
+def test_a_quiet_window_after_a_rebase_counts_from_it_not_from_the_start() -> None:
+    """Since a rebase reading (100 queries, 0 hits: the gateway's own cold prompts), a
+    window with no queries gives no rate (the server's lifetime would give 0), and a
+    longer stretch with queries gives theirs alone."""
+    since = MetricsReading(0, 0, 0, 100, 0)
+    quiet = load_snapshot(MetricsReading(0, 0, 0, 100, 0), 1.0, since, since)
+    assert quiet.prefix_hit_rate is None
+    later = load_snapshot(
+        MetricsReading(0, 0, 0, 140, 30), 2.0, MetricsReading(0, 0, 0, 140, 30), since
+    )
+    assert later.prefix_hit_rate == pytest.approx(0.75)
+    assert load_snapshot(MetricsReading(0, 0, 0, 100, 0), 1.0, since).prefix_hit_rate == 0.0
+
+
 def test_load_snapshot_counts() -> None:
     snapshot = load_snapshot(MetricsReading(2.0, 3.0, 0.4), 1.0)
     assert (snapshot.running, snapshot.waiting, snapshot.queue_depth) == (2, 3, 5)
@@ -497,8 +511,9 @@ async def test_a_rebase_starts_the_hit_rate_window_after_the_gateways_own_prompt
     sim_factory: SimFactory,
 ) -> None:
     """Cold prompts of the gateway's own (the start-up timing's) miss every block: after
-    a rebase the snapshot gives no hit rate, and the next window counts only what came
-    after them (a warm prompt's 3 of 4 blocks), not 3 of 12."""
+    a rebase the snapshot gives no hit rate, a poll of the idle server none either (not
+    0 of 12 since it started), and the next window counts only what came after them (a
+    warm prompt's 3 of 4 blocks), not 3 of 12."""
     sim = sim_factory("--model", MODEL, "--profile", "instant")
     endpoint = _endpoint("d0", sim.url)
     warm = {"model": MODEL, "prompt": list(range(300, 364)), "max_tokens": 1}
@@ -512,6 +527,8 @@ async def test_a_rebase_starts_the_hit_rate_window_after_the_gateways_own_prompt
         await scraper.rebase(endpoint)
         rebased = scraper.snapshot("d0")
         assert rebased is not None and rebased.prefix_hit_rate is None
+        idle = await scraper.poll(endpoint)
+        assert idle is not None and idle.prefix_hit_rate is None
         assert (await client.post(f"{sim.url}/v1/completions", json=warm)).status_code == 200
         after = await scraper.poll(endpoint)
         assert after is not None and after.prefix_hit_rate == 0.75
