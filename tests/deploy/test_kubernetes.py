@@ -336,6 +336,26 @@ def test_every_vllm_server_reports_its_cached_tokens() -> None:
         assert "--enable-prompt-tokens-details" in container["args"], name
 
 
+def test_the_prefill_pool_spills_as_its_servers_can() -> None:
+    """The shipped prefill pool serves whole requests when its decoders are crowded
+    (``spill``), which a server takes only with a connector role that also consumes
+    (``kv_both``): every prefill server runs it."""
+    (prefill,) = (p for p in _gateway_config()["pools"] if p["role"] == "prefill")
+    assert prefill["spill"] is True
+    servers = [
+        container
+        for path, doc in MANIFESTS
+        if path.name == "vllm-prefill.yaml" and doc["kind"] == "StatefulSet"
+        for container in _containers(doc)
+        if container.get("command") == ["vllm", "serve"]
+    ]
+    assert servers
+    for container in servers:
+        flags = [a for a in container["args"] if a.startswith("--kv-transfer-config=")]
+        (flag,) = flags
+        assert json.loads(flag.split("=", 1)[1])["kv_role"] == "kv_both"
+
+
 def test_the_grace_period_covers_the_drain() -> None:
     deployment = _find("Deployment", "pd-orchestrator", "gateway")
     pod = _pod(deployment)
