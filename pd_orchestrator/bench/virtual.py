@@ -659,21 +659,21 @@ class _Probing:
         self.fleet, self.resolver, self.probe = fleet, resolver, probe
         self.number, self.done = number, done
         self.instance = fleet.instance(probe.endpoint.name)
+        self.prompts = probe.prompts()
         self.sent = self.started = 0.0
         self.step = 0
         self.queued: bool | None = None
         self.alone: bool | None = None
 
     def send(self, now: float) -> None:
-        """Send the next prompt (:meth:`_next`) at ``now`` (``done`` when none is left
-        or the probe's ``seconds`` have passed)."""
+        """Send the next prompt (:meth:`Probe.prompts`) at ``now`` (``done`` when none
+        is left or the probe's ``seconds`` have passed)."""
         if self.step == 0:
             self.started = now
-        prompt = self._next()
-        if prompt is None or now - self.started >= self.probe.seconds:
+        if self.step >= len(self.prompts) or now - self.started >= self.probe.seconds:
             self._end(now)
             return
-        length, output = prompt
+        length, output = self.prompts[self.step]
         key = content_key("probe", self.number, self.step)
         digest = digest_segments((Segment(key, length),), self.fleet.spec.block_size)
         self.step += 1
@@ -689,16 +689,6 @@ class _Probing:
         )
         hop = self.fleet.options.hop
         self.fleet.submit(self.instance, now + hop, request, self.answered, self.refused)
-
-    def _next(self) -> tuple[int, int] | None:
-        """The next prompt's length and output tokens: each length for 1, then the
-        shortest for the decode step's :attr:`Probe.step_tokens` (None: none left)."""
-        lengths = self.probe.lengths
-        if self.step < len(lengths):
-            return lengths[self.step], 1
-        if self.step == len(lengths) and lengths and self.probe.step_tokens > 1:
-            return min(lengths), self.probe.step_tokens
-        return None
 
     def answered(self, now: float, output: RequestOutput) -> None:
         if output.finish_reason is None:

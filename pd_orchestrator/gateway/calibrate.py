@@ -90,19 +90,10 @@ async def _time_probe(
             model, longest = await _served(upstream, probe)
             rng = random.Random()
             started = clock()
-            for length in probe.lengths:
+            for length, output in probe.prompts(longest):
                 if clock() - started >= probe.seconds:
                     break
-                if longest is not None and length > longest:
-                    continue
                 prompt = [rng.randrange(*COLD_TOKEN_IDS) for _ in range(length)]
-                timing = await _time_one(state, upstream, clock, probe, model, prompt)
-                resolver.calibrate(probe, timing)
-                timed += 1
-            step = _step_length(probe, longest)
-            if step is not None and clock() - started < probe.seconds:
-                prompt = [rng.randrange(*COLD_TOKEN_IDS) for _ in range(step)]
-                output = probe.step_tokens
                 timing = await _time_one(state, upstream, clock, probe, model, prompt, output)
                 resolver.calibrate(probe, timing)
                 timed += 1
@@ -135,16 +126,6 @@ async def _served(upstream: Upstream, probe: Probe) -> tuple[str, int | None]:
     return name, longest - 1 if longest is not None and longest > 1 else None
 
 
-def _step_length(probe: Probe, longest: int | None) -> int | None:
-    """The length of the probe's decode step prompt: its shortest that leaves room for
-    its ``step_tokens`` (None: no step is timed, or none fits)."""
-    if probe.step_tokens <= 1:
-        return None
-    room = None if longest is None else longest + 1 - probe.step_tokens
-    fitting = [n for n in probe.lengths if room is None or n <= room]
-    return min(fitting, default=None)
-
-
 async def _time_one(
     state: GatewayState,
     upstream: Upstream,
@@ -152,7 +133,7 @@ async def _time_one(
     probe: Probe,
     model: str,
     prompt: list[int],
-    output: int = 1,
+    output: int,
 ) -> Timed:
     """Send one cold prompt for ``output`` tokens (EOS ignored) and time it; whether it
     was queued or alone at its send, as the load poller and the gateway's counts saw

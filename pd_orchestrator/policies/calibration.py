@@ -64,6 +64,21 @@ class Probe:
     seconds: float = 30.0
     step_tokens: int = 0
 
+    def prompts(self, longest: int | None = None) -> list[tuple[int, int]]:
+        """The prompts to send, in order, as ``(length, output tokens)``: each of
+        ``lengths`` for one token, then with ``step_tokens`` the shortest of them for
+        that many; only those that fit ``longest``, the most prompt tokens the model
+        takes with one output token (None: all)."""
+
+        def fits(length: int, output: int) -> bool:
+            return longest is None or length + output - 1 <= longest
+
+        prompts = [(length, 1) for length in self.lengths if fits(length, 1)]
+        room = [length for length in self.lengths if fits(length, self.step_tokens)]
+        if self.step_tokens > 1 and room:
+            prompts.append((min(room), self.step_tokens))
+        return prompts
+
 
 @record
 class Timed:

@@ -20,9 +20,9 @@ from pd_orchestrator.bench.workloads import (
     warmed,
 )
 from pd_orchestrator.cli.bench import ROUTING_PRESETS, _fleet, _warmed
-from pd_orchestrator.model.hardware import get_profile
+from pd_orchestrator.model.hardware import LatencyProfile, get_profile
 from pd_orchestrator.policies.goodput import GoodputParams, GoodputPolicy
-from pd_orchestrator.policies.goodput_model import knowledge_of
+from pd_orchestrator.policies.goodput_model import PoolModel, knowledge_of
 from pd_orchestrator.policies.plugins import builtin_registry
 from pd_orchestrator.routing import RoutingConfig, build_profiles
 
@@ -69,7 +69,8 @@ def test_goodput_with_no_profile_starts_from_the_seeds_and_learns_the_local_rate
 def test_goodput_with_no_profile_learns_the_engine_s_attention_term() -> None:
     """Cold prompts of 2k to 32k tokens one after another, each alone on the fleet:
     the policy, told no attention term, learns one within a quarter of the simulated
-    engine's (H200: 0.96 ns a pair), and a 32k-token prompt's local prefill is priced
+    engine's (H200: 0.96 ns a pair), and from these requests alone prices a 32k-token
+    prompt's local prefill, the fixed cost of a prefill and the step of one stream each
     within a tenth of what the engine takes."""
     fleet = _fleet(_args(no_profile=True))
     (strategy,) = resolve_strategies(["goodput"])
@@ -87,11 +88,16 @@ def test_goodput_with_no_profile_learns_the_engine_s_attention_term() -> None:
     engine = get_profile("h200-llama3-8b")
     assert pool.profile is None and pool.fits_attn
     assert pool.attn == pytest.approx(engine.attn, rel=0.25)
+    _priced_as_the_engine(pool, engine)
+
+
+def _priced_as_the_engine(pool: PoolModel, engine: LatencyProfile) -> None:
+    """``pool`` prices a 32k-token prefill, the fixed cost of one and a decode step of
+    one stream (at 2k tokens of context) each within a tenth of ``engine``'s."""
     truth = engine.a_pf + engine.prefill_seconds(32_000, 0)
     assert pool.local_seconds(32_000, 32_000) == pytest.approx(truth, rel=0.1)
     assert pool.fixed == pytest.approx(engine.a_pf, rel=0.1)
-    one_stream = engine.step_seconds(2048, 1)  # the step prompt: 2k tokens, one stream
-    assert pool.steps.at(1) == pytest.approx(one_stream, rel=0.1)
+    assert pool.steps.at(1) == pytest.approx(engine.step_seconds(2048, 1), rel=0.1)
 
 
 def _cold(first: int, count: int, spacing: float) -> tuple[BenchRequest, ...]:
@@ -158,11 +164,7 @@ def test_goodput_with_no_profile_times_the_pools_before_the_first_request() -> N
     assert pool.rate_local == pytest.approx(1 / engine.lin, rel=0.1)
     assert pool.rate_remote == pytest.approx(1 / engine.lin, rel=0.1)
     assert pool.attn == pytest.approx(engine.attn, rel=0.1)
-    truth = engine.a_pf + engine.prefill_seconds(32_000, 0)
-    assert pool.local_seconds(32_000, 32_000) == pytest.approx(truth, rel=0.1)
-    assert pool.fixed == pytest.approx(engine.a_pf, rel=0.1)
-    one_stream = engine.step_seconds(2048, 1)  # the step prompt: 2k tokens, one stream
-    assert pool.steps.at(1) == pytest.approx(one_stream, rel=0.1)
+    _priced_as_the_engine(pool, engine)
     (strategy,) = resolve_strategies(["goodput"])
     known = VirtualFleet(_fleet(_args(no_profile=False)), strategy, AFFINITY)
     (record,) = known.run(Workload("test", "test", (request,))).records
