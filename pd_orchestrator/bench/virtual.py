@@ -113,6 +113,7 @@ from pd_orchestrator.flows.machine import (
 from pd_orchestrator.flows.request import TOKEN_ID_CHARS
 from pd_orchestrator.flows.sink import GatewayError
 from pd_orchestrator.model.endpoints import Endpoint
+from pd_orchestrator.model.hit_window import HitWindow
 from pd_orchestrator.model.load import Candidate, LoadSnapshot
 from pd_orchestrator.model.records import record
 from pd_orchestrator.model.route import Whole, threshold_of
@@ -237,19 +238,24 @@ class _Instance:
         self.busy = 0.0
         self.load: LoadSnapshot | None = None
         self._seen = (0, 0, 0)
+        self._window: HitWindow[tuple[int, int]] = HitWindow(LoadConfig().hit_rate_tokens)
 
     def poll(self, now: float) -> None:
-        """Take a load snapshot, as the scraper does from ``/metrics``."""
+        """Take a load snapshot, as the scraper does from ``/metrics`` (the hit rate
+        over the same window, :class:`~pd_orchestrator.model.hit_window.HitWindow`)."""
         engine, stats = self.engine, self.engine.stats
-        seen = (stats.prefix_queries, stats.prefix_hits, stats.preemptions)
-        queries, hits, preemptions = (a - b for a, b in zip(seen, self._seen, strict=True))
-        self._seen = seen
+        queries, hits = stats.prefix_queries, stats.prefix_hits
+        first, held, _ = self._seen
+        first, held = self._window.start(queries) or (first, held)
+        self._window.moved(queries, (queries, hits))
+        preemptions = stats.preemptions - self._seen[2]
+        self._seen = (queries, hits, stats.preemptions)
         self.load = LoadSnapshot(
             running=engine.num_running,
             waiting=engine.num_waiting,
             kv_usage=min(1.0, max(0.0, engine.pool.usage)),
             observed_at=now,
-            prefix_hit_rate=hits / queries if queries else None,
+            prefix_hit_rate=(hits - held) / (queries - first) if queries > first else None,
             preemptions=preemptions,
         )
 
@@ -259,6 +265,7 @@ class _Instance:
         rebase`); the snapshot held gives no hit rate until then."""
         stats = self.engine.stats
         self._seen = (stats.prefix_queries, stats.prefix_hits, stats.preemptions)
+        self._window.restart(stats.prefix_queries, self._seen[:2])
         if self.load is not None:
             self.load = replace(self.load, prefix_hit_rate=None)
 

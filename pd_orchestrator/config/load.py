@@ -20,6 +20,10 @@ class LoadConfig(BaseModel):
     (default 5; at least ``interval``).
     ``unhealthy_after``: failed polls in a row that mark an endpoint unresponsive
     (default 5); one successful poll marks it responsive again.
+    ``hit_rate_tokens``: the prompt tokens an endpoint's prefix hit rate is read over
+    at least: its window reaches back over the last polls at which it was queried
+    until they add up to this many (default 65,536, about sixteen 4k prompts; 0: the
+    window since the last such poll).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -28,6 +32,7 @@ class LoadConfig(BaseModel):
     timeout: Seconds = 2.0
     stale_after: Seconds = 5.0
     unhealthy_after: Annotated[int, Field(ge=1)] = 5
+    hit_rate_tokens: Annotated[int, Field(ge=0)] = 65_536
 
     @model_validator(mode="after")
     def _stale_after_a_poll(self) -> Self:

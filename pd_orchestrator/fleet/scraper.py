@@ -4,7 +4,8 @@ Parsing is pure: :func:`parse_metrics` turns vLLM's Prometheus text into a
 :class:`MetricsReading` (raw gauges and counters) and :func:`load_snapshot` turns a
 reading, and the previous one of the same endpoint, into a
 :class:`~pd_orchestrator.routing.types.LoadSnapshot` (counters become rates over
-the window between the two).
+the window between the two; the prefix hit rate's window reaches further back,
+until it holds ``hit_rate_tokens`` queried tokens: :mod:`~pd_orchestrator.model.hit_window`).
 
 :class:`LoadScraper` polls (through :class:`~pd_orchestrator.upstream.client.Upstream`)
 and keeps, per endpoint, the latest snapshot and its own count of failed polls.
@@ -34,6 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pd_orchestrator.config.load import LoadConfig
 from pd_orchestrator.fleet.state import FleetState
 from pd_orchestrator.model.endpoints import Endpoint, EndpointStatus
+from pd_orchestrator.model.hit_window import HitWindow
 from pd_orchestrator.model.load import Candidate, LoadSnapshot
 from pd_orchestrator.model.records import record
 from pd_orchestrator.upstream.client import Upstream
@@ -226,15 +228,19 @@ def load_snapshot(
     observed_at: float,
     previous: MetricsReading | None = None,
     since: MetricsReading | None = None,
+    *,
+    start: MetricsReading | None = None,
 ) -> LoadSnapshot:
     """The snapshot of ``reading``, taken at ``observed_at``.
 
-    ``previous`` is the endpoint's reading before this one. The prefix hit rate is
-    hits over queries in the window between the two; when the window saw no
-    queries (or there is no previous reading), since ``since`` (a reading taken
-    after requests no client sent: :meth:`LoadScraper.rebase`; None when none was
-    queried since), else since the server started; else the older servers' gauge;
-    else None. Preemptions count the window (0 without a previous reading).
+    ``previous`` is the endpoint's reading before this one, ``start`` the one the hit
+    rate's window starts at (:class:`~pd_orchestrator.model.hit_window.HitWindow`;
+    default ``previous``). The prefix hit rate is hits over queries in the window
+    between ``start`` and ``reading``; when the window saw no queries (or there is no
+    start), since ``since`` (a reading taken after requests no client sent:
+    :meth:`LoadScraper.rebase`; None when none was queried since), else since the
+    server started; else the older servers' gauge; else None. Preemptions count the
+    window since ``previous`` (0 without one).
     """
     before = previous.preemptions if previous is not None else None
     preempted = _increase(reading.preemptions, before) or 0.0
@@ -243,7 +249,7 @@ def load_snapshot(
         waiting=round(reading.waiting),
         kv_usage=reading.kv_usage,
         observed_at=observed_at,
-        prefix_hit_rate=_hit_rate(reading, previous, since),
+        prefix_hit_rate=_hit_rate(reading, previous if start is None else start, since),
         preemptions=round(preempted),
         prefix_queries=reading.prefix_queries,
         admission_only=reading.admission_only,
@@ -272,6 +278,7 @@ class LoadScraper:
         self.polled_once = False
         self._readings: dict[str, MetricsReading] = {}
         self._since: dict[str, MetricsReading] = {}
+        self._windows: dict[str, HitWindow[MetricsReading]] = {}
         self._snapshots: dict[str, LoadSnapshot] = {}
         self._failures: dict[str, int] = {}
         self._unreadable_names: set[str] = set()
@@ -302,9 +309,13 @@ class LoadScraper:
             return None
         self._unreadable_names.discard(endpoint.name)
         name = endpoint.name
+        window, queries = self._window(name), reading.prefix_queries
+        start = None if queries is None else window.start(queries)
         snapshot = load_snapshot(
-            reading, self.clock(), self._readings.get(name), self._since.get(name)
+            reading, self.clock(), self._readings.get(name), self._since.get(name), start=start
         )
+        if queries is not None:
+            window.moved(queries, reading)
         self._readings[endpoint.name] = reading
         self._snapshots[endpoint.name] = snapshot
         return snapshot
@@ -318,8 +329,18 @@ class LoadScraper:
         would give the probe's misses, a rate of 0, at every poll)."""
         snapshot = await self.poll(endpoint)
         if snapshot is not None:
-            self._snapshots[endpoint.name] = replace(snapshot, prefix_hit_rate=None)
-            self._since[endpoint.name] = self._readings[endpoint.name]
+            name, reading = endpoint.name, self._readings[endpoint.name]
+            self._snapshots[name] = replace(snapshot, prefix_hit_rate=None)
+            self._since[name] = reading
+            if reading.prefix_queries is not None:
+                self._window(name).restart(reading.prefix_queries, reading)
+
+    def _window(self, name: str) -> HitWindow[MetricsReading]:
+        """``name``'s hit-rate window starts (made on first use)."""
+        window = self._windows.get(name)
+        if window is None:
+            window = self._windows[name] = HitWindow(self.config.hit_rate_tokens)
+        return window
 
     async def poll_all(self) -> None:
         """Poll every endpoint of the fleet, concurrently."""

@@ -13,7 +13,8 @@ changes nothing; the planner tells the model what the request's final route kept
 2. **drain**: a queued ``d`` with a dedicated prefiller (role ``prefill``) goes P/D at
    once when ``remote <= T`` and (``remote <= wait_d + local`` or ``wait_d + local >
    T``); on an unread hit rate, only when ``remote <= min(wait_d + local, T * s)``. The
-   decode leg goes to the peer with the least prefill queued (:meth:`soonest`):
+   decode leg goes to the peer with the least prefill queued that is not crowded
+   (:meth:`soonest`):
    :class:`GoPD`, ``drain``. Otherwise a queued ``d`` keeps the prompt: :class:`Local`,
    ``queued``.
 3. **threshold**: ``u* = min(ttft limit, stall_d)``, the ttft limit being what a local
@@ -144,14 +145,17 @@ class GoodputPolicy:
         """The peer (:attr:`ThresholdContext.peers`) where a drained request's decode
         leg starts soonest: the least prefill queued there, ties to fewer requests in
         flight, then to the ranking's order; None when none beats the chosen decoder's
-        ``wait``."""
-        m = self.model
+        ``wait``. A crowded peer (its step with one more stream past ``tpot *
+        tpot_goal``) takes none: a decode leg adds a stream there and no prefill, so the
+        one with the least queued would take every drained leg."""
+        m, p, tokens = self.model, self.params, context.prompt_tokens
         best: str | None = None
         key = (wait, context.decoder.in_flight)
         for peer in context.peers:
-            queued = m.queued(
-                peer, context.prompt_tokens, m.pool(peer.endpoint), m.hit_rate(peer) or 0.0
-            )
+            pool = m.pool(peer.endpoint)
+            if m.stream_step(pool, tokens, peer.streams + 1) > p.tpot * p.tpot_goal:
+                continue
+            queued = m.queued(peer, tokens, pool, m.hit_rate(peer) or 0.0)
             if (queued, peer.in_flight) < key:
                 best, key = peer.endpoint.name, (queued, peer.in_flight)
         return best

@@ -357,6 +357,31 @@ async def test_the_prefix_hit_rate_covers_the_last_window(sim_factory: SimFactor
 
 
 @pytest.mark.anyio
+async def test_the_hit_rate_window_reaches_back_until_it_holds_enough_tokens(
+    sim_factory: SimFactory,
+) -> None:
+    """A cold prompt alone in its window reads 0; with ``hit_rate_tokens`` of two
+    prompts' worth the window takes the warm one before it too (3 of its 8 blocks),
+    and with 0 the cold one alone."""
+    sim = sim_factory("--model", MODEL, "--profile", "instant")
+    endpoint = _endpoint("d0", sim.url)
+    warm = {"model": MODEL, "prompt": list(range(300, 364)), "max_tokens": 1}
+    cold = {"model": MODEL, "prompt": list(range(500, 564)), "max_tokens": 1}
+    async with upstream() as up, httpx.AsyncClient(timeout=10) as client:
+        reaching = LoadScraper(FleetState([endpoint]), up, LoadConfig(hit_rate_tokens=128))
+        alone = LoadScraper(FleetState([endpoint]), up, LoadConfig(hit_rate_tokens=0))
+        rates = []
+        for body in (warm, warm, cold):
+            assert (await client.post(f"{sim.url}/v1/completions", json=body)).status_code == 200
+            snapshots = [await reaching.poll(endpoint), await alone.poll(endpoint)]
+            rates.append(tuple(s.prefix_hit_rate for s in snapshots if s is not None))
+        assert rates == [(0.0, 0.0), (0.75, 0.75), (0.375, 0.0)]
+        # a poll with no queries since the last: the server's lifetime, as before
+        idle = await reaching.poll(endpoint)
+        assert idle is not None and idle.prefix_hit_rate == pytest.approx(0.25)
+
+
+@pytest.mark.anyio
 async def test_a_stopped_simulator_turns_unresponsive_and_its_reading_ages_out(
     sim_factory: SimFactory,
 ) -> None:

@@ -374,6 +374,25 @@ def test_a_drained_request_decodes_on_the_peer_where_it_starts_soonest() -> None
     assert _named(_decided(policy, context(tokens=5_000, peers=peers))) is None
 
 
+def test_a_drained_request_skips_a_crowded_peer_however_short_its_queue() -> None:
+    """A decode leg adds a stream and no prefill to its peer: without the step test the
+    peer with the least queued takes every drained leg (165 of 186 on one decoder, 107
+    of them past their TPOT, on a warm shared-prefix burst)."""
+    queued = decoder(backlog=20_000)  # 2 s of prefill ahead: it drains
+    crowded = decoder("d1", pool="slow", in_flight=1)  # no queue; its step is 20 ms
+    behind = decoder("d2", backlog=5_000)  # 0.5 s of prefill; a 10 ms step
+    policy = _policy()
+    policy.model.pools["slow"] = PoolModel(RATE, RATE, itl=0.02, free_tokens=0.0)
+    decision = _decided(policy, context(tokens=5_000, dec=queued, peers=(crowded, behind)))
+    assert decision.reason == "drain" and _named(decision) == "d2"
+    # the step bound is tpot * tpot_goal (15 ms here): at 12 ms the idle peer takes it
+    policy.model.pools["slow"] = PoolModel(RATE, RATE, itl=0.012, free_tokens=0.0)
+    assert policy.soonest(context(tokens=5_000, dec=queued, peers=(crowded, behind)), 2.0) == "d1"
+    # every peer crowded: the chosen decoder decodes it
+    policy.model.pools["slow"] = PoolModel(RATE, RATE, itl=0.02, free_tokens=0.0)
+    assert policy.soonest(context(tokens=5_000, dec=queued, peers=(crowded,)), 2.0) is None
+
+
 def test_a_queued_decoder_stays_local_when_every_prefiller_also_decodes() -> None:
     policy = _policy()
     policy.model.out_mean = 100
