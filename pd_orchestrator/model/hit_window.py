@@ -41,7 +41,7 @@ class HitWindow(Generic[R]):
         the counter only grew. None: none held, nothing queried since the newest (a
         window with no queries gives no rate, as before; reaching back from one, the
         policy read an older window's rate where it remembered a later one, and lost
-        a grid step on nine of fifteen warm development bursts), or a restart."""
+        a grid step on eight of fifteen warm development bursts), or a restart."""
         starts = self.starts
         if not starts or queries == starts[-1][0]:
             return None
