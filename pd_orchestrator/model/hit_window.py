@@ -5,7 +5,7 @@ a hit rate is their increase over a window. The window between two polls holds
 what the server admitted in that second, and at a burst's start that is its first
 few prompts: on a warm shared-prefix burst each decoder's first window held one to
 three cold prompts, read 0, and the policy priced every queue there as uncached
-until the next poll (five times the prefill it held). So the window reaches back,
+until the next poll (several times the prefill it held). So the window reaches back,
 over the polls at which the query counter moved, until it holds at least
 ``tokens`` queried tokens (as vLLM's own logged hit rate covers its last thousand
 requests, not the last interval).
