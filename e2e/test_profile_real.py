@@ -22,8 +22,9 @@ missed by up to 47%). Then:
     and sends a cold long one P/D; and a fresh gateway from the same seeds learns
     both rates before any request, from the cold prompts it times on the idle pair
     when it starts (:mod:`pd_orchestrator.gateway.calibrate`): the time it prices such
-    a prompt at within 25% of the time the same prompts take sent straight to the pair
-    around it (one moment's speed, not the profile's over the module's minutes).
+    a prompt at within 25% of the time the server itself took for those very prompts
+    (one moment's speed, not the profile's over the module's minutes, nor the host's
+    a few seconds away).
 
 Every figure is printed (``pytest -s``) and named in the assertion that reads it.
 Every check must hold. The learnt rates were expected failures while the policy's
