@@ -691,8 +691,10 @@ def _timed_at_start(pair: Any, target: Target, folder: Path, seed: float) -> dic
     prompts, eight on each server: the seed, four times below the rate, reaches it in
     four bounded steps, and the median of eight is not moved by the one or two prompts
     this shared host slows by a third): ``/status``'s ``goodput_timing``, what the
-    policy holds for the decoder's pool once both pools are timed, and for each; and
-    the pair's own time for such a prompt then (:func:`_cold_seconds`, four prompts a
+    policy holds for the decoder's pool once both pools are timed, and for each; each
+    server's own count and mean time of the prompts it served while the gateway timed
+    (``served``, :func:`_served_seconds`); and the time such a prompt takes sent
+    straight to the pair around it (:func:`_cold_seconds`, four prompts a
     server just before the gateway starts and four once it has timed: the median of
     each server's), and the decoder's ITL streaming such a prompt alone (four streams
     of :data:`STEP_TOKENS` tokens before and four after: the median of their mean
