@@ -20,9 +20,9 @@ changes nothing; the planner tells the model what the request's final route kept
 3. **threshold**: ``u* = min(ttft limit, stall_d)``, the ttft limit being what a local
    prefill does within ``max(remote - h, T * s - wait_d - h)`` with a dedicated
    prefiller, else within ``T - wait_d - h`` (everything when ``wait_d + remote > T``);
-   the stall bound applies when a dedicated prefiller answers within ``T * s``, and
-   when the prompt kept local would miss ``T`` anyway (``wait_d + local + h > T``): a
-   request lost on either path goes where it stalls no stream.
+   the stall bound applies when a dedicated prefiller answers within ``T`` (``wait_d +
+   remote <= T``), and when the prompt kept local would miss ``T`` anyway (``wait_d +
+   local + h > T``): a request lost on either path goes where it stalls no stream.
    ``t = 1 - (u* + 1/2) / L``: ``d`` admits iff ``u <= u*`` (reasons ``local`` when
    ``u* >= L``, ``stall`` when the stall bound set it, else ``cost-model``). No
    compatible prefiller: :class:`Local`, ``no-prefiller``.
@@ -237,7 +237,7 @@ class GoodputPolicy:
         by_ttft = self._ttft_limit(model, tokens, wait, remote, target, dedicated=dedicated)
         # a real alternative to a stall: a prefiller that does not decode, in time, or
         # a prompt lost here anyway (nothing to save by a stall)
-        sure = dedicated and (late or wait + remote <= target * p.slack)
+        sure = dedicated and (late or wait + remote <= target)
         by_stall = m.stall_limit(context, model) if sure else math.inf
         keep = min(by_ttft, by_stall)
         kept = uncached if uncached <= keep else None

@@ -248,8 +248,11 @@ def test_an_idle_prefill_pool_takes_what_would_stall_a_saturated_one_leaves_it_l
     queue = (prefiller(reading=load(running=1, waiting=40)),)
     saturated = _decided(policy, context(tokens=6_000, dec=busy_decoder, prefillers=queue))
     assert threshold_of(saturated) == 0.0 and saturated.reason == "local"  # remote: 25 s
-    # remote 0.88 s meets the TTFT target but not its slack share: not sure enough
-    unsure = context(tokens=8_000, dec=busy_decoder, prefillers=(prefiller(reading=load()),))
+    # remote 0.88 s meets the 1 s TTFT target (past its slack share): a sure alternative
+    within = context(tokens=8_000, dec=busy_decoder, prefillers=(prefiller(reading=load()),))
+    assert _decided(policy, within).reason == "stall"
+    # remote 1.045 s misses it, and the local prefill (0.95 s) meets it: not sure enough
+    unsure = context(tokens=9_500, dec=busy_decoder, prefillers=(prefiller(reading=load()),))
     assert _decided(policy, unsure).reason == "local"
     # a prefiller that also decodes would take the stall to its own streams
     flexible = (prefiller(reading=load(), role=Role.BOTH),)
@@ -1246,19 +1249,19 @@ def test_a_ttft_target_that_scales_with_the_prompt_makes_a_long_remote_path_sure
     short = context(tokens=2_000, prefillers=(prefiller(reading=load()),))
     assert policy.model.ttft_target(short, pool) == 1.0  # 3 x 0.1 s alone: the floor
     busy_decoder = decoder(in_flight=30)
-    long = context(tokens=8_000, dec=busy_decoder, prefillers=(prefiller(reading=load()),))
-    # the prefiller pool's seeds are a guess until it learns: 3 x 0.8 s on the decoder's
-    assert policy.model.ttft_target(long, pool) == pytest.approx(2.4)
+    long = context(tokens=9_500, dec=busy_decoder, prefillers=(prefiller(reading=load()),))
+    # the prefiller pool's seeds are a guess until it learns: 3 x 0.95 s on the decoder's
+    assert policy.model.ttft_target(long, pool) == pytest.approx(2.85)
     policy.model.pool(long.prefillers[0].endpoint).measured = True  # it learnt a sample
-    # 3 x 0.4 s alone: the prefiller pool's rate, 20,000 tokens/s, is the fastest
-    assert policy.model.ttft_target(long, pool) == pytest.approx(1.2)
+    # 3 x 0.475 s alone: the prefiller pool's rate, 20,000 tokens/s, is the fastest
+    assert policy.model.ttft_target(long, pool) == pytest.approx(1.425)
     policy.model.out_mean = 10  # window 0.3 s: 1000 tokens of room
     policy.model.out_low = 10  # no short stream: the mean bound binds
-    # remote 0.88 s: past a fixed 1 s target's slack (0.8 s), within 1.2 s's (0.96 s),
-    # so the stall bound applies and the busy decoder keeps only its room
+    # remote 1.045 s: past a fixed 1 s target, within 1.425 s, so the stall bound
+    # applies and the busy decoder keeps only its room
     scaled = _decided(policy, long)
     assert scaled.reason == "stall"
-    assert threshold_of(scaled) == pytest.approx(1 - 1000.5 / 8_000)
+    assert threshold_of(scaled) == pytest.approx(1 - 1000.5 / 9_500)
     fixed = _policy()
     fixed.model.out_mean = 10
     fixed.model.out_low = 10
