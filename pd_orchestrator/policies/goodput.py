@@ -21,8 +21,10 @@ changes nothing; the planner tells the model what the request's final route kept
    prefill does within ``max(remote - h, T * s - wait_d - h)`` with a dedicated
    prefiller, else within ``T - wait_d - h`` (everything when ``wait_d + remote > T``);
    the stall bound applies when a dedicated prefiller answers within ``T`` (``wait_d +
-   remote <= T``), and when the prompt kept local would miss ``T`` anyway (``wait_d +
-   local + h > T``): a request lost on either path goes where it stalls no stream.
+   remote <= T``; within ``T * s`` beside a spilling prefiller, whose prefills stall the
+   streams it serves whole), and when the prompt kept local would miss ``T`` anyway
+   (``wait_d + local + h > T``): a request lost on either path goes where it stalls no
+   stream.
    ``t = 1 - (u* + 1/2) / L``: ``d`` admits iff ``u <= u*`` (reasons ``local`` when
    ``u* >= L``, ``stall`` when the stall bound set it, else ``cost-model``). No
    compatible prefiller: :class:`Local`, ``no-prefiller``.
@@ -237,7 +239,7 @@ class GoodputPolicy:
         by_ttft = self._ttft_limit(model, tokens, wait, remote, target, dedicated=dedicated)
         # a real alternative to a stall: a prefiller that does not decode, in time, or
         # a prompt lost here anyway (nothing to save by a stall)
-        sure = dedicated and (late or wait + remote <= target)
+        sure = dedicated and (late or wait + remote <= self._in_time(context, target))
         by_stall = m.stall_limit(context, model) if sure else math.inf
         keep = min(by_ttft, by_stall)
         kept = uncached if uncached <= keep else None
@@ -259,6 +261,14 @@ class GoodputPolicy:
         if wait + remote > target:
             return math.inf
         return model.tokens_within(target - wait - p.hop, tokens)
+
+    def _in_time(self, context: ThresholdContext, target: float) -> float:
+        """The time within which the remote path is a sure alternative to a stall: the
+        TTFT target ``target``; ``target * slack`` beside a spilling prefiller, whose
+        prefills stall the streams it serves whole."""
+        if any(c.endpoint.spill for c in context.prefillers):
+            return target * self.params.slack
+        return target
 
     def _drains(self, local: float, remote: float, target: float, *, known: bool) -> bool:
         """Whether a queued decoder with a dedicated prefiller drains (module docstring,

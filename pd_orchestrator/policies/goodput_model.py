@@ -174,8 +174,9 @@ _MIN_SAMPLE = 512
 
 class GoodputParams(NoParams):
     """SLO targets ``ttft`` and ``tpot`` (seconds); ``slack``: the share of the TTFT target
-    a local prefill may use when remote would be faster and the decoder wait from which
-    it drains;
+    a local prefill may use when remote would be faster, the decoder wait from which it
+    drains, and beside a spilling prefiller the share the remote path must fit in for
+    the stall bound to apply;
     ``tpot_goal``: the share of ``tpot`` the mean stream is held to; the seeds
     ``prefill_tokens_per_s`` (when no profile is known) and ``transfer_tokens_per_s``
     (KV moved per second; None: the known profile's hand-over, its fixed and per-token

@@ -254,6 +254,12 @@ def test_an_idle_prefill_pool_takes_what_would_stall_a_saturated_one_leaves_it_l
     # remote 1.045 s misses it, and the local prefill (0.95 s) meets it: not sure enough
     unsure = context(tokens=9_500, dec=busy_decoder, prefillers=(prefiller(reading=load()),))
     assert _decided(policy, unsure).reason == "local"
+    # a spilling prefiller's prefills stall the streams it serves whole: 0.88 s is past
+    # the target's slack share (0.8 s) there, not sure enough
+    spill = prefiller(reading=load())
+    spill = replace(spill, endpoint=replace(spill.endpoint, spill=True))
+    beside = context(tokens=8_000, dec=busy_decoder, prefillers=(spill,))
+    assert _decided(policy, beside).reason == "local"
     # a prefiller that also decodes would take the stall to its own streams
     flexible = (prefiller(reading=load(), role=Role.BOTH),)
     moved = _decided(policy, context(tokens=6_000, dec=busy_decoder, prefillers=flexible))
