@@ -37,8 +37,9 @@ def prefiller(
     healthy: bool = True,
     backlog: int = 0,
     role: Role = Role.PREFILL,
+    spill: bool = False,
 ) -> Candidate:
-    endpoint = Endpoint(name, f"http://{name}:8000", role, "h200", pool="prefill")
+    endpoint = Endpoint(name, f"http://{name}:8000", role, "h200", pool="prefill", spill=spill)
     return Candidate(endpoint, healthy, in_flight, reading, backlog)
 
 

@@ -256,9 +256,8 @@ def test_an_idle_prefill_pool_takes_what_would_stall_a_saturated_one_leaves_it_l
     assert _decided(policy, unsure).reason == "local"
     # a spilling prefiller's prefills stall the streams it serves whole: 0.88 s is past
     # the target's slack share (0.8 s) there, not sure enough
-    spill = prefiller(reading=load())
-    spill = replace(spill, endpoint=replace(spill.endpoint, spill=True))
-    beside = context(tokens=8_000, dec=busy_decoder, prefillers=(spill,))
+    spill = (prefiller(reading=load(), spill=True),)
+    beside = context(tokens=8_000, dec=busy_decoder, prefillers=spill)
     assert _decided(policy, beside).reason == "local"
     # a prefiller that also decodes would take the stall to its own streams
     flexible = (prefiller(reading=load(), role=Role.BOTH),)
