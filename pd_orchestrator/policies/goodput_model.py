@@ -118,7 +118,9 @@ uncached tokens of each request the final route keeps at ``d`` (told after compo
 the hit rates the decision read from readings are remembered until a reading gives
 another.
 Seeds: the known profile's (:attr:`Endpoint.knowledge`: the pool's measured profile
-file, or the profile a simulator runs) rate, step, attention term and hand-over, else
+file, or the profile a simulator runs) rate, step, attention term (which follows the
+learnt local rate once it is off the profile's: :meth:`PoolModel.learn_local`) and
+hand-over, else
 ``prefill_tokens_per_s``, a linear model (its attention term learnt) and a hand-over at
 ``transfer_tokens_per_s``; a hardware label alone picks no profile; a pool with no
 profile that has learnt no local sample (a prefill pool) takes no part in ``T``.
@@ -432,6 +434,22 @@ _MAX_STEP = 1.5
 _SEED_TRANSFER = 300_000.0
 """The seed of the transfer rate (tokens/s) with no profile known and none set."""
 
+_OFF_PROFILE = 1.25
+"""How far a learnt local rate may sit from the profile's and the profile's attention
+term stand (:meth:`PoolModel.learn_local`): within it, the profile's engine under
+load (the decaying maximum sits below the engine by the work beside its samples,
+and the simulated H200's fixed costs put its rate 4% under the profile's); beyond
+it, a profile off in speed."""
+
+_HANDOVER_RECENT = 8
+"""The samples each octave of the hand-over's line keeps (its median:
+:mod:`~pd_orchestrator.policies.octave_line`)."""
+
+
+def _handover(fixed: float, per_token: float) -> OctaveLine:
+    """The hand-over's costs before any sample: ``fixed`` seconds and ``per_token``."""
+    return OctaveLine(fixed, per_token, recent=_HANDOVER_RECENT)
+
 
 @dataclass(slots=True)
 class PoolModel:
@@ -451,7 +469,9 @@ class PoolModel:
     ``fixed``: the seconds every prefill timed alone paid whatever its length, learnt
     with ``attn`` (:func:`_fit_prefill`) and taken off each sample before its rate is
     read; like a profile's fixed prefill cost, it prices nothing (a prefill beside
-    streams rides steps they pay for)."""
+    streams rides steps they pay for); ``shape``: where the attention term is the
+    profile's (no parameter sets it), that term times the profile's rate, from
+    which :meth:`learn_local` derives the term (0: the term never follows the rate)."""
 
     rate_local: float
     rate_remote: float
@@ -461,13 +481,26 @@ class PoolModel:
     profile: LatencyProfile | None = None
     seed: float = 0.0
     attn: float = 0.0
-    handover: OctaveLine = field(default_factory=lambda: OctaveLine(0.0, 1.0 / _SEED_TRANSFER))
+    handover: OctaveLine = field(default_factory=lambda: _handover(0.0, 1.0 / _SEED_TRANSFER))
     steps: OctaveLine = field(default_factory=OctaveLine)
     alone_local: list[Alone] = field(default_factory=list)
     alone_remote: list[Alone] = field(default_factory=list)
     fits_attn: bool = False
     measured: bool = False
     fixed: float = 0.0
+    shape: float = 0.0
+
+    def learn_local(self, rate: float) -> None:
+        """Take ``rate`` as the local prefill rate. Where the attention term is the
+        profile's (``shape`` above 0) and ``rate`` is more than :data:`_OFF_PROFILE`
+        times off the profile's, the term follows at ``shape / rate``: a profile off
+        by a factor in speed is off by it in both terms, and the local samples
+        correct both (learnt alone, the rate absorbed the term's error and stayed 5%
+        short); within it, the term stays the profile's."""
+        self.rate_local = rate
+        if self.shape > 0.0 and self.seed > 0.0:
+            off = max(rate / self.seed, self.seed / rate) > _OFF_PROFILE
+            self.attn = self.shape / (rate if off else self.seed)
 
     def attention_seconds(self, new: float, held: float) -> float:
         """The attention term of a prefill of ``new`` tokens after ``held`` cached ones:
@@ -524,12 +557,14 @@ def _seeded_pool(profile: LatencyProfile | None, params: GoodputParams) -> PoolM
     if attn is None:
         attn = profile.attn if profile is not None else 0.0
     if profile is not None:
-        handover = OctaveLine(profile.a_kv, profile.transfer_seconds(1) - profile.a_kv)
+        handover = _handover(profile.a_kv, profile.transfer_seconds(1) - profile.a_kv)
     else:
-        handover = OctaveLine(0.0, params.time_scale / _SEED_TRANSFER)
+        handover = _handover(0.0, params.time_scale / _SEED_TRANSFER)
+    shape = attn * rate if profile is not None and params.prefill_attention is None else 0.0
     return PoolModel(
-        rate, rate, profile=profile, seed=rate, attn=attn, handover=handover, fits_attn=fits
-    )
+        rate, rate, profile=profile, seed=rate, attn=attn, handover=handover,
+        fits_attn=fits, shape=shape,
+    )  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -933,11 +968,11 @@ class GoodputModel:
                 model.measured = True
                 if observation.alone:
                     sample = (tokens - cached, cached, seconds)
-                    model.rate_local = _learn_measured(
-                        model, model.rate_local, sample, model.alone_local
+                    model.learn_local(
+                        _learn_measured(model, model.rate_local, sample, model.alone_local)
                     )
                 else:
-                    model.rate_local = _learn_rate(model.rate_local, rate, p.alpha)
+                    model.learn_local(_learn_rate(model.rate_local, rate, p.alpha))
 
     def _prefill_leg(self, observation: LatencyObservation, model: PoolModel, ttft: float) -> float:
         """Seconds a P/D request's prefill leg took, its two hops included: as timed from

@@ -19,12 +19,23 @@ Robust: a sample is first clipped into ``[v / k, k * v]`` of its octave's mean `
 (``k`` = :data:`MAX_STEP`), then moves it by ``alpha`` of the way; an octave starts
 from the current line's estimate (from its first sample while the line is still 0,
 as a line with no seed is), so no one sample, however far off, moves an estimate by
-more than ``alpha * (k - 1)`` of it once there is one. Pure: no clock, no I/O.
+more than ``alpha * (k - 1)`` of it once there is one.
+
+With ``recent`` N above 0, an octave is instead the median of its last N samples,
+each clipped as above, and of the line's estimate it started from until N samples
+have come: one sample moves it by at most ``(k - 1) / 2`` of it, fewer than half of
+the samples not beyond the others' range, and a line off by a factor follows the
+samples within a few times ``log(factor) / log(k)`` of them, where a moving mean
+takes ``log(factor) / log(1 + alpha * (k - 1))`` (the hand-over of a link five
+times slower than believed: 65 samples in each octave at ``alpha`` 0.05; in the
+octave of 40k-token prompts, which few requests reach, four minutes of Mooncake
+traffic). Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 
 from pd_orchestrator.model.measured import nonnegative_least_squares
@@ -38,11 +49,14 @@ MAX_STEP = 1.5
 @dataclass(slots=True)
 class OctaveLine:
     """``fixed`` and ``slope`` (module docstring); ``octaves``: per octave of ``x``,
-    the moving means ``[x, y]`` of its samples."""
+    the moving means ``[x, y]`` of its samples (with ``recent``: their mean ``x`` and
+    median ``y``, of the samples kept in ``kept``)."""
 
     fixed: float = 0.0
     slope: float = 0.0
     octaves: dict[int, list[float]] = field(default_factory=dict)
+    recent: int = 0
+    kept: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
 
     def at(self, x: float) -> float:
         """``y(x)``."""
@@ -58,9 +72,22 @@ class OctaveLine:
             octave = self.octaves[x.bit_length()] = [float(x), self.at(x) or y]
         mean = octave[1]
         y = min(max(y, mean / MAX_STEP), mean * MAX_STEP)
-        octave[0] += alpha * (x - octave[0])
-        octave[1] += alpha * (y - mean)
+        if self.recent > 0:
+            self._keep(x.bit_length(), float(x), y)
+        else:
+            octave[0] += alpha * (x - octave[0])
+            octave[1] += alpha * (y - mean)
         self._refit()
+
+    def _keep(self, key: int, x: float, y: float) -> None:
+        """The octave ``key`` after a clipped sample ``(x, y)``: its last ``recent``
+        samples (after the estimate it started from), their mean ``x``, median ``y``."""
+        octave = self.octaves[key]
+        kept = self.kept.setdefault(key, [(octave[0], octave[1])])
+        kept.append((x, y))
+        del kept[: -self.recent]
+        octave[0] = statistics.fmean(point[0] for point in kept)
+        octave[1] = statistics.median(point[1] for point in kept)
 
     def _refit(self) -> None:
         means = list(self.octaves.values())

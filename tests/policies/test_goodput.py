@@ -666,6 +666,52 @@ def test_a_long_prefill_at_the_engine_s_speed_leaves_the_learnt_rates_where_they
     assert model.rate_remote == pytest.approx(model.seed)
 
 
+def test_a_profile_too_fast_by_a_factor_is_corrected_in_both_its_terms() -> None:
+    """A profile twice too optimistic (its rate twice the engine's, its attention term
+    half) learnt back from local samples beside other work: the rate alone absorbed the
+    term's error, and a long prompt stayed priced short (the wrong-belief bench). A
+    profile within x1.25 of the engine keeps its term."""
+    h200 = _known_h200()
+    samples = [(n, n // 4) for n in [2_000, 4_000, 8_000, 16_000, 32_000]] * 20
+
+    def learnt(belief: float, *, follows: bool = True, slower: float = 1.0) -> PoolModel:
+        policy = GoodputPolicy(PARAMS)
+        _decided(policy, context(dec=Candidate(h200, True, 0, None)))
+        model = policy.model.pools[h200.pool]
+        assert model.profile is not None
+        engine = model.profile.prefill_seconds
+        model.rate_local, model.seed = belief * model.rate_local, belief * model.seed
+        model.attn /= belief
+        model.shape = model.shape if follows else 0.0
+        for new, held in samples:
+            policy.observe(
+                LatencyObservation(
+                    "m", h200.pool, 0.0, ttft=slower * engine(new, held),
+                    prompt_tokens=new + held, cached_tokens=held, remote=False,
+                )
+            )  # fmt: skip
+        return model
+
+    truth = learnt(2.0)
+    profile = truth.profile
+    assert profile is not None
+    assert truth.rate_local == pytest.approx(truth.seed / 2, rel=0.02)
+    assert truth.attn == pytest.approx(profile.attn, rel=0.02)
+    for new, held in [(60_000, 0), (24_000, 8_000), (1_000, 0)]:
+        seconds = profile.prefill_seconds(new, held)
+        assert truth.local_seconds(new, new + held) == pytest.approx(seconds, rel=0.03)
+    # the term held at the profile's half: a 60k-token prompt priced 10% or more short
+    alone = learnt(2.0, follows=False)
+    assert alone.attn == pytest.approx(profile.attn / 2)
+    assert alone.local_seconds(60_000, 60_000) < 0.9 * profile.prefill_seconds(60_000, 0)
+    # an engine 4% slower than a right profile: its rate follows, its term stays
+    near = learnt(1.0, slower=1.04)
+    assert near.rate_local < 0.97 * near.seed
+    assert near.attn == profile.attn
+    # a profile twice too slow is corrected too
+    assert learnt(0.5).attn == pytest.approx(profile.attn, rel=0.02)
+
+
 def test_before_any_itl_the_bare_step_is_the_hardware_profile_s() -> None:
     h200 = _known_h200()
     policy = GoodputPolicy(PARAMS)
@@ -1225,6 +1271,37 @@ def test_one_far_hand_over_sample_moves_the_costs_by_a_bounded_step() -> None:
     costs.learn(8_192, float("nan"), alpha=0.1)  # ignored
     costs.learn(0, 1.0, alpha=0.1)
     assert costs.at(8_192) <= before * 1.05 + 1e-12
+
+
+def test_a_hand_over_five_times_dearer_than_believed_is_learnt_in_a_dozen_samples() -> None:
+    """The median of an octave's last samples follows a link five times slower than
+    believed within a dozen samples an octave, where a moving mean takes 65 (the
+    wrong-belief bench: the 40k-token octave took four minutes)."""
+
+    def learnt(recent: int, samples: int) -> OctaveLine:
+        costs = OctaveLine(0.010, 0.6e-6, recent=recent)  # believed: 1/5 of 3 us a token
+        for _ in range(samples):
+            for tokens in (2_000, 40_000):
+                costs.learn(tokens, 0.010 + 3e-6 * tokens, alpha=0.05)
+        return costs
+
+    truth = 0.010 + 3e-6 * 40_000
+    assert learnt(8, 12).at(40_000) == pytest.approx(truth, rel=0.1)
+    assert learnt(0, 12).at(40_000) < 0.5 * truth  # a moving mean: a third of the way
+    assert learnt(0, 80).at(40_000) == pytest.approx(truth, rel=0.1)
+
+
+def test_with_recent_samples_a_minority_of_far_ones_moves_no_octave_beyond_the_rest() -> None:
+    costs = OctaveLine(0.010, 3e-6, recent=8)
+    value = costs.at(8_192)
+    costs.learn(8_192, 100.0, alpha=0.05)  # one stalled hand-over: half the clip at most
+    assert value < costs.at(8_192) <= value * 1.25 + 1e-12
+    for _ in range(7):
+        costs.learn(8_192, value, alpha=0.05)
+    for y in (100.0, 1e-6, 100.0):  # three of eight far off, both ways
+        costs.learn(8_192, y, alpha=0.05)
+    assert costs.at(8_192) == pytest.approx(value)
+    assert len(costs.kept[(8_192).bit_length()]) == 8
 
 
 def test_p_d_samples_teach_the_hand_over_apart_from_the_remote_rate() -> None:
