@@ -23,9 +23,9 @@ more than ``alpha * (k - 1)`` of it once there is one.
 
 With ``recent`` N above 0, an octave is instead the median of its last N samples,
 each clipped as above, and of the line's estimate it started from until N samples
-have come: one sample moves it by at most ``(k - 1) / 2`` of it, fewer than half of
-the samples not beyond the others' range, and a line off by a factor follows the
-samples within a few times ``log(factor) / log(k)`` of them, where a moving mean
+have come: one sample moves it by at most ``(k - 1) / 2`` of it, far samples fewer
+than half of them leave it within the range of the rest, and a line off by a factor
+follows the samples within a few times ``log(factor) / log(k)`` of them, where a moving mean
 takes ``log(factor) / log(1 + alpha * (k - 1))`` (the hand-over of a link five
 times slower than believed: 65 samples in each octave at ``alpha`` 0.05; in the
 octave of 40k-token prompts, which few requests reach, four minutes of Mooncake
