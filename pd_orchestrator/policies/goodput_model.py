@@ -498,7 +498,7 @@ class PoolModel:
         correct both (learnt alone, the rate absorbed the term's error and stayed 5%
         short); within it, the term stays the profile's."""
         self.rate_local = rate
-        if self.shape > 0.0 and self.seed > 0.0:
+        if self.shape > 0.0:  # seeded with a rate, so ``seed`` is above 0
             off = max(rate / self.seed, self.seed / rate) > _OFF_PROFILE
             self.attn = self.shape / (rate if off else self.seed)
 

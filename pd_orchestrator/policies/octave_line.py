@@ -67,22 +67,23 @@ class OctaveLine:
         finite)."""
         if x <= 0 or not (math.isfinite(y) and y > 0.0):
             return
-        octave = self.octaves.get(x.bit_length())
+        key = x.bit_length()
+        octave = self.octaves.get(key)
         if octave is None:
-            octave = self.octaves[x.bit_length()] = [float(x), self.at(x) or y]
+            octave = self.octaves[key] = [float(x), self.at(x) or y]
         mean = octave[1]
         y = min(max(y, mean / MAX_STEP), mean * MAX_STEP)
         if self.recent > 0:
-            self._keep(x.bit_length(), float(x), y)
+            self._keep(key, octave, float(x), y)
         else:
             octave[0] += alpha * (x - octave[0])
             octave[1] += alpha * (y - mean)
         self._refit()
 
-    def _keep(self, key: int, x: float, y: float) -> None:
-        """The octave ``key`` after a clipped sample ``(x, y)``: its last ``recent``
-        samples (after the estimate it started from), their mean ``x``, median ``y``."""
-        octave = self.octaves[key]
+    def _keep(self, key: int, octave: list[float], x: float, y: float) -> None:
+        """``octave`` (of key ``key``) after a clipped sample ``(x, y)``: its last
+        ``recent`` samples (after the estimate it started from), their mean ``x``,
+        median ``y``."""
         kept = self.kept.setdefault(key, [(octave[0], octave[1])])
         kept.append((x, y))
         del kept[: -self.recent]
