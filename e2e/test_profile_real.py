@@ -756,14 +756,17 @@ def test_the_start_up_timing_learns_the_pair_s_rates_before_any_request(
 
 
 def test_the_start_up_timing_learns_the_decoder_s_step(timeline: Timeline) -> None:
-    """(c) at start-up: the decoder's last prompt, generating :data:`STEP_TOKENS` tokens,
-    teaches its pool the decode step of one stream (its time less its prefill as just
-    learnt), within half of the ITL the decoder streams such a prompt at around it
-    (:func:`_timed_at_start`); the prefill pool, which decodes nothing, learns none.
-    Half, not a quarter: a step of about 4 ms on this shared host moved by a third
-    between runs (the streamed ITL read 3.22 to 4.39 ms), and 31 steps timed at once
-    carry every millisecond the host lends elsewhere; before the step was timed, a
-    cold burst priced it at 0."""
+    """(c) at start-up: the decoder's last prompts, streaming :data:`STEP_TOKENS` tokens
+    each, teach its pool the decode step of one stream (the median of their mean gaps
+    between tokens), within half of the ITL the decoder streams such a prompt at
+    around it (:func:`_timed_at_start`); the prefill pool, which decodes nothing,
+    learns none. Half, not a quarter: a step of about 4 ms on this shared host moved by
+    a third between runs (the streamed ITL read 3.22 to 4.39 ms). Read as a prompt's
+    time less its priced prefill, the step carried the prefill's error: one prompt
+    slowed by the host read 12.4 ms against an ITL of 5.0 ms, and the least of eight,
+    beside a prefill priced 13% dear, 0.7 ms against 6.1 ms; the least of eight gaps read
+    4.8 ms against 6.2 ms. Before the step was
+    timed, a cold burst priced it at 0."""
     pools = timeline.timed["pools"]
     step, itl = pools["decoders"]["step_fixed"], timeline.timed["pair"]["step"]
     print(f"(c) step timed at start-up {step * 1e3:.2f} ms, the decoder's ITL streaming "

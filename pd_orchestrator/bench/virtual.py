@@ -649,9 +649,10 @@ class VirtualFleet:
 class _Probing:
     """One start-up probe (:class:`~pd_orchestrator.policies.calibration.Probe`) on its
     endpoint's engine: each length a fresh cold prompt (a content no workload uses),
-    ``max_tokens`` 1, then the decode step prompt, each sent when the one before was
+    ``max_tokens`` 1, then the decode step prompts, each sent when the one before was
     answered while the probe's ``seconds`` have not passed; each answer, timed from
-    its send to its arrival back (two hops), is told to the policies; after the last
+    its send to its arrival back (two hops), and a step prompt's mean gap between its
+    tokens after the first, is told to the policies; after the last
     (or after a prompt the engine refuses) the instance's hit-rate window starts
     afresh, then ``done(t)``."""
 
@@ -671,6 +672,7 @@ class _Probing:
         self.step = 0
         self.queued: bool | None = None
         self.alone: bool | None = None
+        self.first: tuple[float, int] | None = None  # the prompt's first output, tokens by then
 
     def send(self, now: float) -> None:
         """Send the next prompt (:meth:`Probe.prompts`) at ``now`` (``done`` when none
@@ -698,9 +700,15 @@ class _Probing:
         self.fleet.submit(self.instance, now + hop, request, self.answered, self.refused)
 
     def answered(self, now: float, output: RequestOutput) -> None:
+        """One step's output of the prompt out: its first token's time kept (a step
+        prompt's tokens stream, as the gateway times them), its last learnt."""
+        if self.first is None:
+            self.first = (now, output.num_output_tokens)
         if output.finish_reason is None:
             return
         back = now + self.fleet.options.hop
+        at, before = self.first
+        after = output.num_output_tokens - before
         timed = Timed(
             output.num_prompt_tokens,
             output.num_cached_tokens,
@@ -708,7 +716,9 @@ class _Probing:
             queued=self.queued,
             alone=self.alone,
             output=output.num_output_tokens,
+            gap=(now - at) / after if after > 0 else None,
         )
+        self.first = None
         self.resolver.calibrate(self.probe, timed)
         self.send(back)
 

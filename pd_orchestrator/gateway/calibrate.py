@@ -5,7 +5,8 @@ The policy says which endpoints to time and at which lengths
 profile that has learnt no local rate); this module sends the prompts and tells the
 policy what they took. Each prompt is a fresh cold one (random token ids within any
 model's vocabulary, as the profiler sends), ``max_tokens`` 1 (the decode step
-prompt: ``probe_step_tokens``, EOS ignored), to ``/v1/completions``,
+prompts: ``probe_step_tokens``, EOS ignored, streamed with their token ids, the gaps
+between their tokens timed as they come), to ``/v1/completions``,
 timed from its send to its answer, with the cached count the answer reports (0 where
 it reports none: no block of a fresh prompt can be held, so unlike a client's prompt
 an unreported count is known). Every prompt goes after the one before has been
@@ -28,10 +29,12 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 
 from pd_orchestrator.gateway.state import GatewayState
+from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.planner.plan import alone_at, queued_at
 from pd_orchestrator.policies.calibration import COLD_TOKEN_IDS, Probe, Timed
 from pd_orchestrator.policies.threshold import ThresholdResolver
@@ -146,16 +149,20 @@ async def _time_one(
         "model": model, "prompt": prompt, "max_tokens": output, "temperature": 0.0,
         "ignore_eos": True,
     }  # fmt: skip
+    gap: float | None = None
     state.fleet.enter(endpoint.name, len(prompt))  # counted as a request is
     try:
         sent = clock()
-        answer = await upstream.post_json(
-            endpoint, "/v1/completions", body, phase=Phase.PREFILL, prompt_tokens=len(prompt)
-        )
+        if output > 1:
+            usage, gap = await _streamed(upstream, endpoint, body, clock)
+        else:
+            answer = await upstream.post_json(
+                endpoint, "/v1/completions", body, phase=Phase.PREFILL, prompt_tokens=len(prompt)
+            )
+            usage = answer.get("usage")
         seconds = clock() - sent
     finally:
         state.fleet.leave(endpoint.name, len(prompt))
-    usage = answer.get("usage")
     usage = usage if isinstance(usage, dict) else {}
     tokens = usage.get("prompt_tokens")
     details = usage.get("prompt_tokens_details")
@@ -168,7 +175,48 @@ async def _time_one(
         queued=queued,
         alone=alone_at(seen, queued),
         output=generated if isinstance(generated, int) and generated > 0 else output,
+        gap=gap,
     )
+
+
+async def _streamed(
+    upstream: Upstream, endpoint: Endpoint, body: dict[str, Any], clock: Callable[[], float]
+) -> tuple[object, float | None]:
+    """Stream the decode step prompt ``body``: its usage (None: not sent) and the mean
+    time between its tokens after the first, from the first token's arrival to the
+    last's over the tokens between (counted by their ids, else one a chunk; None:
+    fewer than two tokens came apart)."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True}  # fmt: skip
+    stream = await upstream.open_stream(endpoint, "/v1/completions", body, phase=Phase.DECODE)
+    usage: object = None
+    first: float | None = None
+    last, after = 0.0, 0  # the last token's arrival; the tokens after the first chunk's
+    try:
+        async for chunks in stream:
+            now = clock()
+            for chunk in chunks:
+                usage = chunk.get("usage") or usage
+                count = _tokens_in(chunk)
+                if count and first is None:
+                    first = now
+                elif count:
+                    last, after = now, after + count
+    finally:
+        await stream.aclose()
+    return usage, (last - first) / after if first is not None and after else None
+
+
+def _tokens_in(chunk: dict[str, Any]) -> int:
+    """The tokens a streamed completion chunk carries: its token ids, else 1 for text."""
+    count = 0
+    for choice in chunk.get("choices") or ():
+        ids = choice.get("token_ids") if isinstance(choice, dict) else None
+        if isinstance(ids, list) and ids:
+            count += len(ids)
+        elif isinstance(choice, dict) and choice.get("text"):
+            count += 1
+    return count
 
 
 def _prompts(count: int) -> str:

@@ -17,8 +17,9 @@ does, and the policy learns them as samples (:meth:`GoodputModel.calibrate`):
   pool of its group that has no profile (the prefill leg of a P/D request is the same
   computation, on the same engine).
 
-* on a pool that decodes, one more prompt of the shortest length that generates
-  ``probe_step_tokens`` tokens: its time less its prefill is the decode step of one
+* on a pool that decodes, more prompts of the shortest length, as many as it was
+  timed for its rate and three at least, that generate ``probe_step_tokens`` tokens,
+  streamed: the median of their mean gaps between tokens is the decode step of one
   stream, the step the pool prices until traffic teaches it against the batch
   (before, a cold burst with no profile priced every decode step as free: on the
   simulated mixed fleet every one of a burst's stall bounds read a step of 0 ms,
@@ -40,12 +41,17 @@ from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.model.records import record
 
-__all__ = ["COLD_TOKEN_IDS", "Probe", "Timed", "plan_probes"]
+__all__ = ["COLD_TOKEN_IDS", "STEP_REPEATS", "Probe", "Timed", "plan_probes"]
 
 COLD_TOKEN_IDS = (100, 4000)
 """The range a cold prompt's token ids are drawn from, within any model's vocabulary
 (the start-up timing's and the profiler's): fresh random ids share no block with
 any other prompt."""
+
+
+STEP_REPEATS = 3
+"""The fewest decode step prompts a probe sends: their median stands clear of one the
+host slows (:meth:`~pd_orchestrator.policies.goodput_model.GoodputModel.calibrate`)."""
 
 
 @record
@@ -54,9 +60,10 @@ class Probe:
     (tokens), one after another, none sent once ``seconds`` have passed since the
     first; ``decoders``: one endpoint of each decoder pool whose remote rate these
     prompts time (those of a dedicated prefiller's group); ``step_tokens``: after them,
-    on an endpoint that decodes, one more cold prompt of the shortest length with that
-    many output tokens, whose time less its prefill is ``step_tokens - 1`` decode steps
-    of one stream (0: none)."""
+    on an endpoint that decodes, cold prompts of the shortest length with that many
+    output tokens, as many as ``lengths`` holds that length and
+    :data:`STEP_REPEATS` at least, each streaming
+    ``step_tokens - 1`` decode steps of one stream after its first token (0: none)."""
 
     endpoint: Endpoint
     lengths: tuple[int, ...]
@@ -67,8 +74,9 @@ class Probe:
     def prompts(self, longest: int | None = None) -> list[tuple[int, int]]:
         """The prompts to send, in order, as ``(length, output tokens)``: each of
         ``lengths`` for one token, then with ``step_tokens`` the shortest of them for
-        that many; only those that fit ``longest``, the most prompt tokens the model
-        takes with one output token (None: all)."""
+        that many, as often as ``lengths`` repeats it and :data:`STEP_REPEATS` times at
+        least; only those that fit ``longest``, the most prompt tokens the model takes
+        with one output token (None: all)."""
 
         def fits(length: int, output: int) -> bool:
             return longest is None or length + output - 1 <= longest
@@ -76,7 +84,9 @@ class Probe:
         prompts = [(length, 1) for length in self.lengths if fits(length, 1)]
         room = [length for length in self.lengths if fits(length, self.step_tokens)]
         if self.step_tokens > 1 and room:
-            prompts.append((min(room), self.step_tokens))
+            shortest = min(room)
+            repeats = max(STEP_REPEATS, room.count(shortest))
+            prompts += [(shortest, self.step_tokens)] * repeats
         return prompts
 
 
@@ -88,7 +98,10 @@ class Timed:
     prefill and one step). ``queued`` and ``alone``: as
     :class:`~pd_orchestrator.policies.base.LatencyObservation` has them, when it was
     sent; ``output``: the tokens it generated (more than 1: the probe's decode step
-    prompt, :attr:`Probe.step_tokens`, whose ``seconds`` also count those steps)."""
+    prompt, :attr:`Probe.step_tokens`, whose ``seconds`` also count those steps);
+    ``gap``: for such a prompt streamed, the mean time between its tokens after the
+    first (from the first token's arrival to the last's, over the tokens between),
+    its decode step read apart from its prefill (None: not streamed)."""
 
     tokens: int
     cached: int | None
@@ -96,6 +109,7 @@ class Timed:
     queued: bool | None = None
     alone: bool | None = None
     output: int = 1
+    gap: float | None = None
 
 
 def plan_probes(

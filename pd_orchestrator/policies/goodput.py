@@ -135,8 +135,9 @@ class GoodputPolicy:
         (:func:`~pd_orchestrator.policies.calibration.plan_probes`): on each pool of
         ``candidates`` with no profile that has learnt no local rate, each of
         ``probe_tokens`` (shortest first) ``probe_repeats`` times, within
-        ``probe_seconds``, then on a pool that decodes one prompt of
-        ``probe_step_tokens`` output tokens (its decode step)."""
+        ``probe_seconds``, then on a pool that decodes the shortest as often again
+        (three times at least) for ``probe_step_tokens`` output tokens (its decode
+        step)."""
         p = self.params
         lengths = tuple(n for n in sorted(p.probe_tokens) for _ in range(p.probe_repeats))
         return plan_probes(

@@ -80,6 +80,17 @@ class OctaveLine:
             octave[1] += alpha * (y - mean)
         self._refit()
 
+    def place(self, x: int, y: float) -> None:
+        """Set the octave of ``x`` to ``(x, y)`` outright, forgetting its samples: a
+        value measured apart from the samples (ignored unless both are positive and
+        finite)."""
+        if x <= 0 or not (math.isfinite(y) and y > 0.0):
+            return
+        key = x.bit_length()
+        self.octaves[key] = [float(x), y]
+        self.kept.pop(key, None)
+        self._refit()
+
     def _keep(self, key: int, octave: list[float], x: float, y: float) -> None:
         """``octave`` (of key ``key``) after a clipped sample ``(x, y)``: its last
         ``recent`` samples (after the estimate it started from), their mean ``x``,

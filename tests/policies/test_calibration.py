@@ -181,6 +181,19 @@ def test_the_decode_step_prompt_teaches_the_step_of_one_stream_and_no_rate() -> 
     assert not model.pool(KNOWN).steps.octaves
 
 
+def test_a_streamed_step_prompt_teaches_its_gap_whatever_its_prefill_is_priced_at() -> None:
+    """Streamed, a step prompt's step is its mean gap between tokens, read apart from
+    its prefill: no rate need be learnt, and a prefill the rates price dear (which,
+    taken off its time, left 0.7 ms of a 6 ms step on the CPU pair) changes nothing."""
+    model = GoodputPolicy().model
+    model.calibrate(Probe(D0, (2048,)), Timed(2048, 0, 0.3, alone=True, output=32, gap=0.006))
+    assert model.pool(D0).steps.at(1) == pytest.approx(0.006)  # before any rate
+    model.calibrate(Probe(D0, (4096,)), Timed(4096, 0, 4096 / 30_000 + 2 * HOP, alone=True))
+    seconds = 2048 / 40_000 + 31 * 0.005  # the learnt 30,000 tokens/s prices it dear
+    model.calibrate(Probe(D0, (2048,)), Timed(2048, 0, seconds, alone=True, output=32, gap=0.005))
+    assert model.pool(D0).steps.at(1) == pytest.approx(0.0055)  # the median of 6 and 5 ms
+
+
 def test_a_decode_step_prompt_teaches_no_step_before_a_rate_or_when_it_cannot() -> None:
     """Before the pool has learnt a local rate (its prefill priced on the seeds), timed
     shorter than the learnt prefill (a rate gone wrong, a clock), or with no cached
@@ -210,10 +223,30 @@ def test_the_end_of_a_probe_forgets_the_hit_rate_remembered_at_its_endpoint() ->
 
 
 def test_a_probe_sends_its_lengths_then_its_step_prompt_each_where_the_model_fits_it() -> None:
-    """Each length for one token, then the shortest for ``step_tokens``; a length the
+    """Each length for one token, then the shortest for ``step_tokens``, as often as it
+    came and three times at least; a length the
     model's context cannot take with its output is left out (2048 + 31 > 2048)."""
     probe = Probe(D0, (1024, 2048, 4096), step_tokens=32)
-    assert probe.prompts() == [(1024, 1), (2048, 1), (4096, 1), (1024, 32)]
-    assert probe.prompts(2048) == [(1024, 1), (2048, 1), (1024, 32)]
+    assert probe.prompts() == [(1024, 1), (2048, 1), (4096, 1), *[(1024, 32)] * 3]
+    assert probe.prompts(2048) == [(1024, 1), (2048, 1), *[(1024, 32)] * 3]
     assert Probe(D0, (2048,), step_tokens=32).prompts(2048) == [(2048, 1)]
     assert Probe(P0, (1024,)).prompts() == [(1024, 1)]  # no step: a dedicated prefiller
+    repeated = Probe(D0, (1024,) * 4 + (4096,) * 4, step_tokens=32)  # probe_repeats 4
+    assert repeated.prompts()[8:] == [(1024, 32)] * 4
+
+
+def test_the_median_of_the_decode_step_prompts_is_the_step_a_slowed_one_moves_nothing() -> None:
+    """The probe's step prompts are read as a timing's repeats, their median the pool's
+    step at one stream: one slowed 2.5x (as one on the CPU pair read 12.4 ms beside an
+    ITL of 5.0 ms), first, between or last, leaves it at the step once three have come."""
+    fixed, rate, attn, step = 0.008, 34_000.0, 0.96e-9, 0.005
+    for slowed in range(3):
+        model = GoodputPolicy().model
+        for tokens in model.params.probe_tokens:
+            seconds = _engine_seconds(tokens, fixed, rate, attn)
+            model.calibrate(Probe(D0, (tokens,)), Timed(tokens, 0, seconds, alone=True))
+        for k in range(3):
+            each = 2.5 * step if k == slowed else step
+            seconds = _engine_seconds(2048, fixed, rate, attn) + 31 * each
+            model.calibrate(Probe(D0, (2048,)), Timed(2048, 0, seconds, alone=True, output=32))
+        assert model.pools["decode"].steps.at(1) == pytest.approx(step, rel=0.05), slowed
