@@ -154,7 +154,7 @@ async def _time_one(
     try:
         sent = clock()
         if output > 1:
-            usage, gap = await _streamed(upstream, endpoint, body, clock)
+            usage, gap = await _streamed(upstream, endpoint, body, len(prompt), clock)
         else:
             answer = await upstream.post_json(
                 endpoint, "/v1/completions", body, phase=Phase.PREFILL, prompt_tokens=len(prompt)
@@ -180,7 +180,11 @@ async def _time_one(
 
 
 async def _streamed(
-    upstream: Upstream, endpoint: Endpoint, body: dict[str, Any], clock: Callable[[], float]
+    upstream: Upstream,
+    endpoint: Endpoint,
+    body: dict[str, Any],
+    prompt_tokens: int,
+    clock: Callable[[], float],
 ) -> tuple[object, float | None]:
     """Stream the decode step prompt ``body``: its usage (None: not sent) and the mean
     time between its tokens after the first, from the first token's arrival to the
@@ -188,7 +192,9 @@ async def _streamed(
     fewer than two tokens came apart)."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True},
             "return_token_ids": True}  # fmt: skip
-    stream = await upstream.open_stream(endpoint, "/v1/completions", body, phase=Phase.DECODE)
+    stream = await upstream.open_stream(
+        endpoint, "/v1/completions", body, phase=Phase.PREFILL, prompt_tokens=prompt_tokens
+    )
     usage: object = None
     first: float | None = None
     last, after = 0.0, 0  # the last token's arrival; the tokens after the first chunk's

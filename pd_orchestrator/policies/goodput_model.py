@@ -194,9 +194,9 @@ class GoodputParams(NoParams):
     a pool with no profile that has learnt no local rate, each ``probe_repeats`` times,
     shortest first, none sent once ``probe_seconds`` have passed on that pool
     (:mod:`~pd_orchestrator.policies.calibration`; empty: none, it starts on the seeds),
-    then on a pool that decodes the shortest length as many times again (three at least),
-    streaming
-    ``probe_step_tokens`` tokens, which times its decode step (0: not timed).
+    then on a pool that decodes the shortest length as many times again (three at
+    least), streaming ``probe_step_tokens`` tokens, which times its decode step (0: not
+    timed).
     ``attainment``: the share of requests the targets are to hold for; the short-stream
     bound protects the ``1 - attainment`` quantile of the outputs. ``time_scale``:
     seconds of the gateway's clock per second of the knowledge (a fleet of simulators
