@@ -5,6 +5,7 @@ and the gateway as real processes."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -14,8 +15,12 @@ import anyio
 import httpx
 import pytest
 
+from pd_orchestrator.config.settings import TimeoutConfig, UpstreamConfig
+from pd_orchestrator.gateway.calibrate import _streamed
+from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.hardware import PROFILES
 from pd_orchestrator.model.measured import Measured, Points, dump_measured
+from pd_orchestrator.upstream.client import Upstream
 
 from ..conftest import GatewayFactory, SimFactory
 from .helpers import call, metric, metrics_text
@@ -185,3 +190,27 @@ async def test_a_probe_the_endpoint_refuses_leaves_the_pool_to_traffic(
     assert learnt["decode"]["rate_remote"] > 20_000  # the prefiller's prompt
     body = {"model": "sim-model", "prompt": "hello " * 20, "max_tokens": 2}
     assert (await call(gateway.url, "completion", body)).status in (200, 404)  # it serves
+
+
+async def test_a_step_prompt_is_timed_by_the_gaps_between_its_streamed_tokens(
+    sim_factory: SimFactory,
+) -> None:
+    """The decode step prompt streams with its token ids: 32 tokens, its usage, and the
+    mean gap after the first token, which leaves the prefill out (a 16k-token prompt
+    on the simulated H200: its prefill alone is about 0.6 s, some 90 steps' worth, so
+    read whole the prompt's time over 31 would be many times the step)."""
+    sim = sim_factory("--profile", "h200-llama3-8b", "--model", "sim-model", name="decode")
+    endpoint = Endpoint("d0", sim.url, Role.DECODE, "h200")
+    upstream = Upstream(UpstreamConfig(), TimeoutConfig())
+    prompt = [100 + n % 3000 for n in range(16384)]
+    body = {"model": "sim-model", "prompt": prompt, "max_tokens": 32, "ignore_eos": True}
+    try:
+        sent = time.monotonic()
+        usage, gap = await _streamed(upstream, endpoint, body, len(prompt), time.monotonic)
+        whole = time.monotonic() - sent
+    finally:
+        await upstream.aclose()
+    assert isinstance(usage, dict) and usage["completion_tokens"] == 32
+    assert usage["prompt_tokens"] == len(prompt)
+    assert gap is not None and 0.003 < gap < 0.02, gap  # the engine's 6.5 ms
+    assert whole / 31 > 2 * gap, (whole, gap)
