@@ -224,8 +224,8 @@ def test_the_end_of_a_probe_forgets_the_hit_rate_remembered_at_its_endpoint() ->
 
 def test_a_probe_sends_its_lengths_then_its_step_prompt_each_where_the_model_fits_it() -> None:
     """Each length for one token, then the shortest for ``step_tokens``, as often as it
-    came and three times at least; a length the
-    model's context cannot take with its output is left out (2048 + 31 > 2048)."""
+    came and three times at least; a length the model's context cannot take with its
+    output is left out (2048 + 31 > 2048)."""
     probe = Probe(D0, (1024, 2048, 4096), step_tokens=32)
     assert probe.prompts() == [(1024, 1), (2048, 1), (4096, 1), *[(1024, 32)] * 3]
     assert probe.prompts(2048) == [(1024, 1), (2048, 1), *[(1024, 32)] * 3]
