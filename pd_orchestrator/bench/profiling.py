@@ -56,6 +56,7 @@ from pd_orchestrator.model.measured import (
     TransferPoint,
 )
 from pd_orchestrator.model.records import record
+from pd_orchestrator.openai.sse import chunk_tokens
 from pd_orchestrator.policies.calibration import COLD_TOKEN_IDS
 from pd_orchestrator.upstream.client import Phase, Upstream
 from pd_orchestrator.upstream.errors import UpstreamError
@@ -265,7 +266,7 @@ class Profiler:
             async for chunks in stream:
                 now = time.monotonic()
                 for chunk in chunks:
-                    if _has_token(chunk):
+                    if chunk_tokens(chunk):
                         times.append(now)
                     usage = chunk.get("usage")
                     if usage:
@@ -385,7 +386,7 @@ class Profiler:
             try:
                 async for chunks in stream:
                     now = time.monotonic()
-                    times.extend(now for chunk in chunks if _has_token(chunk))
+                    times.extend(now for chunk in chunks if chunk_tokens(chunk))
                     if len(streams) == batch and all(len(t) >= 3 for t in streams):
                         decoding.set()
             finally:
@@ -502,12 +503,6 @@ class Profiler:
             answered.append(time.monotonic())
         times = decoded[0][1] if decoded else []
         return (times[0] if times else time.monotonic()) - answered[0]
-
-
-def _has_token(chunk: Json) -> bool:
-    """Whether a streamed chunk carries a generated token: text, or token ids (a token
-    may decode to no text of its own, as part of a multi-byte character)."""
-    return any(c.get("text") or c.get("token_ids") for c in chunk.get("choices") or ())
 
 
 def _peer(url: str) -> PeerInfo:

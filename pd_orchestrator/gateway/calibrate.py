@@ -35,6 +35,7 @@ import anyio
 
 from pd_orchestrator.gateway.state import GatewayState
 from pd_orchestrator.model.endpoints import Endpoint
+from pd_orchestrator.openai.sse import chunk_tokens
 from pd_orchestrator.planner.plan import alone_at, queued_at
 from pd_orchestrator.policies.calibration import COLD_TOKEN_IDS, Probe, Timed
 from pd_orchestrator.policies.threshold import ThresholdResolver
@@ -203,7 +204,7 @@ async def _streamed(
             now = clock()
             for chunk in chunks:
                 usage = chunk.get("usage") or usage
-                count = _tokens_in(chunk)
+                count = chunk_tokens(chunk)
                 if count and first is None:
                     first = now
                 elif count:
@@ -211,18 +212,6 @@ async def _streamed(
     finally:
         await stream.aclose()
     return usage, (last - first) / after if first is not None and after else None
-
-
-def _tokens_in(chunk: dict[str, Any]) -> int:
-    """The tokens a streamed completion chunk carries: its token ids, else 1 for text."""
-    count = 0
-    for choice in chunk.get("choices") or ():
-        ids = choice.get("token_ids") if isinstance(choice, dict) else None
-        if isinstance(ids, list) and ids:
-            count += len(ids)
-        elif isinstance(choice, dict) and choice.get("text"):
-            count += 1
-    return count
 
 
 def _prompts(count: int) -> str:

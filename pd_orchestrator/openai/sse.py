@@ -7,7 +7,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["DONE", "encode_event", "iter_sse_data"]
+__all__ = ["DONE", "chunk_tokens", "encode_event", "iter_sse_data"]
 
 DONE = b"data: [DONE]\n\n"
 
@@ -37,3 +37,20 @@ async def iter_sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
             buffer.append(value[1:] if value.startswith(" ") else value)
     if buffer:
         yield "\n".join(buffer)
+
+
+def chunk_tokens(chunk: dict[str, Any]) -> int:
+    """The generated tokens a streamed completion chunk carries: the length of each
+    choice's ``token_ids`` (``return_token_ids``), else 1 for a choice with text (a
+    token may decode to no text of its own, as part of a multi-byte character, so
+    without ids such a token is not seen)."""
+    count = 0
+    for choice in chunk.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        ids = choice.get("token_ids")
+        if isinstance(ids, list) and ids:
+            count += len(ids)
+        elif choice.get("text"):
+            count += 1
+    return count

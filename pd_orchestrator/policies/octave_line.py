@@ -65,7 +65,7 @@ class OctaveLine:
     def learn(self, x: int, y: float, alpha: float) -> None:
         """Take one sample ``y`` at ``x`` (ignored unless both are positive and
         finite)."""
-        if x <= 0 or not (math.isfinite(y) and y > 0.0):
+        if not _usable(x, y):
             return
         key = x.bit_length()
         octave = self.octaves.get(key)
@@ -84,7 +84,7 @@ class OctaveLine:
         """Set the octave of ``x`` to ``(x, y)`` outright, forgetting its samples: a
         value measured apart from the samples (ignored unless both are positive and
         finite)."""
-        if x <= 0 or not (math.isfinite(y) and y > 0.0):
+        if not _usable(x, y):
             return
         key = x.bit_length()
         self.octaves[key] = [float(x), y]
@@ -111,3 +111,8 @@ class OctaveLine:
             return
         rows = [[1.0, x] for x, _ in means]
         self.fixed, self.slope = nonnegative_least_squares(rows, [y for _, y in means])
+
+
+def _usable(x: int, y: float) -> bool:
+    """Whether ``(x, y)`` may be learnt: both positive, ``y`` finite."""
+    return x > 0 and math.isfinite(y) and y > 0.0
