@@ -683,22 +683,19 @@ def _served_each(
 
 
 def _timed_at_start(pair: Any, target: Target, folder: Path, seed: float) -> dict[str, Any]:
-    """A fresh ``goodput`` gateway from the same seeds, which times the pair when it
-    starts (:mod:`pd_orchestrator.gateway.calibrate`; :data:`PROBE_TOKENS`-token
-    prompts, eight on each server and on the decoder eight more that stream
-    :data:`STEP_TOKENS` tokens, its step prompts: the seed, four times below the rate,
-    reaches it in four bounded steps, and the median of eight is not moved by the one
-    or two prompts this shared host slows by a third):
-    ``/status``'s ``goodput_timing``, what the
-    policy holds for the decoder's pool once both pools are timed, and for each; each
-    server's own time of each prompt it served while the gateway timed (``served``,
-    :func:`_served_each`, read every 0.2 s: the prompts end a quarter of a second or
-    more apart, one a reading); and the time such a prompt takes sent
-    straight to the pair around it (:func:`_cold_seconds`, four prompts a
-    server just before the gateway starts and four once it has timed: the median of
-    each server's), and the decoder's ITL streaming such a prompt alone (four streams
-    of :data:`STEP_TOKENS` tokens before and four after: the median of their mean
-    gaps)."""
+    """A fresh ``goodput`` gateway from the same seeds, which times the pair when it starts
+    (:mod:`pd_orchestrator.gateway.calibrate`; :data:`PROBE_TOKENS`-token prompts, eight on
+    each server and on the decoder eight more that stream :data:`STEP_TOKENS` tokens, its
+    step prompts: the seed, four times below the rate, reaches it in four bounded steps, and
+    the median of eight is not moved by the one or two prompts this shared host slows by a
+    third): ``/status``'s ``goodput_timing``, what the policy holds for the decoder's pool
+    once both pools are timed, and for each; each server's own time of each prompt it served
+    while the gateway timed (``served``, :func:`_served_each`, read every 0.2 s: the prompts
+    end a quarter of a second or more apart, one a reading); and the time such a prompt
+    takes sent straight to the pair around it (:func:`_cold_seconds`, four prompts a server
+    just before the gateway starts and four once it has timed: the median of each server's),
+    and the decoder's ITL streaming such a prompt alone (four streams of :data:`STEP_TOKENS`
+    tokens before and four after: the median of their mean gaps)."""
     rng = random.Random(13)
     streams = [(_prompt(rng, PROBE_TOKENS), STEP_TOKENS) for _ in range(4)]
     itl = [itl for _, itl in _replay(pair.decoder.url, streams)]
