@@ -735,23 +735,22 @@ def test_the_start_up_timing_learns_the_pair_s_rates_before_any_request(
 ) -> None:
     """(c) at start-up: before any request, the gateway's own cold prompts on the idle pair
     teach ``goodput`` the decoder's local rate and, through the prefiller, its remote one:
-    the time the learnt rate prices such a prompt at (with its two hops) within 25% of the
-    server's own time of those very prompts (``vllm:time_to_first_token_seconds``, from each
-    one's arrival, read prompt by prompt: :func:`_served_each`), the median of them, as the
-    rate is the median of the prompts timed alone. Those are the first :data:`PROBE_REPEATS`
-    each server timed: on the decoder its step prompts follow, which teach the step, not the
-    rate (sent straight, sixteen of each kind, a step prompt's first token came in a median
-    269 ms against a one-token prompt's 279 ms, and the server timed each prompt within 8 ms
-    of the client). Against the mean of all the server timed, step prompts included, a few
-    prompts the host slowed, or a moment's other speed, took the check: in a CI run 458.8 ms
-    against a mean of 360.2 ms over sixteen (27.4%). Printed beside it: the mean and each
-    prompt's time, the same kind of prompt sent straight to the server around it, and the
-    profile, taken over every run of the module. Against the prompts sent around it the
-    check read the host's drift between two moments, not the timing: with a neighbour on the
-    other core, the prefiller's prompts timed 25.4 ms by the gateway took 34.7 ms a few
-    seconds away (26.7%), and the next run missed on the decoder. Compared as rates, the two
-    hops taken off a prompt of about 25 ms made a few milliseconds of HTTP clients'
-    difference read as 29%."""
+    every one of the :data:`PROBE_REPEATS` one-token prompts on each server is timed alone,
+    and the time the learnt rate prices such a prompt at (with its two hops) is within 25%
+    of the server's own time of those very prompts (``vllm:time_to_first_token_seconds``,
+    from each one's arrival, read prompt by prompt: :func:`_served_each`), the median of
+    them, as the rate is the median of the prompts timed alone. Those are the first
+    :data:`PROBE_REPEATS` each server timed: on the decoder its step prompts follow, which
+    teach the step, not the rate. Like for like, as the host's speed moves between prompts:
+    in one CI run the prefiller took 668, 665, 612, 388, 426, 387, 419 and 541 ms. Judged
+    alone on the poller's last reading, taken while the prompt before ran, three of them
+    were not, and the rate learnt from the other five, the three slowest among them, read
+    28.2% off the median of all eight; the gateway now judges each on a reading taken after
+    the last answer (:mod:`pd_orchestrator.gateway.calibrate`). Against the mean of all the
+    decoder timed, step prompts included, a CI run read 27.4%. Printed beside it: the mean
+    and each prompt's time, the same kind of prompt sent straight to the server around it,
+    and the profile, taken over every run of the module; against the prompts sent around
+    it the check read the host's drift between two moments, not the timing."""
     timed, served = timeline.timed, timeline.served
     learnt, around = timed["learnt"][rate], timed["pair"][rate]
     every = timed["served"][rate]
@@ -771,6 +770,8 @@ def test_the_start_up_timing_learns_the_pair_s_rates_before_any_request(
           f"the profile's rate {profiled:,.0f} ({_relative(learnt, profiled):.1%}); "
           f"seeded {served.seed:,.0f}; all it holds: {timed['pools']}")  # fmt: skip
     assert all(v.startswith("timed") for v in timed["timing"].values()), timed["timing"]
+    alone = timed["pools"]["decoders"][f"alone_{rate.removeprefix('rate_')}"]
+    assert alone == PROBE_REPEATS, f"{rate}: {alone} of {PROBE_REPEATS} prompts timed alone"
     assert error <= BOUND, f"{rate}: {priced * 1e3:.1f} ms vs the server's {took * 1e3:.1f} ms"
 
 

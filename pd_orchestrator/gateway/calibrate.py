@@ -13,8 +13,10 @@ an unreported count is known). Every prompt goes after the one before has been
 answered, one endpoint after another: a prompt timed while another probe runs beside
 it (on the same host, the same link) would time that too; on the CPU pair, timed at
 once, the decoder's and the prefiller's prompts read a quarter and three fifths
-slow. Lengths beyond the model's ``max_model_len`` (``/v1/models``) are left out,
-and none is sent once the probe's ``seconds`` (``probe_seconds``) have passed.
+slow. Whether a prompt was timed alone is read from the endpoint as a reading taken
+after the last prompt's answer shows it (:func:`_seen_after`). Lengths beyond the
+model's ``max_model_len`` (``/v1/models``) are left out, and none is sent once the
+probe's ``seconds`` (``probe_seconds``) have passed.
 
 Requests are served meanwhile, on the seeds until the first answer is learnt, and
 see each prompt in flight at its endpoint as they see one another. An endpoint that
@@ -29,12 +31,14 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import anyio
 
 from pd_orchestrator.gateway.state import GatewayState
 from pd_orchestrator.model.endpoints import Endpoint
+from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.openai.sse import chunk_tokens
 from pd_orchestrator.planner.plan import alone_at, queued_at
 from pd_orchestrator.policies.calibration import COLD_TOKEN_IDS, Probe, Timed
@@ -94,11 +98,14 @@ async def _time_probe(
             model, longest = await _served(upstream, probe)
             rng = random.Random()
             started = clock()
+            answered: float | None = None  # the last prompt's answer
             for length, output in probe.prompts(longest):
                 if clock() - started >= probe.seconds:
                     break
                 prompt = [rng.randrange(*COLD_TOKEN_IDS) for _ in range(length)]
-                timing = await _time_one(state, upstream, clock, probe, model, prompt, output)
+                seen = await _seen_after(state, endpoint, answered, clock)
+                timing = await _time_one(state, upstream, clock, seen, model, prompt, output)
+                answered = clock()
                 resolver.calibrate(probe, timing)
                 timed += 1
         except UpstreamError as exc:
@@ -130,21 +137,44 @@ async def _served(upstream: Upstream, probe: Probe) -> tuple[str, int | None]:
     return name, longest - 1 if longest is not None and longest > 1 else None
 
 
+async def _seen_after(
+    state: GatewayState, endpoint: Endpoint, answered: float | None, clock: Callable[[], float]
+) -> Candidate:
+    """``endpoint`` as the gateway's counts and the load poller see it, the poller's
+    reading taken after ``answered``, the probe's last answer (None: none before), or
+    else none: polled once more where the last reading is older. A reading taken while
+    the last prompt ran counts it running, and the next prompt, sent when it was
+    answered, would count as timed beside it: on the CPU pair, whose poller reads once
+    a second, three of the eight prompts on each server (and so which of them the rate
+    was learnt from) were left to the moment of a reading."""
+    (seen,) = state.scraper.candidates([state.fleet.status_of(endpoint.name)], clock())
+    if answered is None or _read_after(seen, answered):
+        return seen
+    await state.scraper.poll(endpoint)
+    (seen,) = state.scraper.candidates([state.fleet.status_of(endpoint.name)], clock())
+    return seen if _read_after(seen, answered) else replace(seen, load=None)
+
+
+def _read_after(seen: Candidate, answered: float) -> bool:
+    """Whether ``seen`` holds a reading taken at ``answered`` or after."""
+    return seen.load is not None and seen.load.observed_at >= answered
+
+
 async def _time_one(
     state: GatewayState,
     upstream: Upstream,
     clock: Callable[[], float],
-    probe: Probe,
+    seen: Candidate,
     model: str,
     prompt: list[int],
     output: int,
 ) -> Timed:
-    """Send one cold prompt for ``output`` tokens (EOS ignored) and time it; whether it
-    was queued or alone at its send, as the load poller and the gateway's counts saw
-    the endpoint. While it is out it counts in flight there, its tokens queued, so
-    that requests planned meanwhile see it."""
-    endpoint = probe.endpoint
-    (seen,) = state.scraper.candidates([state.fleet.status_of(endpoint.name)], clock())
+    """Send one cold prompt for ``output`` tokens (EOS ignored) to the endpoint ``seen``
+    names and time it; whether it was queued or alone at its send, as ``seen`` (the
+    load poller and the gateway's counts: :func:`_seen_after`) saw the endpoint. While
+    it is out it counts in flight there, its tokens queued, so that requests planned
+    meanwhile see it."""
+    endpoint = seen.endpoint
     queued = queued_at(seen)
     body = {
         "model": model, "prompt": prompt, "max_tokens": output, "temperature": 0.0,

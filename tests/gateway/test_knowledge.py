@@ -146,6 +146,37 @@ async def test_a_pool_with_no_profile_is_timed_when_the_gateway_starts(
     }
 
 
+async def test_each_probe_prompt_is_judged_alone_on_a_reading_taken_after_the_last(
+    sim_factory: SimFactory, gateway_factory: GatewayFactory
+) -> None:
+    """The poller reads the simulators every 0.1 s, so its last reading when a prompt is
+    sent was often taken while the prompt before ran (some 0.3 s each, prefilled in four
+    chunks, so a reading between two counts it running). Each prompt follows the last
+    one's answer with nothing else there, and is timed alone: all six on each server
+    teach the rates as prompts timed alone. Judged on the poller's last reading, each of
+    three runs counted some as timed beside the prompt before."""
+    sim = ("--profile", "h200-llama3-8b", "--model", "sim-model", "--kv-connector", "nixl",
+           "--max-num-batched-tokens", "2048")  # fmt: skip
+    decoder, prefiller = sim_factory(*sim, name="decode"), sim_factory(*sim, name="prefill")
+    params = {"probe_tokens": [8192], "probe_repeats": 6, "probe_step_tokens": 0}
+    config = {
+        "pools": _seeded_pools(decoder.url, prefiller.url),
+        "threshold": {"policy": {"type": "goodput", "params": params}},
+        "health": {"interval": 0.5},
+        "load": {"interval": 0.1, "stale_after": 5.0},
+    }
+    gateway = gateway_factory(config)
+    status = await _timed_once(gateway.url)
+    assert status["goodput_timing"] == {
+        "decode": "timed on d0: 6 prompts",
+        "prefill": "timed on p0: 6 prompts",
+    }
+    learnt = status["goodput_learnt"]["goodput"]
+    alone = (learnt["decode"]["alone_local"], learnt["decode"]["alone_remote"],
+             learnt["prefill"]["alone_local"])  # fmt: skip
+    assert alone == (6, 6, 6), learnt
+
+
 async def test_no_probe_is_longer_than_the_model_takes(
     sim_factory: SimFactory, gateway_factory: GatewayFactory
 ) -> None:
