@@ -145,8 +145,8 @@ async def _seen_after(
     else none: polled once more where the last reading is older. A reading taken while
     the last prompt ran counts it running, and the next prompt, sent when it was
     answered, would count as timed beside it: on the CPU pair, whose poller reads once
-    a second, three of the eight prompts on each server (and so which of them the rate
-    was learnt from) were left to the moment of a reading."""
+    a second, two or three of the eight prompts on a server (and so which of them the
+    rate was learnt from) were left to the moment of a reading."""
     (seen,) = state.scraper.candidates([state.fleet.status_of(endpoint.name)], clock())
     if answered is None or _read_after(seen, answered):
         return seen
