@@ -422,24 +422,35 @@ def replayed(timeline: Timeline, simulator: Child) -> dict[str, tuple[float, flo
     }  # fmt: skip
 
 
-def _check_replay(replayed: dict[str, tuple[float, float]], name: str) -> None:
+def _check_replay(replayed: dict[str, tuple[float, float]], timeline: Timeline, name: str) -> None:
+    """(b) for ``name``; printed beside it (so a failed run's log holds them): the pair's
+    figure of each request and what the simulator runs from, the fitted step and the
+    medians of the fit's decode settings it was fitted to."""
     pair_p50, sim_p50 = replayed[name]
     error = _relative(sim_p50, pair_p50)
+    p, points = timeline.profiled.profile, timeline.profiled.points
+    pick = 0 if name == "TTFT" else 1
+    fitted = _medians((s for s in points.decode if s.batch in FIT_BATCHES),
+                      lambda s: (s.batch, s.context))  # fmt: skip
+    steps = {setting: round(seconds * 1e3, 2) for setting, seconds in sorted(fitted.items())}
     print(f"(b) {name} p50: pair {pair_p50 * 1e3:.2f} ms, simulator {sim_p50 * 1e3:.2f} ms, "
-          f"error {error:.1%}")  # fmt: skip
+          f"error {error:.1%}; the pair's, request by request: "
+          f"{[round(r[pick] * 1e3, 2) for r in timeline.pair_replay]} ms; the fitted step "
+          f"{(p.a_dec + p.weights) * 1e3:.2f} ms + {p.ctx_read * 1e9:.1f} ns/context token, "
+          f"from the medians (batch, context): {steps} ms")  # fmt: skip
     assert error <= BOUND, f"{name} p50: pair {pair_p50:.4f} s, simulator {sim_p50:.4f} s"
 
 
 def test_the_simulator_from_the_profile_reproduces_the_ttft(
-    replayed: dict[str, tuple[float, float]],
+    replayed: dict[str, tuple[float, float]], timeline: Timeline
 ) -> None:
-    _check_replay(replayed, "TTFT")
+    _check_replay(replayed, timeline, "TTFT")
 
 
 def test_the_simulator_from_the_profile_reproduces_the_itl(
-    replayed: dict[str, tuple[float, float]],
+    replayed: dict[str, tuple[float, float]], timeline: Timeline
 ) -> None:
-    _check_replay(replayed, "ITL")
+    _check_replay(replayed, timeline, "ITL")
 
 
 # -- (c) goodput in front of the pair --------------------------------------------------------
