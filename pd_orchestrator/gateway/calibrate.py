@@ -140,19 +140,24 @@ async def _served(upstream: Upstream, probe: Probe) -> tuple[str, int | None]:
 async def _seen_after(
     state: GatewayState, endpoint: Endpoint, answered: float | None, clock: Callable[[], float]
 ) -> Candidate:
-    """``endpoint`` as the gateway's counts and the load poller see it, the poller's
-    reading taken after ``answered``, the probe's last answer (None: none before), or
-    else none: polled once more where the last reading is older. A reading taken while
-    the last prompt ran counts it running, and the next prompt, sent when it was
-    answered, would count as timed beside it: on the CPU pair, whose poller reads once
-    a second, two or three of the eight prompts on a server (and so which of them the
-    rate was learnt from) were left to the moment of a reading."""
-    (seen,) = state.scraper.candidates([state.fleet.status_of(endpoint.name)], clock())
+    """``endpoint`` as the gateway's counts and a reading taken at ``answered`` or after
+    show it (``answered``: the probe's last answer; None: no prompt before, any reading
+    stands). Where the poller's last reading is older, the endpoint is polled once more;
+    where that gives none, the candidate holds no reading. A reading taken while the
+    last prompt ran counts it running: on the CPU pair, read once a second, two or
+    three of the eight prompts on a server were judged timed beside another so."""
+    seen = _seen(state, endpoint, clock())
     if answered is None or _read_after(seen, answered):
         return seen
     await state.scraper.poll(endpoint)
-    (seen,) = state.scraper.candidates([state.fleet.status_of(endpoint.name)], clock())
+    seen = _seen(state, endpoint, clock())
     return seen if _read_after(seen, answered) else replace(seen, load=None)
+
+
+def _seen(state: GatewayState, endpoint: Endpoint, now: float) -> Candidate:
+    """``endpoint`` as the gateway's counts and the poller's fresh reading show it."""
+    (seen,) = state.scraper.candidates([state.fleet.status_of(endpoint.name)], now)
+    return seen
 
 
 def _read_after(seen: Candidate, answered: float) -> bool:
