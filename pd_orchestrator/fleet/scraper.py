@@ -230,8 +230,10 @@ def load_snapshot(
     since: MetricsReading | None = None,
     *,
     start: MetricsReading | None = None,
+    counted: int = 0,
 ) -> LoadSnapshot:
-    """The snapshot of ``reading``, taken at ``observed_at``.
+    """The snapshot of ``reading``, taken at ``observed_at`` while the gateways counted
+    ``counted`` requests in flight at the endpoint.
 
     ``previous`` is the endpoint's reading before this one, ``start`` the one the hit
     rate's window starts at (:class:`~pd_orchestrator.model.hit_window.HitWindow`;
@@ -254,6 +256,7 @@ def load_snapshot(
         prefix_queries=reading.prefix_queries,
         admission_only=reading.admission_only,
         resumes=reading.resumes,
+        counted=counted,
     )
 
 
@@ -289,8 +292,10 @@ class LoadScraper:
         self._kept_at = math.inf
 
     async def poll(self, endpoint: Endpoint) -> LoadSnapshot | None:
-        """One poll of one endpoint; records and returns its snapshot (None: no reading).
-        Whatever its outcome, the endpoint's candidate is made again (:meth:`current`)."""
+        """One poll of one endpoint; records and returns its snapshot (None: no reading),
+        with the requests the gateways counted there meanwhile (``counted``). Whatever
+        its outcome, the endpoint's candidate is made again (:meth:`current`)."""
+        counted = self.fleet.counted(endpoint.name)
         try:
             response = await self.upstream.get(endpoint, "/metrics", limit=self.config.timeout)
         except UpstreamError as exc:
@@ -311,9 +316,11 @@ class LoadScraper:
         name = endpoint.name
         window, queries = self._window(name), reading.prefix_queries
         start = None if queries is None else window.start(queries)
+        counted = max(counted, self.fleet.counted(name))
         snapshot = load_snapshot(
-            reading, self.clock(), self._readings.get(name), self._since.get(name), start=start
-        )
+            reading, self.clock(), self._readings.get(name), self._since.get(name),
+            start=start, counted=counted,
+        )  # fmt: skip
         if queries is not None:
             window.moved(queries, reading)
         self._readings[endpoint.name] = reading

@@ -113,6 +113,11 @@ class FleetState:
             self._backlog[name] + queued,
         )
 
+    def counted(self, name: str) -> int:
+        """Requests in flight on ``name`` by this gateway's and the other gateways'
+        counts, as :meth:`status_of` gives them (0: an endpoint not tracked)."""
+        return self._in_flight.get(name, 0) + self._others.get(name, _NONE)[0]
+
     def take_changed(self) -> AbstractSet[str] | None:
         """The endpoints whose :meth:`status_of` may have changed since the last call
         (None: any of them may have), and start counting afresh. One reader keeps a

@@ -26,6 +26,11 @@ class LoadSnapshot:
     honours ``cache_hit_admission_only`` (it exports
     ``vllm:cache_threshold_admission_only``); ``resumes``: it advances a structured
     output's grammar over ``cache_hit_resume_tokens`` (``vllm:cache_threshold_resume``).
+    ``counted``: the requests the gateways counted in flight at the endpoint while the
+    reading was taken (the larger of their counts at the poll's send and at its answer;
+    0 where the reader did not count them): a reading taken while a request of theirs
+    ran shows it running after it has left; requests running beyond this count were
+    someone else's (:attr:`Candidate.others`).
     """
 
     running: int
@@ -37,9 +42,10 @@ class LoadSnapshot:
     prefix_queries: float | None = None
     admission_only: bool = False
     resumes: bool = False
+    counted: int = 0
 
     def __post_init__(self) -> None:
-        if self.running < 0 or self.waiting < 0 or self.preemptions < 0:
+        if self.running < 0 or self.waiting < 0 or self.preemptions < 0 or self.counted < 0:
             raise ValueError("request and preemption counts must be >= 0")
         if not 0.0 <= self.kv_usage <= 1.0:
             raise ValueError(f"kv_usage {self.kv_usage} is outside [0, 1]")
@@ -90,6 +96,14 @@ class Candidate:
         the larger."""
         load = self.load
         return max(self.in_flight, load.running if load is not None else 0)
+
+    @property
+    def others(self) -> int:
+        """Requests running at the endpoint besides the gateways' own, by its reading:
+        those beyond what the gateways counted there while it was taken
+        (:attr:`LoadSnapshot.counted`); 0 with no reading."""
+        load = self.load
+        return 0 if load is None else max(load.running - load.counted, 0)
 
     @classmethod
     def from_status(

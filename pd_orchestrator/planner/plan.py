@@ -396,12 +396,14 @@ def queued_at(prefilled: Candidate | None) -> bool | None:
 def alone_at(prefilled: Candidate | None, queued: bool | None) -> bool | None:
     """Whether the endpoint that prefilled a served prompt, as the plan's snapshot saw
     it, had nothing else there when the plan was made: no request running by the
-    gateways' counts and its fresh reading, nothing ``queued`` (:func:`queued_at`'s;
-    None: not in the snapshot, or no fresh reading, so another gateway's requests may
-    have been there)."""
+    gateways' counts, none of anyone else's by its fresh reading
+    (:attr:`Candidate.others`: a reading taken while a request of the gateways' ran,
+    one since answered, does not count that one), nothing ``queued``
+    (:func:`queued_at`'s; None: not in the snapshot, or no fresh reading, so another
+    gateway's requests may have been there)."""
     if prefilled is None or prefilled.load is None:
         return None
-    return prefilled.streams == 0 and not queued
+    return prefilled.in_flight == 0 and prefilled.others == 0 and not queued
 
 
 def _planned(plan: Plan, endpoint: Endpoint | None) -> Candidate | None:

@@ -198,8 +198,9 @@ class LatencyObservation:
     request was planned (None: unknown): such a TTFT times the queue as well as the
     engine.
     ``alone``: whether that endpoint had nothing else running or queued there when the
-    request was planned, by the gateway's counts and a fresh reading (None: unknown,
-    or no fresh reading): such a TTFT times the engine alone, up to its jitter; one
+    request was planned, by the gateway's counts and a fresh reading, less the
+    requests of the gateways' it counted when it was taken (None: unknown, or no fresh
+    reading): such a TTFT times the engine alone, up to its jitter; one
     beside other work is slower by what that work took, a bound on the rate.
     ``prefill_cached``: of a P/D request, the prompt tokens the prefiller had cached
     (its answer's ``prompt_tokens_details``; None: not reported).

@@ -466,6 +466,40 @@ async def test_an_answer_without_load_series_is_no_reading_but_not_a_failure() -
         assert recovered is not None and recovered.running == 3
 
 
+class _Moving(Scripted):
+    """:class:`Scripted`, with ``move`` run on the fleet while each poll is in flight."""
+
+    def __init__(self, outcomes: list[str | int | None], move: Callable[[], None]) -> None:
+        super().__init__(outcomes)
+        self.move = move
+
+    def __call__(self, request: Request) -> MockResponse:
+        self.move()
+        return super().__call__(request)
+
+
+@pytest.mark.anyio
+async def test_a_reading_holds_the_requests_the_gateways_counted_while_it_was_taken() -> None:
+    """``counted``: the gateways' count of requests in flight at the endpoint (the
+    other gateways' shared ones too), the larger of the counts at the poll's send and
+    at its answer: a request that came or left during the poll may be in the reading."""
+    endpoint = _endpoint("d0", "http://d0.test")
+    fleet = FleetState([endpoint])
+    moves = iter(
+        [lambda: fleet.enter("d0"), lambda: fleet.leave("d0"), lambda: None,
+         lambda: fleet.enter("d0")]
+    )  # fmt: skip
+    async with upstream(MockTransport(_Moving([_text(1)], lambda: next(moves)()))) as up:
+        scraper = LoadScraper(fleet, up, LoadConfig())
+        seen = []
+        for share in ({}, {}, {}, {"d0": (2, 0)}):  # the last: two of another gateway's
+            fleet.share(share)
+            snapshot = await scraper.poll(endpoint)
+            assert snapshot is not None and snapshot.running == 1
+            seen.append(snapshot.counted)
+    assert seen == [1, 1, 0, 3]  # came during; left during; none; one came, two others'
+
+
 @pytest.mark.anyio
 async def test_run_polls_before_it_reports_started_then_every_interval() -> None:
     endpoints = [_endpoint("d0", "http://d0.test"), _endpoint("d1", "http://d1.test")]

@@ -5,6 +5,7 @@ and the gateway as real processes."""
 
 from __future__ import annotations
 
+import random
 import time
 import uuid
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from pd_orchestrator.gateway.calibrate import _streamed
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.hardware import PROFILES
 from pd_orchestrator.model.measured import Measured, Points, dump_measured
+from pd_orchestrator.policies.calibration import COLD_TOKEN_IDS
 from pd_orchestrator.upstream.client import Upstream
 
 from ..conftest import GatewayFactory, SimFactory
@@ -175,6 +177,41 @@ async def test_each_probe_prompt_is_judged_alone_on_a_reading_taken_after_the_la
     alone = (learnt["decode"]["alone_local"], learnt["decode"]["alone_remote"],
              learnt["prefill"]["alone_local"])  # fmt: skip
     assert alone == (6, 6, 6), learnt
+
+
+async def test_a_served_prompt_is_judged_alone_on_a_reading_that_counted_the_one_before(
+    sim_factory: SimFactory, gateway_factory: GatewayFactory
+) -> None:
+    """The poller reads the decoder every 0.1 s, so a prompt sent the moment the one
+    before was answered is planned on a reading taken while that one ran (some 0.3 s,
+    prefilled in four chunks): the reading shows one request running, the one the
+    gateway counted there when it was taken. Nothing else was there, so each of six cold
+    prompts served on the decoder in turn teaches the local rate as a prompt timed
+    alone. Judged on the reading's running count, most counted as timed beside the one
+    before (a bounded step of the rate instead of a sample of its median)."""
+    sim = ("--profile", "h200-llama3-8b", "--model", "sim-model", "--kv-connector", "nixl",
+           "--max-num-batched-tokens", "2048")  # fmt: skip
+    decoder, prefiller = sim_factory(*sim, name="decode"), sim_factory(*sim, name="prefill")
+    config = {
+        "pools": _seeded_pools(decoder.url, prefiller.url),
+        "threshold": {"policy": {"type": "goodput", "params": {"probe_tokens": []}}},
+        "health": {"interval": 0.5},
+        "load": {"interval": 0.1, "stale_after": 5.0},
+    }
+    gateway = gateway_factory(config)
+    rng = random.Random(5)
+    # the policy routes the first prompt (its pools' models made); the client's threshold
+    # 0 then keeps each long one on the decoder, and the policy learns from what was served
+    held = [rng.randrange(*COLD_TOKEN_IDS) for _ in range(64)]  # a simulator reports a
+    # cached count only when some of the prompt was held: the six share these blocks
+    fresh = [[rng.randrange(*COLD_TOKEN_IDS) for _ in range(8128)] for _ in range(6)]
+    for prompt, threshold in [(held, {})] + [(held + t, {"cache_hit_threshold": 0}) for t in fresh]:
+        body = {"model": "sim-model", "prompt": prompt, "max_tokens": 2} | threshold
+        answer = await call(gateway.url, "completion", body)
+        assert answer.status == 200
+        assert answer.headers["x-pd-decision"] == "decode"
+    learnt = await _learnt_once(gateway.url, lambda pools: "decode" in pools)
+    assert learnt["decode"]["alone_local"] == 6, learnt
 
 
 async def test_no_probe_is_longer_than_the_model_takes(

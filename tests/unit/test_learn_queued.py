@@ -35,13 +35,15 @@ def _endpoint(name: str, role: Role) -> Endpoint:
     return Endpoint(name, f"http://{name}:1", role)
 
 
-D_BACKLOG, D_IDLE, D_WAITING, D_UNREAD, D_QUIET, D_OWN = (
-    _endpoint(f"d{i}", Role.DECODE) for i in range(6)
+D_BACKLOG, D_IDLE, D_WAITING, D_UNREAD, D_QUIET, D_OWN, D_LEFT, D_OTHER = (
+    _endpoint(f"d{i}", Role.DECODE) for i in range(8)
 )
 P_BUSY, P_IDLE, P_QUIET = (_endpoint(f"p{i}", Role.PREFILL) for i in range(3))
 QUIET = LoadSnapshot(running=0, waiting=0, kv_usage=0.0, observed_at=0.0)
 WAITING = LoadSnapshot(running=4, waiting=2, kv_usage=0.3, observed_at=0.0)
 RUNNING = LoadSnapshot(running=4, waiting=0, kv_usage=0.3, observed_at=0.0)
+LEFT = LoadSnapshot(running=1, waiting=0, kv_usage=0.1, observed_at=0.0, counted=1)
+OTHER = LoadSnapshot(running=2, waiting=0, kv_usage=0.1, observed_at=0.0, counted=1)
 
 
 def _observed(served: Served) -> LatencyObservation:
@@ -59,6 +61,8 @@ def _observed(served: Served) -> LatencyObservation:
         Candidate(D_QUIET, load=QUIET),
         Candidate(D_OWN, in_flight=1, load=QUIET),  # the reading missed one of its own
         Candidate(P_QUIET, load=QUIET),
+        Candidate(D_LEFT, load=LEFT),  # read while one of the gateway's ran, since gone
+        Candidate(D_OTHER, load=OTHER),  # and another's beside it
     ]
     facts = RequestFacts("m", 400)
     plan = planner.plan(facts, candidates, 1.0, 1)
@@ -103,6 +107,13 @@ def test_a_sample_is_alone_only_when_counts_and_a_fresh_reading_show_nothing_els
     assert _alone(Served(D_OWN, 2.0, ttft=0.5, remote=False)) is False  # the gateway's own
     assert _alone(Served(D_BACKLOG, 2.0, ttft=0.5, remote=False)) is None  # no reading
     assert _alone(Served(D_UNREAD, 2.0, ttft=0.5, remote=False)) is None
+
+
+def test_a_request_the_reading_counted_as_the_gateways_own_is_not_someone_else_s() -> None:
+    """A reading taken while a request of the gateways' ran shows it running after it
+    left: that one is not another's (:attr:`LoadSnapshot.counted`); one more is."""
+    assert _alone(Served(D_LEFT, 2.0, ttft=0.5, remote=False)) is True
+    assert _alone(Served(D_OTHER, 2.0, ttft=0.5, remote=False)) is False
 
 
 def test_a_p_d_sample_is_alone_by_its_prefiller() -> None:
