@@ -450,7 +450,7 @@ class LoadScraper:
         """When the first of the fresh readings of ``candidates`` goes stale (never,
         with none)."""
         fresh = [c.load.observed_at for c in candidates if c.load is not None]
-        return min(fresh, default=math.inf) + self.config.stale_after
+        return (min(fresh) if fresh else math.inf) + self.config.stale_after
 
     def _candidate(self, status: EndpointStatus, now: float) -> Candidate:
         """``status``'s endpoint as a candidate: what :meth:`snapshot` and

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 from connectors import PeerInfo
@@ -134,7 +133,7 @@ class ClientRequest:
         """Whether a continuation (prompt + generated tokens as a token prompt) would
         serve exactly what was asked, on any decoder (sets nothing of
         :data:`UNCONTINUABLE_FIELDS` or :data:`CARRIED_FIELDS`)."""
-        return not any(_sets(self.body, _CONSTRAINING))
+        return not _sets(self.body, _CONSTRAINING)
 
     @property
     def resumable(self) -> bool:
@@ -142,9 +141,11 @@ class ClientRequest:
         the grammar (``cache_hit_resume_tokens``): the request sets a field of
         :data:`CARRIED_FIELDS` or names the tool it must call (:attr:`named_tool`), and
         nothing else of :data:`UNCONTINUABLE_FIELDS`."""
+        if not _sets(self.body, _CONSTRAINING):  # most requests: no named tool, nothing carried
+            return False
         if self.uncontinuable_field is not None:
             return False
-        return self.named_tool is not None or any(_sets(self.body, CARRIED_FIELDS))
+        return self.named_tool is not None or bool(_sets(self.body, CARRIED_FIELDS))
 
     @property
     def uncontinuable_field(self) -> str | None:
@@ -190,7 +191,7 @@ class ClientRequest:
                     return False
         elif not isinstance(view.prompt, str):
             return False
-        return not any(_sets(self.body, UNTOKENIZABLE_FIELDS)) and self.continuable
+        return not _sets(self.body, UNTOKENIZABLE_FIELDS) and self.continuable
 
     @property
     def want_token_ids(self) -> bool:
@@ -237,13 +238,20 @@ class ClientRequest:
         return ",".join(map(str, view.prompt[: limit // 4]))
 
 
-def _sets(body: dict[str, Any], names: tuple[str, ...]) -> Iterator[str]:
+def _sets(body: dict[str, Any], names: tuple[str, ...]) -> tuple[str, ...]:
     """The fields of ``names`` that ``body`` sets to something other than their
-    neutral value (None; ``_NEUTRAL``'s; a ``text`` response format)."""
-    for name in names:
-        if name in body and body[name] not in _NEUTRAL.get(name, (None,)):
-            if not (name == "response_format" and _plain_text(body[name])):
-                yield name
+    neutral value (None; ``_NEUTRAL``'s; a ``text`` response format), in the order of
+    ``names``."""
+    if body.keys().isdisjoint(names):  # most requests: none of them, found in C
+        return ()
+    return tuple([name for name in names if name in body and _setting(name, body[name])])
+
+
+def _setting(name: str, value: Any) -> bool:
+    """Whether ``value`` of the field ``name`` sets it (:func:`_sets`)."""
+    if value in _NEUTRAL.get(name, (None,)):
+        return False
+    return not (name == "response_format" and _plain_text(value))
 
 
 def _plain_text(response_format: Any) -> bool:

@@ -17,7 +17,8 @@ A plugin that breaks its contract (a filter that adds candidates, a
 scorer that returns the wrong number of scores, a picker that returns an index
 out of range) raises :class:`PluginContractError` naming it. Filters that declare
 ``trusted = True`` (the built-in ones, which only ever keep a subsequence of what
-they get) skip the subset check, which cost more than they do.
+they get) skip the subset check, which cost more than they do; the flag is read
+once, when the profile is built, as the scorers' names are.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import field
-from operator import attrgetter
+from itertools import repeat
+from operator import add, attrgetter, mul
 from typing import Generic, TypeVar
 
 from pd_orchestrator.model.endpoints import Endpoint
@@ -78,11 +80,23 @@ class Profile:
     scorers: tuple[WeightedScorer, ...]
     picker: Stage[Picker]
     observers: tuple[Observer, ...] = field(init=False, default=())
+    _stages: tuple[tuple[str, Filter, bool], ...] = field(
+        init=False, default=(), repr=False, compare=False
+    )
+    """Each filter's name, plugin and ``trusted`` flag, in filter order."""
+    _names: tuple[str, ...] = field(init=False, default=(), repr=False, compare=False)
+    """The scorers' names, in scorer order (each scored candidate's ``names``)."""
 
     def __post_init__(self) -> None:
-        # Which plugins learn is fixed at build time, not asked per request.
+        # What the plugins are is fixed at build time, not asked per request: which
+        # learn, which filters are trusted, what the scorers are called.
         observers = tuple(p for p in self.plugins() if isinstance(p, Observer))
         object.__setattr__(self, "observers", observers)
+        stages = tuple(
+            (s.name, s.plugin, bool(getattr(s.plugin, "trusted", False))) for s in self.filters
+        )
+        object.__setattr__(self, "_stages", stages)
+        object.__setattr__(self, "_names", tuple(scorer.name for scorer in self.scorers))
 
     def run(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> RoutingResult:
         """Rank ``candidates`` for ``request``; see the module docstring."""
@@ -114,14 +128,13 @@ class Profile:
         self, request: RoutingRequest, candidates: tuple[Candidate, ...]
     ) -> tuple[tuple[Candidate, ...], dict[str, int]]:
         dropped: dict[str, int] = {}
-        for stage in self.filters:
+        for name, plugin, trusted in self._stages:
             if not candidates:
                 break
-            kept = tuple(stage.plugin.filter(request, candidates))
-            trusted = getattr(stage.plugin, "trusted", False)
+            kept = tuple(plugin.filter(request, candidates))
             if not trusted and not _subset(kept, candidates):
-                raise PluginContractError(f"filter {stage.name!r} returned a new candidate")
-            dropped[stage.name] = len(candidates) - len(kept)
+                raise PluginContractError(f"filter {name!r} returned a new candidate")
+            dropped[name] = len(candidates) - len(kept)
             candidates = kept
         return candidates, dropped
 
@@ -131,17 +144,15 @@ class Profile:
         scorers = self.scorers
         if not scorers:
             return tuple([ScoredCandidate(candidate, 0.0) for candidate in candidates])
-        columns = [self._clamped(scorer, request, candidates) for scorer in scorers]
-        names = tuple([scorer.name for scorer in scorers])
-        totals = [0.0] * len(candidates)  # every column is as long (checked by _clamped)
-        for scorer, column in zip(scorers, columns, strict=True):  # summed in scorer order
-            weight = scorer.weight
-            totals = [total + weight * value for total, value in zip(totals, column, strict=False)]
-        rows = zip(*columns, strict=False)
-        return tuple([
-            ScoredCandidate(candidate, total, values, names)
-            for candidate, total, values in zip(candidates, totals, rows, strict=False)
-        ])  # fmt: skip
+        # each total is 0.0 + w1 * s1 + w2 * s2 ..., summed in scorer order, in C
+        columns: list[tuple[float, ...]] = []
+        totals: list[float] = [0.0] * len(candidates)
+        for scorer in scorers:
+            column = self._clamped(scorer, request, candidates)
+            columns.append(column)
+            totals = list(map(add, totals, map(mul, repeat(scorer.weight), column)))
+        rows = zip(*columns)  # noqa: B905 - every column is as long (checked by _clamped)
+        return tuple(map(ScoredCandidate, candidates, totals, rows, repeat(self._names)))
 
     @staticmethod
     def _clamped(

@@ -52,7 +52,9 @@ class QueueDepthScorer:
 
     def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> Sequence[float]:
         depths = [queue_depth(c) for c in candidates]
-        shallowest, deepest = min(depths, default=0), max(depths, default=0)
+        if not depths:
+            return []
+        shallowest, deepest = min(depths), max(depths)
         if deepest == shallowest:
             return [1.0] * len(depths)
         return [(deepest - depth) / (deepest - shallowest) for depth in depths]

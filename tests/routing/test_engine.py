@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import yaml
@@ -225,3 +225,37 @@ def test_runs_are_deterministic() -> None:
 
     first = picks()
     assert picks() == first and len(set(first)) > 1
+
+
+def test_totals_are_summed_in_scorer_order_exactly() -> None:
+    # floats whose sum depends on the order: the total is 0.0 + w1 * s1 + w2 * s2 + ...
+    weights = (1e16, 1.0, -1e16, 3.0)
+    raw = [(0.5, 1.0, 0.3), (1.0, 0.7, 0.1), (0.5, 1.0, 0.9), (0.1, 0.2, 0.3)]
+    scorers = [fixed(f"s{i}", w, *r) for i, (w, r) in enumerate(zip(weights, raw, strict=True))]
+    result = profile(*scorers, picker=First()).run(request(), THREE)
+    by_name = {s.endpoint.name: s for s in result.ranked}
+    for i, c in enumerate(THREE):
+        total = 0.0
+        for w, r in zip(weights, raw, strict=True):
+            total = total + w * r[i]
+        scored = by_name[c.endpoint.name]
+        assert scored.total == total and scored.candidate is c
+        assert scored.values == tuple(r[i] for r in raw)
+        assert scored.scores == {f"s{j}": r[i] for j, r in enumerate(raw)}
+
+
+def test_what_a_profile_keeps_of_its_plugins_follows_them() -> None:
+    @dataclass(frozen=True)
+    class TrustedInventing(Inventing):
+        trusted = True
+
+    trusting = Profile("t", (Stage("inv", "x", TrustedInventing()),), (), Stage("p", "x", First()))
+    assert len(trusting.run(request(), THREE).ranked) == 4  # a trusted filter is not checked
+    built = profile(fixed("x", 2.0, 0.1, 0.2, 0.3), fixed("y", 1.0, 0.3, 0.2, 0.1))
+    for one in (built, replace(built, filters=built.filters[:1], scorers=built.scorers[1:])):
+        assert one._stages == tuple(
+            (s.name, s.plugin, bool(getattr(s.plugin, "trusted", False))) for s in one.filters
+        )
+        assert one._names == tuple(s.name for s in one.scorers)
+        assert all(s.names == one._names for s in one.run(request(), THREE).ranked)
+    assert replace(built) == built and hash(replace(built)) == hash(built)

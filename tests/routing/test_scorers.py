@@ -41,6 +41,7 @@ def scores(type_: str, candidates: list[Candidate], **params: object) -> list[fl
             [0.0, 1.0],
         ),
         ([candidate("a", reading=load(7))], [1.0]),
+        ([], []),
     ],
     ids=[
         "running-plus-waiting",
@@ -50,6 +51,7 @@ def scores(type_: str, candidates: list[Candidate], **params: object) -> list[fl
         "in-flight-above-reading",
         "reading-above-in-flight",
         "single",
+        "none",
     ],
 )
 def test_queue_depth(candidates: list[Candidate], expected: list[float]) -> None:
