@@ -141,7 +141,7 @@ class ClientRequest:
         the grammar (``cache_hit_resume_tokens``): the request sets a field of
         :data:`CARRIED_FIELDS` or names the tool it must call (:attr:`named_tool`), and
         nothing else of :data:`UNCONTINUABLE_FIELDS`."""
-        if not _sets(self.body, _CONSTRAINING):  # most requests: no named tool, nothing carried
+        if self.continuable:  # most requests: no named tool, nothing carried
             return False
         if self.uncontinuable_field is not None:
             return False

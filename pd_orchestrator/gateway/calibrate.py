@@ -144,8 +144,10 @@ async def _seen_after(
     show it (``answered``: the probe's last answer; None: no prompt before, any reading
     stands). Where the poller's last reading is older, the endpoint is polled once more;
     where that gives none, the candidate holds no reading. A reading taken while the
-    last prompt ran counts it running: on the CPU pair, read once a second, two or
-    three of the eight prompts on a server were judged timed beside another so."""
+    last prompt ran shows it there: running, which the reading's ``counted`` tells
+    apart from another's (:attr:`Candidate.others`), or still waiting, which it does
+    not (:func:`queued_at`); on the CPU pair, read once a second, two or three of the
+    eight prompts on a server were judged timed beside another before either."""
     seen = _seen(state, endpoint, clock())
     if answered is None or _read_after(seen, answered):
         return seen

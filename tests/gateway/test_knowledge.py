@@ -148,6 +148,21 @@ async def test_a_pool_with_no_profile_is_timed_when_the_gateway_starts(
     }
 
 
+def _read_often(sim_factory: SimFactory, params: dict[str, object]) -> dict[str, object]:
+    """A gateway config: ``goodput`` with ``params`` over a decoder and a prefiller that
+    prefill in chunks of 2,048 tokens (a reading between two chunks shows the prompt
+    running), their loads read every 0.1 s."""
+    sim = ("--profile", "h200-llama3-8b", "--model", "sim-model", "--kv-connector", "nixl",
+           "--max-num-batched-tokens", "2048")  # fmt: skip
+    decoder, prefiller = sim_factory(*sim, name="decode"), sim_factory(*sim, name="prefill")
+    return {
+        "pools": _seeded_pools(decoder.url, prefiller.url),
+        "threshold": {"policy": {"type": "goodput", "params": params}},
+        "health": {"interval": 0.5},
+        "load": {"interval": 0.1, "stale_after": 5.0},
+    }
+
+
 async def test_each_probe_prompt_is_judged_alone_on_a_reading_taken_after_the_last(
     sim_factory: SimFactory, gateway_factory: GatewayFactory
 ) -> None:
@@ -157,17 +172,8 @@ async def test_each_probe_prompt_is_judged_alone_on_a_reading_taken_after_the_la
     one's answer with nothing else there, and is timed alone: all six on each server
     teach the rates as prompts timed alone. Judged on the poller's last reading, each of
     three runs counted some as timed beside the prompt before."""
-    sim = ("--profile", "h200-llama3-8b", "--model", "sim-model", "--kv-connector", "nixl",
-           "--max-num-batched-tokens", "2048")  # fmt: skip
-    decoder, prefiller = sim_factory(*sim, name="decode"), sim_factory(*sim, name="prefill")
     params = {"probe_tokens": [8192], "probe_repeats": 6, "probe_step_tokens": 0}
-    config = {
-        "pools": _seeded_pools(decoder.url, prefiller.url),
-        "threshold": {"policy": {"type": "goodput", "params": params}},
-        "health": {"interval": 0.5},
-        "load": {"interval": 0.1, "stale_after": 5.0},
-    }
-    gateway = gateway_factory(config)
+    gateway = gateway_factory(_read_often(sim_factory, params))
     status = await _timed_once(gateway.url)
     assert status["goodput_timing"] == {
         "decode": "timed on d0: 6 prompts",
@@ -189,16 +195,7 @@ async def test_a_served_prompt_is_judged_alone_on_a_reading_that_counted_the_one
     prompts served on the decoder in turn teaches the local rate as a prompt timed
     alone. Judged on the reading's running count, most counted as timed beside the one
     before (a bounded step of the rate instead of a sample of its median)."""
-    sim = ("--profile", "h200-llama3-8b", "--model", "sim-model", "--kv-connector", "nixl",
-           "--max-num-batched-tokens", "2048")  # fmt: skip
-    decoder, prefiller = sim_factory(*sim, name="decode"), sim_factory(*sim, name="prefill")
-    config = {
-        "pools": _seeded_pools(decoder.url, prefiller.url),
-        "threshold": {"policy": {"type": "goodput", "params": {"probe_tokens": []}}},
-        "health": {"interval": 0.5},
-        "load": {"interval": 0.1, "stale_after": 5.0},
-    }
-    gateway = gateway_factory(config)
+    gateway = gateway_factory(_read_often(sim_factory, {"probe_tokens": []}))
     rng = random.Random(5)
     # the policy routes the first prompt (its pools' models made); the client's threshold
     # 0 then keeps each long one on the decoder, and the policy learns from what was served
