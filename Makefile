@@ -6,12 +6,12 @@ STAMP := $(VENV)/.installed
 PORT ?= 8000
 
 .PHONY: run test lint format unit e2e lock clean vllm-env tiny-model e2e-vllm bench \
-	vllm033-env plugin-vllm033 e2e-live overhead chaos soak
+	vllm033-env plugin-vllm033 e2e-live overhead chaos soak compiled test-compiled
 
 $(STAMP): requirements/lock.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -r requirements/lock.txt
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	PDO_COMPILE= $(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 ## run: start the simulated pools and the gateway on loopback (configs/local.yaml)
@@ -53,8 +53,29 @@ unit: $(STAMP)
 e2e: $(STAMP)
 	$(BIN)/pytest e2e
 
-## test: everything -- lint, unit, e2e on the simulator, the plugin on vLLM 0.33's scheduler, e2e on a real vLLM CPU pair
-test: lint unit e2e plugin-vllm033 e2e-vllm
+## test: everything -- lint, unit, the request path compiled, e2e on the simulator, the plugin on vLLM 0.33's scheduler, e2e on a real vLLM CPU pair
+test: lint unit test-compiled e2e plugin-vllm033 e2e-vllm
+
+## compiled: the request path compiled with mypyc (setup.py's COMPILED) into .compiled/, outside the source tree; PYTHONPATH=$$PWD/.compiled runs it (a few minutes)
+COMPILED := .compiled
+COMPILED_STAMP := $(COMPILED)/.installed
+COMPILED_SOURCES := setup.py pyproject.toml $(shell find pd_orchestrator connectors -name '*.py' 2>/dev/null)
+compiled: $(COMPILED_STAMP)
+$(COMPILED_STAMP): $(STAMP) $(COMPILED_SOURCES)
+	rm -rf $(COMPILED) build
+	PDO_COMPILE=1 $(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps \
+		--no-build-isolation --target $(COMPILED) .
+	rm -rf build
+	touch $@
+
+## test-compiled: the request path's tests against the compiled build, run from a copy of the tests that holds no source
+COMPILED_TESTS ?= tests/flows tests/routing tests/policies tests/upstream tests/fleet tests/telemetry tests/gateway tests/chaos
+test-compiled: $(COMPILED_STAMP)
+	rm -rf .compiled-tests && mkdir .compiled-tests
+	git ls-files -co --exclude-standard tests configs deploy pyproject.toml | tar -cf - -T - | tar -xf - -C .compiled-tests
+	cd .compiled-tests && PYTHONPATH=$(CURDIR)/$(COMPILED) PDO_EXPECT_COMPILED=1 \
+		$(CURDIR)/$(BIN)/pytest -p no:cacheprovider $(COMPILED_TESTS)
+	rm -rf .compiled-tests
 
 format: $(STAMP)
 	$(BIN)/ruff format .
@@ -101,4 +122,4 @@ e2e-live: $(STAMP)
 	PDO_E2E_TARGET=live $(BIN)/pytest e2e -v
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache build *.egg-info
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache build *.egg-info $(COMPILED) .compiled-tests

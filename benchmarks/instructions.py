@@ -17,10 +17,13 @@ is a measure of work done, for comparing two versions of the code or two targets
 one invocation; the overhead benchmark (``overhead_bench.py``) stays the measure of
 what a client sees. ``--baseline DIR`` adds the gateway of another checkout (its own
 ``.venv``, as ``make`` builds it) as ``gateway-baseline``: before and after in one
-invocation.
+invocation. ``--compiled DIR`` adds this checkout's gateway run on the compiled build
+in ``DIR`` (``make compiled``: ``.compiled``, ahead of the source on ``PYTHONPATH``) as
+``gateway-compiled``, and with ``--fleets`` its decision as ``decision-compiled``.
 
     .venv/bin/python benchmarks/instructions.py [--targets gateway,floor-plan,floor-decode]
-        [--modes whole,stream] [--requests 400] [--baseline DIR] [--jobs 2] [--json FILE]
+        [--modes whole,stream] [--requests 400] [--baseline DIR] [--compiled DIR] [--jobs 2]
+        [--json FILE]
 
 Needs ``valgrind`` (the Debian package). A run of ``4N`` = 1,600 requests takes about
 a minute and a half under callgrind.
@@ -42,6 +45,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 TARGETS = ("gateway", "floor-asgi", "floor-decode", "floor-plan")
 BASELINE = "gateway-baseline"
+COMPILED = "gateway-compiled"
 DECISION = "decision"
 _REFS = re.compile(r"I\s+refs:\s+([\d,]+)")
 
@@ -50,21 +54,27 @@ _REFS = re.compile(r"I\s+refs:\s+([\d,]+)")
 class Run:
     """One count: ``target`` (``gateway-baseline``: ``--baseline``'s gateway) in
     ``mode`` (``whole`` or ``stream``) with ``requests`` requests; or, for the targets
-    ``decision`` and ``decision-baseline``, the decision alone over the fleet ``mode``
-    (``D:P``, ``decision_bench.py``)."""
+    ``decision``, ``decision-baseline`` and ``decision-compiled``, the decision alone
+    over the fleet ``mode`` (``D:P``, ``decision_bench.py``)."""
 
     target: str
     mode: str
     requests: int
 
-    def argv(self, baseline: Path | None) -> list[str]:
+    def argv(self, baseline: Path | None, compiled: Path | None = None) -> list[str]:
         """The command: callgrind around the checkout's script (``--baseline``'s python
-        and, for the decision, this checkout's script: it only calls the decision)."""
+        and, for the decision, this checkout's script: it only calls the decision; a
+        ``-compiled`` target with ``compiled`` first on ``PYTHONPATH``)."""
         python = Path(sys.executable)
+        prefix: list[str] = []
         if self.target.endswith("-baseline"):
             assert baseline is not None
             python = baseline / ".venv" / "bin" / "python"
-        argv = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", str(python)]
+        if self.target.endswith("-compiled"):
+            assert compiled is not None
+            prefix = ["env", f"PYTHONPATH={compiled.resolve()}"]
+        callgrind = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
+        argv = [*prefix, *callgrind, str(python)]
         if self.target.startswith(DECISION):
             decoders, prefillers = self.mode.split(":")
             script = HERE / "decision_bench.py"
@@ -72,15 +82,17 @@ class Run:
             return [*argv, "--requests", str(self.requests)]
         target = self.target.removesuffix("-baseline")
         root = HERE.parent if target == self.target else baseline
+        target = target.removesuffix("-compiled")
         assert root is not None
         argv += [str(root / "benchmarks" / "request_path.py"), "--target", target]
         argv += ["--requests", str(self.requests)]
         return argv + (["--stream"] if self.mode == "stream" else [])
 
 
-def count(run: Run, baseline: Path | None) -> int:
+def count(run: Run, baseline: Path | None, compiled: Path | None = None) -> int:
     """The instructions ``run``'s process executed (callgrind's ``I refs``)."""
-    done = subprocess.run(run.argv(baseline), capture_output=True, text=True, timeout=3600)
+    argv = run.argv(baseline, compiled)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
     found = _REFS.search(done.stderr)
     if done.returncode != 0 or found is None:
         raise SystemExit(f"{run}: exit {done.returncode}\n{done.stderr[-3000:]}")
@@ -119,6 +131,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--requests", type=int, default=400, help="N: runs of N and 4N")
     parser.add_argument("--baseline", type=Path, help="another checkout, built with make")
+    parser.add_argument("--compiled", type=Path, help="a compiled build (make compiled: .compiled)")
     parser.add_argument("--jobs", type=int, default=2, help="counts run at once")
     parser.add_argument("--json", type=Path, help="write the figures here too")
     args = parser.parse_args(argv)
@@ -137,6 +150,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if not (args.baseline / ".venv" / "bin" / "python").exists():
             parser.error(f"--baseline {args.baseline}: no .venv/bin/python (run make there)")
         args.targets.insert(1, BASELINE)
+    if args.compiled is not None:
+        if not (args.compiled / "pd_orchestrator").is_dir():
+            parser.error(f"--compiled {args.compiled}: no pd_orchestrator (run make compiled)")
+        args.targets.insert(1, COMPILED)
     return args
 
 
@@ -145,11 +162,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed (apt-get install valgrind)")
     deciders = [DECISION] + ([f"{DECISION}-baseline"] if args.baseline is not None else [])
+    deciders += [f"{DECISION}-compiled"] if args.compiled is not None else []
     cases = [(t, m) for t in args.targets for m in args.modes]
     cases += [(t, fleet) for fleet in args.fleets for t in deciders]
     runs = [Run(t, m, n) for t, m in cases for n in (args.requests, 4 * args.requests)]
     with ThreadPoolExecutor(args.jobs) as pool:
-        counted = dict(zip(runs, pool.map(lambda r: count(r, args.baseline), runs), strict=True))
+        counts = pool.map(lambda r: count(r, args.baseline, args.compiled), runs)
+        counted = dict(zip(runs, counts, strict=True))
     figures = {(t, m): per_request(counted, t, m, args.requests) for t, m in cases}
     print(table(figures, args.targets, args.modes))
     if args.fleets:

@@ -19,12 +19,15 @@ Everything started is stopped at the end, on errors and on Ctrl-C.
 
     .venv/bin/python benchmarks/overhead_bench.py [--rounds 3] [--duration 5]
         [--targets direct,gateway,vllm-router,smg] [--concurrency 1,16]
-        [--gateway-config FILE] [--baseline DIR] [--pin CPU] [--workers 1,2]
+        [--gateway-config FILE] [--baseline DIR] [--compiled DIR] [--pin CPU] [--workers 1,2]
         [--json FILE]
 
 ``--baseline DIR`` adds the gateway of another checkout (built there with ``make``)
 as the target ``gateway-baseline``, with the same config, and the ratios table sets
 this gateway against it: a change's before and after in one invocation.
+``--compiled DIR`` adds this checkout's gateway on the compiled build in ``DIR``
+(``make compiled``: ``.compiled``, first on its ``PYTHONPATH``) as the target
+``gateway-compiled``, set against the gateway the same way.
 ``--pin CPU`` compares core for core: every relay (the gateways, vllm-router, SMG)
 runs on CPU alone (``taskset``), the backend and wrk on the other CPUs, so no relay
 gets more cores than another and none competes with the load it serves.
@@ -84,6 +87,8 @@ FLOORS = ("floor-asgi", "floor-raw", "floor-decode", "floor-plan")
 """The Python floor of a relay (``floor_relay.py``): measured only when named."""
 BASELINE = "gateway-baseline"
 """The gateway of another checkout (``--baseline DIR``), measured like a peer."""
+COMPILED = "gateway-compiled"
+"""This gateway on the compiled build (``--compiled DIR``), measured like a peer."""
 PEERS = ("smg", "vllm-router")
 WORKERS_PREFIX = "gateway-w"
 """``gateway-wN``: this gateway with ``serve --workers N`` (``--workers``)."""
@@ -283,10 +288,12 @@ def start_gateway(
     name: str = "gateway",
     workers: int = 1,
     cpus: str | None = None,
+    compiled: Path | None = None,
 ) -> Child:
     """The gateway of this checkout, or of ``checkout`` (its own ``.venv``, as ``make``
     builds it: ``--baseline``), serving ``source`` or the generated config with
-    ``workers`` processes, on ``cpus``."""
+    ``workers`` processes, on ``cpus``; with ``compiled`` (``--compiled``) first on its
+    ``PYTHONPATH``."""
     directory = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pdo-overhead-")))
     config = _gateway_config_file(backend_url, source, directory)
     if checkout is not None:
@@ -303,6 +310,8 @@ def start_gateway(
     port = free_port()
     argv = [*command, "serve", "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--workers", str(workers)] if workers > 1 else []
+    if compiled is not None:
+        argv = ["env", f"PYTHONPATH={compiled.resolve()}", *argv]
     child = start_process(name, pinned(argv, cpus), f"http://127.0.0.1:{port}")
     return _stopped_with(stack, child)
 
@@ -416,6 +425,9 @@ def start_targets(stack: ExitStack, args: argparse.Namespace) -> dict[str, Child
         BASELINE: lambda: start_gateway(
             stack, backend.url, config, args.baseline, BASELINE, cpus=relay
         ),
+        COMPILED: lambda: start_gateway(
+            stack, backend.url, config, None, COMPILED, cpus=relay, compiled=args.compiled
+        ),
     }
     for floor in FLOORS:
         starters[floor] = partial(start_floor, stack, backend.url, floor, relay)
@@ -523,7 +535,7 @@ def ratios(figures: Sequence[Figures], cases: Sequence[Case]) -> list[Ratio]:
     table = {(f.target, f.case): f for f in figures}
     low, high = min(c.concurrency for c in cases), max(c.concurrency for c in cases)
     found: list[Ratio] = []
-    for peer in (*PEERS, BASELINE, *FLOORS):
+    for peer in (*PEERS, BASELINE, COMPILED, *FLOORS):
         for case in cases:
             gateway, other = table.get(("gateway", case)), table.get((peer, case))
             if gateway is None or other is None:
@@ -737,6 +749,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "target gateway-baseline, with the same config: before and after in one invocation",
     )
     parser.add_argument(
+        "--compiled",
+        type=Path,
+        default=None,
+        help="a compiled build (make compiled: .compiled) on which this gateway runs as the "
+        "target gateway-compiled: source and compiled in one invocation",
+    )
+    parser.add_argument(
         "--pin",
         type=int,
         default=None,
@@ -759,6 +778,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.targets += [f"{WORKERS_PREFIX}{w}" for w in dict.fromkeys(args.workers) if w > 1]
     if args.baseline is not None:
         args.targets.append(BASELINE)
+    if args.compiled is not None:
+        if not (args.compiled / "pd_orchestrator").is_dir():
+            parser.error(f"--compiled {args.compiled}: no pd_orchestrator (run make compiled)")
+        args.targets.append(COMPILED)
     return args
 
 

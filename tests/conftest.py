@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,20 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 settings.load_profile("shared-machine")
+
+COMPILED_PROBES = ("pd_orchestrator.planner.plan", "pd_orchestrator.flows.chunks")
+"""Modules that ``setup.py`` compiles: under ``PDO_EXPECT_COMPILED=1`` (``make
+test-compiled``) each must load as a C extension, or the run would test the source."""
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Refuse a compiled run (``PDO_EXPECT_COMPILED=1``) that would import the source."""
+    if os.environ.get("PDO_EXPECT_COMPILED") != "1":
+        return
+    for name in COMPILED_PROBES:
+        path = importlib.import_module(name).__file__ or ""
+        if not path.endswith(".so"):
+            raise pytest.UsageError(f"PDO_EXPECT_COMPILED=1 but {name} loads from {path}")
 
 
 @pytest.fixture

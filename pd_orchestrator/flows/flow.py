@@ -239,16 +239,16 @@ class Flow:
 
     async def run(self, renderer: Renderer) -> Outcome:
         """Serve the request into ``renderer``; raises GatewayError/UpstreamError."""
-        clock = self.settings.clock
-        started = clock()
+        started = self.settings.clock()
         try:
             leg = await self._first_leg()
             await renderer.begin(self.headers())
             await self._relay_all(leg, renderer)
             await renderer.end(self.headers())
-        finally:
-            await self.legs.aclose()
-            self._phase("total", started)
+        except BaseException:  # no awaiting `finally` in a compiled module (setup.py)
+            await self._ended(started)
+            raise
+        await self._ended(started)
         timing = renderer.timing
         transcript = self.transcript
         return Outcome(
@@ -402,44 +402,54 @@ class Flow:
         any of the faulty part) reaches the client. Whatever ends the leg, the tokens
         the client got of it count in the usage.
         """
-        last: tuple[Json, ChunkView] | None = None
-        complete = False
         leg.text_offset = self.transcript.offset
         try:
-            while (batch := await leg.next_batch()) is not None:
-                for chunk in batch:
-                    view = leg.view(chunk)
-                    if view.usage is not None:
-                        leg.usage = view.usage
-                    if not view.has_choice:
-                        continue
-                    if last is not None:
-                        if view.decisive:
-                            raise leg.fault("content after the finish reason")
-                    elif view.finish_reason is not None:
-                        last = (chunk, view)
-                    else:
-                        self._take(leg, chunk, view, renderer)
-                await renderer.flush()
-            if last is None:
-                raise leg.fault("the answer ended without a finish reason")
-            chunk, view = last
-            if view.rejected and leg.threshold <= 0.0:
-                raise leg.fault("cache_threshold at threshold 0")
-            self._take(leg, chunk, view, renderer)
-            if view.rejected:  # the continuation may take a prefill: send what came now
-                await renderer.flush()
-            # else the finish chunk goes out with the answer's end, in one write
-            complete = True
-        finally:
-            await self.legs.close(leg)
-            self.transcript.absorb_usage(
-                leg.usage if complete else None,
-                original_prompt=leg.original_prompt,
-                leg_tokens=leg.tokens,
-            )
+            view = await self._relayed(leg, renderer)
+        except BaseException:  # no awaiting `finally` in a compiled module (setup.py)
+            await self._leg_ended(leg, complete=False)
+            raise
+        await self._leg_ended(leg, complete=True)
         self._phase("decode", leg.started)
         return not view.rejected
+
+    async def _relayed(self, leg: Leg, renderer: Renderer) -> ChunkView:
+        """:meth:`_relay`'s relaying, to the finish chunk's view (see there)."""
+        last: tuple[Json, ChunkView] | None = None
+        while (batch := await leg.next_batch()) is not None:
+            for chunk in batch:
+                view = leg.view(chunk)
+                if view.usage is not None:
+                    leg.usage = view.usage
+                if not view.has_choice:
+                    continue
+                if last is not None:
+                    if view.decisive:
+                        raise leg.fault("content after the finish reason")
+                elif view.finish_reason is not None:
+                    last = (chunk, view)
+                else:
+                    self._take(leg, chunk, view, renderer)
+            await renderer.flush()
+        if last is None:
+            raise leg.fault("the answer ended without a finish reason")
+        chunk, view = last
+        if view.rejected and leg.threshold <= 0.0:
+            raise leg.fault("cache_threshold at threshold 0")
+        self._take(leg, chunk, view, renderer)
+        if view.rejected:  # the continuation may take a prefill: send what came now
+            await renderer.flush()
+        # else the finish chunk goes out with the answer's end, in one write
+        return view
+
+    async def _leg_ended(self, leg: Leg, *, complete: bool) -> None:
+        """Close ``leg`` and count its usage (only a ``complete`` leg's own report;
+        else the tokens the client got of it)."""
+        await self.legs.close(leg)
+        self.transcript.absorb_usage(
+            leg.usage if complete else None,
+            original_prompt=leg.original_prompt,
+            leg_tokens=leg.tokens,
+        )
 
     def _take(self, leg: Leg, chunk: Json, view: ChunkView, renderer: Renderer) -> None:
         """Record one chunk with a choice and hand it to the client (a hand-back's only
@@ -524,6 +534,11 @@ class Flow:
             "choices": [{"index": 0, "text": "", "token_ids": [], "finish_reason": "length"}],
             "usage": {"completion_tokens": 0},
         }
+
+    async def _ended(self, started: float) -> None:
+        """Close every leg still open and time the whole request."""
+        await self.legs.aclose()
+        self._phase("total", started)
 
     def _phase(self, phase: str, started: float) -> None:
         self.settings.metrics.observe_phase(phase, self.settings.clock() - started)

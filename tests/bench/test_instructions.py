@@ -53,6 +53,26 @@ def test_the_counted_commands(counts: ModuleType, tmp_path: Path) -> None:
     ]  # fmt: skip
 
 
+def test_a_compiled_target_runs_this_checkout_with_the_build_first_on_the_path(
+    counts: ModuleType, tmp_path: Path
+) -> None:
+    run = counts.Run
+    argv = run("gateway-compiled", "whole", 400).argv(None, tmp_path)
+    assert argv[:2] == ["env", f"PYTHONPATH={tmp_path.resolve()}"]
+    assert argv[2:5] == ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
+    assert argv[6:] == [
+        str(BENCHMARKS / "request_path.py"), "--target", "gateway", "--requests", "400",
+    ]  # fmt: skip
+    decided = run("decision-compiled", "1:1", 400).argv(None, tmp_path)
+    assert decided[1] == f"PYTHONPATH={tmp_path.resolve()}"
+    assert decided[6] == str(BENCHMARKS / "decision_bench.py")
+    (tmp_path / "pd_orchestrator").mkdir()
+    args = counts.parse_args(["--targets", "gateway", "--compiled", str(tmp_path)])
+    assert args.targets == ["gateway", "gateway-compiled"]
+    with pytest.raises(SystemExit):  # no build there
+        counts.parse_args(["--compiled", str(tmp_path / "none")])
+
+
 def test_the_table_sets_every_target_against_the_first(counts: ModuleType) -> None:
     figures = {("gateway", "whole"): 800_000.0, ("floor-decode", "whole"): 200_000.0}
     lines = counts.table(figures, ["gateway", "floor-decode"], ["whole"]).splitlines()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -327,6 +328,24 @@ def test_ratios_set_workers_against_one_and_cpu_against_the_peers(bench: ModuleT
 def test_workers_add_their_targets(bench: ModuleType) -> None:
     args = bench.parse_args(["--targets", "direct,gateway", "--workers", "1,2,2,4"])
     assert args.targets == ["direct", "gateway", "gateway-w2", "gateway-w4"]
+
+
+def test_a_compiled_build_is_a_target_set_against_the_gateway(
+    bench: ModuleType, tmp_path: Path
+) -> None:
+    with pytest.raises(SystemExit):  # no build there
+        bench.parse_args(["--compiled", str(tmp_path)])
+    (tmp_path / "pd_orchestrator").mkdir()
+    args = bench.parse_args(["--targets", "direct,gateway", "--compiled", str(tmp_path)])
+    assert args.targets == ["direct", "gateway", "gateway-compiled"]
+    high = bench.Case(16, False)
+    figures = [
+        bench.Figures("gateway", high, 1e-3, 1e-3, 1000, 0, 3, 4e-4, 1e-3, 1e-3),
+        bench.Figures("gateway-compiled", high, 1e-3, 1e-3, 1250, 0, 3, 3e-4, 1e-3, 1e-3),
+    ]
+    found = {(r.metric, r.peer): r for r in bench.ratios(figures, [high])}
+    assert found[("req/s, c16 whole", "gateway-compiled")].ratio == pytest.approx(0.8)
+    assert found[("CPU us/req, c16 whole", "gateway-compiled")].ratio == pytest.approx(4 / 3)
 
 
 # -- the Python floor of a relay ----------------------------------------------------------------
