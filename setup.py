@@ -3,7 +3,7 @@
 Every build is pure Python unless ``PDO_COMPILE=1`` is set; then the modules of
 :data:`COMPILED` are compiled to C extensions by mypyc (mypy must be installed in
 the building environment: ``--no-build-isolation``), with the same behaviour and
-about a sixth fewer instructions per request (docs/performance.md, "Eleventh
+about a fifth fewer instructions per request (docs/performance.md, "Eleventh
 pass"). ``make compiled`` builds them into ``.compiled/``, outside the source tree,
 so an edited module never runs as a stale compiled copy; ``make test`` runs the
 request path's tests against that build too. The image (deploy/Dockerfile) ships it.
