@@ -3,8 +3,8 @@
 Every build is pure Python unless ``PDO_COMPILE=1`` is set; then the modules of
 :data:`COMPILED` are compiled to C extensions by mypyc (mypy must be installed in
 the building environment: ``--no-build-isolation``), with the same behaviour and
-about a fifth fewer instructions per request (docs/performance.md, "Eleventh
-pass"). ``make compiled`` builds them into ``.compiled/``, outside the source tree,
+about 0.7x the instructions of a request (docs/performance.md, "Eleventh pass"
+and "Twelfth pass"). ``make compiled`` builds them into ``.compiled/``, outside the source tree,
 so an edited module never runs as a stale compiled copy; ``make test`` runs the
 request path's tests against that build too. The image (deploy/Dockerfile) ships it.
 
@@ -17,7 +17,17 @@ What a compiled module may not hold, as mypyc 2.4 compiles it:
   every compiled module to it);
 - a pydantic model, or a record with a ``ClassVar`` (the routing plugins' and the
   policies' parameters): the class fails to build at import;
-- a class the tests subclass or stand in for (the hand-over).
+- an async generator (mypyc builds none: the upstream's test transport lives apart,
+  in ``upstream/mock.py``), or a ``del`` of an attribute the class does not name in
+  ``__deletable__``;
+- a subclass of a builtin type other than ``object`` and ``Exception``
+  (``RuntimeError``: the routing's ``PluginContractError`` lives in
+  ``routing/interfaces.py``), or a ``runtime_checkable`` protocol
+  (``gateway/prefix_runtime.py`` stays pure);
+- exceptions whose subclasses take class-level defaults (``upstream/errors.py``:
+  compiled, a subclass lost its ``outcome``);
+- a class the tests subclass or stand in for (the hand-over). A test that patches a
+  compiled class's method is marked ``source_only`` and runs on the source only.
 """
 
 from __future__ import annotations
@@ -28,6 +38,8 @@ from typing import Any
 from setuptools import setup
 
 COMPILED = (
+    "pd_orchestrator/fleet/cache_reports.py",
+    "pd_orchestrator/fleet/outliers.py",
     "pd_orchestrator/fleet/scraper.py",
     "pd_orchestrator/fleet/state.py",
     "pd_orchestrator/flows/attempts.py",
@@ -45,10 +57,17 @@ COMPILED = (
     "pd_orchestrator/gateway/response.py",
     "pd_orchestrator/model/load.py",
     "pd_orchestrator/model/route.py",
+    "pd_orchestrator/openai/responses.py",
     "pd_orchestrator/planner/plan.py",
+    "pd_orchestrator/policies/estimator.py",
     "pd_orchestrator/policies/threshold.py",
+    "pd_orchestrator/routing/engine.py",
     "pd_orchestrator/routing/profiles.py",
+    "pd_orchestrator/routing/types.py",
     "pd_orchestrator/telemetry/fast.py",
+    "pd_orchestrator/telemetry/metrics.py",
+    "pd_orchestrator/upstream/client.py",
+    "pd_orchestrator/upstream/transport.py",
 )
 """The modules compiled with ``PDO_COMPILE=1``: the request path's, each ``mypy
 --strict`` clean and within the rules of the module docstring."""

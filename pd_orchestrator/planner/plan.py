@@ -653,28 +653,8 @@ class Planner:
         resolver = self.threshold
         if resolver is None:
             return
-        planned = _planned(plan, decoder)
-        prefilled = _planned(plan, served.prefiller) if served.remote else planned
-        queued = queued_at(prefilled)
-        resolver.observe(
-            LatencyObservation(
-                facts.model,
-                decoder.pool,
-                served.now,
-                served.ttft,
-                served.itl,
-                prompt_tokens=served.prompt_tokens,
-                cached_tokens=served.cached_tokens,
-                output_tokens=served.output_tokens,
-                remote=served.remote,
-                after_prefill=served.after_prefill,
-                queued=queued,
-                alone=alone_at(prefilled, queued),
-                prefill_cached=served.prefill_cached,
-                prefill_seconds=served.prefill_seconds,
-                streams=None if planned is None else planned.streams,
-            )
-        )
+        if resolver.observes:
+            _observe(resolver, plan, facts, served, decoder)
         if served.prompt_tokens and facts.prompt_tokens is None:
             resolver.observe_usage(facts.model, facts.prompt_chars, served.prompt_tokens)
 
@@ -689,6 +669,35 @@ class Planner:
             adaptive.rejected(width.keys, name, threshold_of(plan.route), width.blocks)
         if served.decoder is not None:
             adaptive.served(width.keys, served.decoder.name)
+
+
+def _observe(
+    resolver: ThresholdResolver, plan: Plan, facts: RequestFacts, served: Served, decoder: Endpoint
+) -> None:
+    """Tell the threshold policies one finished request's latencies, with the load its
+    decoder (and prefiller) had when it was planned."""
+    planned = _planned(plan, decoder)
+    prefilled = _planned(plan, served.prefiller) if served.remote else planned
+    queued = queued_at(prefilled)
+    resolver.observe(
+        LatencyObservation(
+            facts.model,
+            decoder.pool,
+            served.now,
+            served.ttft,
+            served.itl,
+            prompt_tokens=served.prompt_tokens,
+            cached_tokens=served.cached_tokens,
+            output_tokens=served.output_tokens,
+            remote=served.remote,
+            after_prefill=served.after_prefill,
+            queued=queued,
+            alone=alone_at(prefilled, queued),
+            prefill_cached=served.prefill_cached,
+            prefill_seconds=served.prefill_seconds,
+            streams=None if planned is None else planned.streams,
+        )
+    )
 
 
 def _peers(ranking: RoutingResult) -> tuple[Candidate, ...]:

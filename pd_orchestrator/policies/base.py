@@ -265,6 +265,13 @@ class ThresholdPolicy(Protocol):
         asked."""
         ...
 
+    @property
+    def observes(self) -> bool:
+        """Whether :meth:`observe` learns anything. A declaration, as ``ranks_spill``:
+        where no policy of the configuration observes, the planner builds no
+        :class:`LatencyObservation` for a finished request."""
+        ...
+
     def decide(self, context: ThresholdContext) -> Route:
         """The route for one request; it changes no state of the policy."""
         ...
@@ -281,14 +288,19 @@ class ThresholdPolicy(Protocol):
 
 class Leaf:
     """A base for the policies that compose none, rank no spilling prefiller and learn
-    nothing from their choices (:class:`ThresholdPolicy`'s ``parts``,
-    ``ranks_spill`` and ``chosen``)."""
+    nothing from their choices nor, unless they say so (``observes`` and their own
+    :meth:`observe`), from latencies (:class:`ThresholdPolicy`'s ``parts``,
+    ``ranks_spill``, ``chosen``, ``observes`` and ``observe``)."""
 
     __slots__ = ()
     parts: ClassVar[tuple[ThresholdPolicy, ...]] = ()
     ranks_spill: ClassVar[bool] = False
+    observes: ClassVar[bool] = False
 
     def chosen(self, context: ThresholdContext, route: Route) -> None:
+        return None
+
+    def observe(self, observation: LatencyObservation) -> None:
         return None
 
 

@@ -81,8 +81,8 @@ class WeightedParams(ComposeParams):
 
 class _Composite:
     """What every composite does with its children: its parts are the children, it
-    ranks spilling prefillers when one of them does, tells every child the final route
-    and lets every child observe each latency."""
+    ranks spilling prefillers, and observes latencies, when one of them does; it tells
+    every child the final route and lets every child observe each latency."""
 
     __slots__ = ()
     children: tuple[ThresholdPolicy, ...]
@@ -94,6 +94,10 @@ class _Composite:
     @property
     def ranks_spill(self) -> bool:
         return any(child.ranks_spill for child in self.children)
+
+    @property
+    def observes(self) -> bool:
+        return any(child.observes for child in self.children)
 
     def chosen(self, context: ThresholdContext, route: Route) -> None:
         for child in self.children:

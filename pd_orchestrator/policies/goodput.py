@@ -82,6 +82,7 @@ class GoodputPolicy:
     model: GoodputModel = field(init=False)
     parts: ClassVar[tuple[ThresholdPolicy, ...]] = ()
     ranks_spill: ClassVar[bool] = True
+    observes: ClassVar[bool] = True
     bounds: ClassVar[tuple[float, float]] = (0.0, 1.0)
 
     def __post_init__(self) -> None:

@@ -47,7 +47,6 @@ from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.model.route import Route, at
 from pd_orchestrator.policies.base import (
     POLICY,
-    LatencyObservation,
     Leaf,
     ThresholdContext,
     clamp_ratio,
@@ -156,9 +155,6 @@ class LoadAdaptivePolicy(Leaf):
     def decide(self, context: ThresholdContext) -> Route:
         value = self._smooth(context.decoder.endpoint.name, self.target(context), context.now)
         return at(value, self.name, self._reason(value, context))
-
-    def observe(self, observation: LatencyObservation) -> None:
-        return None
 
     def _smooth(self, decoder: str, target: float, now: float) -> float:
         track = self._tracks.get(decoder)

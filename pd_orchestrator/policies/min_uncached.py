@@ -36,7 +36,6 @@ from pd_orchestrator.model.records import record
 from pd_orchestrator.model.route import Route, at
 from pd_orchestrator.policies.base import (
     POLICY,
-    LatencyObservation,
     Leaf,
     ThresholdContext,
     clamp_ratio,
@@ -92,9 +91,6 @@ class MinUncachedTokensPolicy(Leaf):
             return at(floor, self.name, "uncached-ratio")
         reason = "short-prompt" if budget == 0.0 else "uncached-tokens"
         return at(budget, self.name, reason)
-
-    def observe(self, observation: LatencyObservation) -> None:
-        return None
 
 
 def _min_uncached(

@@ -88,6 +88,10 @@ class OverridesPolicy:
     def ranks_spill(self) -> bool:
         return any(part.ranks_spill for part in self.parts)
 
+    @property
+    def observes(self) -> bool:
+        return any(part.observes for part in self.parts)
+
     def decide(self, context: ThresholdContext) -> Route:
         return self.select(context.pool, context.model).decide(context)
 

@@ -71,7 +71,6 @@ from pd_orchestrator.model.records import record
 from pd_orchestrator.model.route import Route, at
 from pd_orchestrator.policies.base import (
     POLICY,
-    LatencyObservation,
     Leaf,
     ThresholdContext,
 )
@@ -134,9 +133,6 @@ class DynamoLegacyPolicy(Leaf):
             return at(0.0, self.name, "prefill-queue-full")
         threshold = uncached_budget_threshold(context.prompt_tokens, limit + 1)
         return at(threshold, self.name, "uncached-length")
-
-    def observe(self, observation: LatencyObservation) -> None:
-        return None
 
 
 DynamoRule = Literal["isl_bounding", "prefill_load", "isl_or_load"]
@@ -204,9 +200,6 @@ class DynamoPolicy(Leaf):
         threshold = uncached_budget_threshold(context.prompt_tokens, bound)
         return at(threshold, self.name, "effective-isl")
 
-    def observe(self, observation: LatencyObservation) -> None:
-        return None
-
 
 class LlmdParams(NoParams):
     """``non_cached_tokens`` (default 0: never disaggregate, as llm-d): uncached tokens
@@ -232,9 +225,6 @@ class LlmdPolicy(Leaf):
             return at(0.0, self.name, "short-prompt")
         threshold = uncached_budget_threshold(context.prompt_tokens, limit)
         return at(threshold, self.name, "non-cached-tokens")
-
-    def observe(self, observation: LatencyObservation) -> None:
-        return None
 
 
 def _dynamo(params: DynamoParams, context: PluginContext) -> DynamoPolicy:

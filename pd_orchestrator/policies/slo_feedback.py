@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Annotated, Self
+from typing import Annotated, ClassVar, Self
 
 from pydantic import Field, model_validator
 
@@ -129,6 +129,7 @@ def _window(params: SloFeedbackParams) -> _Window:
 class SloFeedbackPolicy(Leaf):
     """See the module docstring."""
 
+    observes: ClassVar[bool] = True
     params: SloFeedbackParams
     name: str = "slo-feedback"
     threshold: float = field(init=False)

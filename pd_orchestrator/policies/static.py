@@ -14,7 +14,6 @@ from pd_orchestrator.model.records import record
 from pd_orchestrator.model.route import Route, at
 from pd_orchestrator.policies.base import (
     POLICY,
-    LatencyObservation,
     Leaf,
     ThresholdContext,
 )
@@ -43,9 +42,6 @@ class StaticPolicy(Leaf):
 
     def decide(self, context: ThresholdContext) -> Route:
         return at(self.value, self.name, "fixed")
-
-    def observe(self, observation: LatencyObservation) -> None:
-        return None
 
 
 def _static(params: StaticParams, context: PluginContext) -> StaticPolicy:

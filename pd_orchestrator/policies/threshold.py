@@ -42,6 +42,9 @@ class ThresholdResolver:
     ``ranks_spill``: the policy has the decode routing rank the prefillers whose pool
     spills beside the decoders
     (:attr:`~pd_orchestrator.policies.base.ThresholdPolicy.ranks_spill`).
+    ``observes``: a policy learns from latencies
+    (:attr:`~pd_orchestrator.policies.base.ThresholdPolicy.observes`); without one,
+    :meth:`observe` need not be called.
     """
 
     policy: ThresholdPolicy
@@ -49,9 +52,11 @@ class ThresholdResolver:
     prompt_length: PromptLengthEstimator = field(default_factory=PromptLengthEstimator)
     exact_prompt_length: bool = False
     ranks_spill: bool = field(init=False, default=False)
+    observes: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         self.ranks_spill = self.policy.ranks_spill
+        self.observes = self.policy.observes
 
     def estimate_tokens(self, model: str, chars: int) -> int:
         """The prompt's tokens, estimated from its characters (see the estimator)."""

@@ -33,16 +33,18 @@ from typing import Generic, TypeVar
 from pd_orchestrator.model.endpoints import Endpoint
 from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.model.records import record
-from pd_orchestrator.routing.interfaces import Filter, Observer, Picker, Scorer
+from pd_orchestrator.routing.interfaces import (
+    Filter,
+    Observer,
+    Picker,
+    PluginContractError,
+    Scorer,
+)
 from pd_orchestrator.routing.types import RoutingRequest, RoutingResult, ScoredCandidate
 
 __all__ = ["PluginContractError", "Profile", "Stage", "WeightedScorer", "clamp"]
 
 PluginT = TypeVar("PluginT")
-
-
-class PluginContractError(RuntimeError):
-    """A plugin returned something its interface does not allow."""
 
 
 def clamp(score: float) -> float:

@@ -28,7 +28,12 @@ from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.model.records import record
 from pd_orchestrator.routing.types import RoutingRequest, ScoredCandidate
 
-__all__ = ["Filter", "Observer", "Picker", "PluginContext", "Scorer"]
+__all__ = ["Filter", "Observer", "Picker", "PluginContext", "PluginContractError", "Scorer"]
+
+
+class PluginContractError(RuntimeError):
+    """A plugin returned something its interface does not allow (the engine checks
+    every run: :mod:`pd_orchestrator.routing.engine`)."""
 
 
 @record

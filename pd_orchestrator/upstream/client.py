@@ -445,8 +445,10 @@ class Upstream:
                         endpoint.name, phase, message, role=role_label(endpoint)
                     )
                 pieces.append(piece)
-        finally:
+        except BaseException:  # no awaiting `finally` in a compiled module (setup.py)
             await response.aclose()
+            raise
+        await response.aclose()
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     async def get_json(self, endpoint: Endpoint, url: str) -> Any:

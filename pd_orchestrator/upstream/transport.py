@@ -24,7 +24,8 @@ Contract:
 * Reading pauses the socket while more than ``HIGH_WATER`` bytes wait unread, so a
   slow client holds back the upstream rather than the gateway's memory.
 
-:class:`MockTransport` answers from a plain function instead of a socket (tests).
+:class:`~pd_orchestrator.upstream.mock.MockTransport` answers from a plain function
+instead of a socket (tests).
 """
 
 from __future__ import annotations
@@ -34,8 +35,7 @@ import errno
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol, cast
 from urllib.parse import urlsplit
 
@@ -48,8 +48,6 @@ __all__ = [
     "ConnectFailed",
     "ConnectionBroken",
     "HttpTransport",
-    "MockResponse",
-    "MockTransport",
     "Origin",
     "OutOfResources",
     "PoolTimedOut",
@@ -228,6 +226,7 @@ class _Connection(asyncio.Protocol):
     """
 
     _parser: httptools.HttpResponseParser  # while connected
+    __deletable__ = ("_parser",)  # compiled by mypyc (setup.py): `del` is declared
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -586,69 +585,3 @@ class HttpTransport:
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
-
-
-# -- a transport for tests ----------------------------------------------------------------------
-@dataclass
-class MockResponse:
-    """A scripted answer: ``body`` whole, or ``chunks`` (bytes, or an async iterable of
-    bytes that may sleep or raise) as the pieces of the body; ``json`` and ``text``
-    are shorthands for ``body``."""
-
-    status: int = 200
-    json: Any = None
-    text: str | None = None
-    body: bytes | None = None
-    chunks: Iterable[bytes] | AsyncIterator[bytes] | None = None
-    headers: list[tuple[str, str]] = field(default_factory=list)
-
-    def __aiter__(self) -> AsyncIterator[bytes]:
-        return self._pieces()
-
-    async def _pieces(self) -> AsyncIterator[bytes]:
-        if self.chunks is None:
-            yield self._body()
-            return
-        if isinstance(self.chunks, AsyncIterator):
-            async for piece in self.chunks:
-                yield piece
-            return
-        for piece in self.chunks:
-            yield piece
-
-    def _body(self) -> bytes:
-        if self.body is not None:
-            return self.body
-        if self.text is not None:
-            return self.text.encode()
-        return orjson.dumps(self.json) if self.json is not None else b""
-
-    async def read(self) -> bytes:
-        return b"".join([piece async for piece in self])
-
-    async def aclose(self) -> None:
-        aclose = getattr(self.chunks, "aclose", None)
-        if aclose is not None:
-            await aclose()
-
-
-MockHandler = Callable[[Request], "MockResponse | Awaitable[MockResponse]"]
-
-
-class MockTransport:
-    """Answers every request with ``handler(request)`` (which may be async and may raise
-    a :class:`TransportError` to simulate a failure). ``requests`` records what was sent."""
-
-    def __init__(self, handler: MockHandler) -> None:
-        self.handler = handler
-        self.requests: list[Request] = []
-
-    async def send(self, request: Request, timeouts: Timeouts) -> Response:
-        self.requests.append(request)
-        outcome = self.handler(request)
-        if not isinstance(outcome, MockResponse):
-            outcome = await outcome
-        return outcome
-
-    async def aclose(self) -> None:
-        return None

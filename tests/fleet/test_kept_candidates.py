@@ -15,7 +15,8 @@ from pd_orchestrator.fleet.scraper import LoadConfig, LoadScraper
 from pd_orchestrator.fleet.state import FleetState
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.upstream.errors import UpstreamStatusError
-from pd_orchestrator.upstream.transport import ConnectFailed, MockResponse, MockTransport, Request
+from pd_orchestrator.upstream.mock import MockResponse, MockTransport
+from pd_orchestrator.upstream.transport import ConnectFailed, Request
 from tests.fleet.test_scraper import MODEL, Clock, _text, upstream
 
 NAMES = ("d0", "d1", "d2", "p0", "p1")

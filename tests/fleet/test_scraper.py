@@ -26,13 +26,8 @@ from pd_orchestrator.fleet.state import FleetState
 from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.model.load import LoadSnapshot
 from pd_orchestrator.upstream.client import Upstream
-from pd_orchestrator.upstream.transport import (
-    ConnectFailed,
-    MockResponse,
-    MockTransport,
-    Request,
-    Transport,
-)
+from pd_orchestrator.upstream.mock import MockResponse, MockTransport
+from pd_orchestrator.upstream.transport import ConnectFailed, Request, Transport
 from tests.conftest import SimFactory
 
 MODEL = "sim-model"

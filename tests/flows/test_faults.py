@@ -25,12 +25,8 @@ from pd_orchestrator.model.endpoints import Endpoint, Role
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
 from pd_orchestrator.upstream.client import Upstream
 from pd_orchestrator.upstream.errors import UpstreamStatusError, UpstreamUnavailable
-from pd_orchestrator.upstream.transport import (
-    ConnectionBroken,
-    MockResponse,
-    MockTransport,
-    Request,
-)
+from pd_orchestrator.upstream.mock import MockResponse, MockTransport
+from pd_orchestrator.upstream.transport import ConnectionBroken, Request
 
 from .test_flow import (
     D1,

@@ -36,13 +36,8 @@ from pd_orchestrator.routing import build_profiles
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
 from pd_orchestrator.upstream.client import Upstream
 from pd_orchestrator.upstream.errors import UpstreamProtocolError, UpstreamStatusError
-from pd_orchestrator.upstream.transport import (
-    ConnectFailed,
-    ConnectionBroken,
-    MockResponse,
-    MockTransport,
-    Request,
-)
+from pd_orchestrator.upstream.mock import MockResponse, MockTransport
+from pd_orchestrator.upstream.transport import ConnectFailed, ConnectionBroken, Request
 
 pytestmark = pytest.mark.anyio
 

@@ -28,7 +28,8 @@ from pd_orchestrator.routing import RoutingConfig, RoutingRequest, build_profile
 from pd_orchestrator.routing.types import PrefixFields
 from pd_orchestrator.telemetry.metrics import GatewayMetrics
 from pd_orchestrator.upstream.client import Phase, Upstream
-from pd_orchestrator.upstream.transport import MockResponse, MockTransport, Request
+from pd_orchestrator.upstream.mock import MockResponse, MockTransport
+from pd_orchestrator.upstream.transport import Request
 from tests.conftest import SimFactory
 
 SALTED = {"model": "m", "prompt": "hello", "cache_salt": "tenant-7"}

@@ -252,3 +252,36 @@ def test_goodput_inside_max_counts_in_its_duty_cycle_only_what_the_composite_kep
     assert _goodput_in("max", 0.9, cached=1_900) == (Ask(0.9, "static", "fixed"), 100.0)
     # min takes goodput's own route: it keeps what it would keep alone
     assert _goodput_in("min", 0.9) == (Local("goodput", "local"), 2_000.0)
+
+
+SLO_FEEDBACK = {"type": "slo-feedback", "params": {"ttft_p90": 1.0, "itl_p99": 0.05}}
+
+
+@pytest.mark.parametrize(
+    ("spec", "observes"),
+    [
+        (_static(0.7), False),
+        (MIN_UNCACHED, False),
+        ({"type": "goodput"}, True),
+        (SLO_FEEDBACK, True),
+        ({"type": "max", "params": {"policies": [_static(0.4), MIN_UNCACHED]}}, False),
+        ({"type": "min", "params": {"policies": [_static(0.4), SLO_FEEDBACK]}}, True),
+        (
+            {
+                "type": "overrides",
+                "params": {
+                    "default": _static(0.1),
+                    "rules": [{"pool": "h200", "policy": {"type": "goodput"}}],
+                },
+            },
+            True,
+        ),
+    ],
+    ids=["static", "min-uncached", "goodput", "slo-feedback", "max-of-two", "min-with-slo", "rule"],
+)
+def test_a_configuration_observes_latencies_when_one_of_its_policies_does(
+    spec: dict[str, Any], observes: bool
+) -> None:
+    """The resolver builds no latency sample for a configuration none of whose policies
+    learns from one (``observes``); any that does, however nested, makes it observe."""
+    assert ThresholdResolver(build(spec)).observes is observes

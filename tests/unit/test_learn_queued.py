@@ -17,11 +17,12 @@ from pd_orchestrator.routing.profiles import build_profiles
 
 
 class _Recorder(Leaf):
-    __slots__ = ("seen",)
+    __slots__ = ("observes", "seen")
     name = "recorder"
     bounds = (0.5, 0.5)
 
-    def __init__(self) -> None:
+    def __init__(self, observes: bool = True) -> None:
+        self.observes = observes
         self.seen: list[LatencyObservation] = []
 
     def decide(self, context: ThresholdContext) -> Route:
@@ -48,6 +49,12 @@ OTHER = LoadSnapshot(running=2, waiting=0, kv_usage=0.1, observed_at=0.0, counte
 
 def _observed(served: Served) -> LatencyObservation:
     recorder = _Recorder()
+    _learn(recorder, served)
+    (observation,) = recorder.seen
+    return observation
+
+
+def _learn(recorder: _Recorder, served: Served) -> None:
     planner = Planner(
         build_profiles(RoutingConfig(), builtin_registry()),
         ThresholdResolver(recorder),
@@ -67,8 +74,6 @@ def _observed(served: Served) -> LatencyObservation:
     facts = RequestFacts("m", 400)
     plan = planner.plan(facts, candidates, 1.0, 1)
     planner.learn(plan, facts, served)
-    (observation,) = recorder.seen
-    return observation
 
 
 def _queued(served: Served) -> bool | None:
@@ -119,3 +124,15 @@ def test_a_request_the_reading_counted_as_the_gateways_own_is_not_someone_else_s
 def test_a_p_d_sample_is_alone_by_its_prefiller() -> None:
     assert _alone(Served(D_IDLE, 2.0, ttft=0.5, remote=True, prefiller=P_QUIET)) is True
     assert _alone(Served(D_QUIET, 2.0, ttft=0.5, remote=True, prefiller=P_IDLE)) is None
+
+
+def test_a_policy_that_observes_nothing_is_told_nothing() -> None:
+    """No latency sample is built for a configuration whose policies learn none
+    (``observes``): the default ``static`` policy's gateway skips it on every request."""
+    served = Served(D_IDLE, 2.0, ttft=0.5, remote=False)
+    silent = _Recorder(observes=False)
+    _learn(silent, served)
+    assert silent.seen == []
+    told = _Recorder()
+    _learn(told, served)
+    assert [o.ttft for o in told.seen] == [0.5]

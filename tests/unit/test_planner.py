@@ -49,6 +49,7 @@ class _Fixed:
     bounds = (0.0, 1.0)
     parts = ()
     ranks_spill = False
+    observes = False
     reads_cache = False
 
     def __init__(self, reads_prefillers: bool = True, reads_peers: bool = False) -> None:

@@ -141,6 +141,7 @@ async def test_a_connection_closed_while_idle_is_replaced_once() -> None:
     assert len(accepted) == 2
 
 
+@pytest.mark.source_only
 @pytest.mark.parametrize("anyio_backend", [("asyncio", {"use_uvloop": True})], ids=["uvloop"])
 async def test_a_connection_lost_before_its_request_is_written_is_a_broken_connection(
     monkeypatch: pytest.MonkeyPatch,
