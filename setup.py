@@ -15,8 +15,9 @@ What a compiled module may not hold, as mypyc 2.4 compiles it:
   flow's recovery tests failed so); such cleanup is written ``except BaseException:
   ...; raise`` and again after the ``try`` (``tests/deploy/test_compiled.py`` holds
   every compiled module to it);
-- a pydantic model, or a record with a ``ClassVar`` (the routing plugins' and the
-  policies' parameters): the class fails to build at import;
+- a pydantic model, or a record with a ``ClassVar``: the class fails to build at
+  import (the routing plugins' parameters live in ``routing/plugin_params.py``, and
+  a filter's ``trusted`` is a property; ``goodput`` and its model stay pure);
 - an async generator (mypyc builds none: the upstream's test transport lives apart,
   in ``upstream/mock.py``), or a ``del`` of an attribute the class does not name in
   ``__deletable__``;
@@ -62,7 +63,10 @@ COMPILED = (
     "pd_orchestrator/policies/estimator.py",
     "pd_orchestrator/policies/threshold.py",
     "pd_orchestrator/routing/engine.py",
+    "pd_orchestrator/routing/filters.py",
+    "pd_orchestrator/routing/pickers.py",
     "pd_orchestrator/routing/profiles.py",
+    "pd_orchestrator/routing/scorers.py",
     "pd_orchestrator/routing/types.py",
     "pd_orchestrator/telemetry/fast.py",
     "pd_orchestrator/telemetry/metrics.py",

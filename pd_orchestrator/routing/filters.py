@@ -6,15 +6,13 @@ Each keeps a subset of the candidates in their input order and never reorders.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, ClassVar
-
-from pydantic import Field
 
 from pd_orchestrator.model.compatibility import kv_may_move
 from pd_orchestrator.model.endpoints import Role
 from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.model.records import record
 from pd_orchestrator.routing.interfaces import PluginContext
+from pd_orchestrator.routing.plugin_params import CompatibilityParams, GroupPair, HealthyParams
 from pd_orchestrator.routing.registry import FILTER, NoParams, PluginType
 from pd_orchestrator.routing.types import RoutingRequest
 
@@ -33,19 +31,6 @@ __all__ = [
 ]
 
 
-class HealthyParams(NoParams):
-    """``require_load`` (default false): also drop candidates without a load reading
-    (stale or never read). ``max_load_age`` (seconds, default none): with
-    ``require_load``, a reading older than this at ``request.now`` counts as absent.
-    ``panic`` (default true): when no candidate passes, keep them all (Envoy's panic
-    routing): health checks can fail while an endpoint still serves (a busy server
-    answers its health check late), and the request's own outcome then decides."""
-
-    require_load: bool = False
-    max_load_age: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
-    panic: bool = True
-
-
 @record
 class HealthyFilter:
     """``healthy``: keeps candidates marked healthy (health checks and load polls),
@@ -56,9 +41,12 @@ class HealthyFilter:
     endpoints of its role, so "none is healthy" means none of that role.
     """
 
-    trusted: ClassVar[bool] = True
-
     params: HealthyParams
+
+    @property
+    def trusted(self) -> bool:
+        """Keeps a subsequence of what it is offered: the engine need not check."""
+        return True
 
     def filter(
         self, request: RoutingRequest, candidates: Sequence[Candidate]
@@ -84,7 +72,10 @@ class ModelFilter:
     model keeps every candidate. No parameters.
     """
 
-    trusted: ClassVar[bool] = True
+    @property
+    def trusted(self) -> bool:
+        """Keeps a subsequence of what it is offered: the engine need not check."""
+        return True
 
     def filter(
         self, request: RoutingRequest, candidates: Sequence[Candidate]
@@ -102,7 +93,10 @@ class RoleFilter:
     A request for role ``both`` keeps every candidate. No parameters.
     """
 
-    trusted: ClassVar[bool] = True
+    @property
+    def trusted(self) -> bool:
+        """Keeps a subsequence of what it is offered: the engine need not check."""
+        return True
 
     def filter(
         self, request: RoutingRequest, candidates: Sequence[Candidate]
@@ -112,20 +106,6 @@ class RoleFilter:
             return list(candidates)
         roles = (role, Role.BOTH)
         return [c for c in candidates if c.endpoint.role in roles]
-
-
-class GroupPair(NoParams):
-    """A prefill group whose KV may go to a decode group (e.g. host-staged transfers)."""
-
-    prefill: Annotated[str, Field(min_length=1)]
-    decode: Annotated[str, Field(min_length=1)]
-
-
-class CompatibilityParams(NoParams):
-    """``pairs`` (default empty): cross-group ``{prefill, decode}`` pairs allowed for
-    every request; a request adds its own in ``allowed_pairs``."""
-
-    pairs: list[GroupPair] = Field(default_factory=list)
 
 
 @record
@@ -141,9 +121,12 @@ class CompatibilityFilter:
     the request there is nothing to be compatible with and every candidate is kept.
     """
 
-    trusted: ClassVar[bool] = True
-
     pairs: frozenset[tuple[str, str]]
+
+    @property
+    def trusted(self) -> bool:
+        """Keeps a subsequence of what it is offered: the engine need not check."""
+        return True
 
     def filter(
         self, request: RoutingRequest, candidates: Sequence[Candidate]

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
-from typing import Annotated, Literal
-
-from pydantic import Field
 
 from pd_orchestrator.model.records import record
 from pd_orchestrator.routing.interfaces import PluginContext
-from pd_orchestrator.routing.registry import PICKER, NoParams, PluginType
+from pd_orchestrator.routing.plugin_params import MaxScoreParams, WeightedRandomParams
+from pd_orchestrator.routing.registry import PICKER, PluginType
 from pd_orchestrator.routing.scorers import queue_depth
 from pd_orchestrator.routing.types import RoutingRequest, ScoredCandidate
 
@@ -46,20 +44,6 @@ def _rendezvous(key: str, names: Iterable[str]) -> list[bytes]:
         hasher.update(name.encode())
         digests.append(hasher.digest())
     return digests
-
-
-class MaxScoreParams(NoParams):
-    """``tolerance`` (>= 0, default 1e-9): totals within this of the best count as tied.
-    ``ties`` (default ``affinity``): ``affinity`` breaks ties by the request's affinity
-    key when it has one; ``rotate`` always rotates (a round-robin among equals).
-    ``load_bound`` (>= 1, default none): affinity with bounded loads -- a key's
-    endpoint keeps it only while its queue depth is at most ``load_bound`` times the
-    candidates' mean depth (plus one); past that, the key's next endpoint in hash
-    order that is within the bound takes it."""
-
-    tolerance: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 1e-9
-    ties: Literal["affinity", "rotate"] = "affinity"
-    load_bound: Annotated[float, Field(ge=1.0, allow_inf_nan=False)] | None = None
 
 
 @record
@@ -99,13 +83,6 @@ class MaxScorePicker:
         depths = [queue_depth(s.candidate) for s in scored]
         limit = self.load_bound * sum(depths) / len(depths) + 1.0
         return next((i for i in order if depths[i] <= limit), order[0])
-
-
-class WeightedRandomParams(NoParams):
-    """``seed`` (default 0): with the instance and the request's ``sequence``, fixes
-    every draw."""
-
-    seed: int = 0
 
 
 @record

@@ -7,13 +7,11 @@ within [0, 1]; the engine clamps regardless and applies the configured weight.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Annotated
-
-from pydantic import Field
 
 from pd_orchestrator.model.load import Candidate
 from pd_orchestrator.model.records import record
 from pd_orchestrator.routing.interfaces import PluginContext
+from pd_orchestrator.routing.plugin_params import HardwareWeightParams, KvUsageParams
 from pd_orchestrator.routing.registry import SCORER, NoParams, PluginType
 from pd_orchestrator.routing.types import RoutingRequest
 
@@ -28,8 +26,6 @@ __all__ = [
     "QueueDepthScorer",
     "queue_depth",
 ]
-
-Weight = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 
 
 def queue_depth(candidate: Candidate) -> int:
@@ -60,12 +56,6 @@ class QueueDepthScorer:
         return [(deepest - depth) / (deepest - shallowest) for depth in depths]
 
 
-class KvUsageParams(NoParams):
-    """``missing`` (in [0, 1], default 0.5): the score of a candidate without a reading."""
-
-    missing: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5
-
-
 @record
 class KvUsageScorer:
     """``kv-usage``: lower KV-cache usage scores higher: ``1 - kv_usage``.
@@ -77,14 +67,6 @@ class KvUsageScorer:
 
     def score(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> Sequence[float]:
         return [self.missing if c.load is None else 1.0 - c.load.kv_usage for c in candidates]
-
-
-class HardwareWeightParams(NoParams):
-    """``weights`` (label -> weight >= 0, default empty) and ``default`` (>= 0,
-    default 1.0) for hardware labels not listed."""
-
-    weights: dict[str, Weight] = Field(default_factory=dict)
-    default: Weight = 1.0
 
 
 @record
