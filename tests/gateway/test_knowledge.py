@@ -132,13 +132,16 @@ async def test_a_pool_with_no_profile_is_timed_when_the_gateway_starts(
     assert 0.003 < learnt["decode"]["step_fixed"] < 0.02, learnt
     assert learnt["decode"]["step_per_stream"] == 0.0  # one batch size: flat
     assert learnt["prefill"]["step_fixed"] is None
-    seed = 20_000
+    # two samples timed alone: the first lifts the seed by at most x1.5, the second
+    # moves it to the faster length's rate, which may sit a little above 30,000 (on a
+    # loaded host one read 30,033): from 0.8x to 1.25x the engine's rate
+    seed, engine = 20_000, 30_000
     for pool, rate in (
         ("decode", "rate_local"),
         ("decode", "rate_remote"),
         ("prefill", "rate_local"),
     ):
-        assert 1.2 * seed < learnt[pool][rate] <= 1.5 * seed + 1, (pool, rate, learnt)
+        assert 1.2 * seed < learnt[pool][rate] <= 1.25 * engine, (pool, rate, learnt)
     text = await metrics_text(decoder.url)
     assert metric(text, "vllm:prompt_tokens_total") >= 2048 + 4096  # the decoder's prompts
     status = await _timed_once(gateway.url)
