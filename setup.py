@@ -55,6 +55,7 @@ COMPILED = (
     "pd_orchestrator/gateway/admission.py",
     "pd_orchestrator/gateway/completion.py",
     "pd_orchestrator/gateway/limits.py",
+    "pd_orchestrator/gateway/protocol.py",
     "pd_orchestrator/gateway/response.py",
     "pd_orchestrator/model/load.py",
     "pd_orchestrator/model/route.py",

@@ -29,6 +29,7 @@ COMPILED_PROBES = (
     "pd_orchestrator.planner.plan",
     "pd_orchestrator.flows.chunks",
     "pd_orchestrator.upstream.transport",
+    "pd_orchestrator.gateway.protocol",
 )
 """Modules that ``setup.py`` compiles: under ``PDO_EXPECT_COMPILED=1`` (``make
 test-compiled``) each must load as a C extension, or the run would test the source."""

@@ -16,7 +16,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import anyio
 import uvicorn
@@ -171,7 +171,7 @@ def serve_gateway(
         log_level="warning",
         log_config=None,
         timeout_graceful_shutdown=_CLOSE_SECONDS,  # after the gateway's own drain
-        http=gateway.http_protocol(probe_port),
+        http=cast("type[asyncio.Protocol]", gateway.http_protocol(probe_port)),  # called alike
         interface="asgi3",
         proxy_headers=False,
         server_header=False,

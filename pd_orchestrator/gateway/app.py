@@ -24,7 +24,6 @@ error the gateway answers -- unknown routes and methods included -- is
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import hmac
@@ -63,7 +62,7 @@ from pd_orchestrator.gateway.lifecycle import Drain, closing_connections
 from pd_orchestrator.gateway.limits import BodyKind, check_head
 from pd_orchestrator.gateway.observe import Answered
 from pd_orchestrator.gateway.passthrough import tokenizer_decoder, versions
-from pd_orchestrator.gateway.protocol import limited_protocol
+from pd_orchestrator.gateway.protocol import Listener, limited_protocol
 from pd_orchestrator.gateway.response import closing_headers, error_of, error_response, refuse
 from pd_orchestrator.gateway.state import (
     GatewayState,
@@ -149,8 +148,9 @@ class Gateway:
         """The ASGI application (the gateway itself)."""
         return self
 
-    def http_protocol(self, probe_port: int | None = None) -> type[asyncio.Protocol]:
-        """The uvicorn HTTP protocol class to serve this gateway with: it enforces the
+    def http_protocol(self, probe_port: int | None = None) -> Listener:
+        """The HTTP protocol uvicorn serves this gateway with (it calls it for each
+        connection, as it would a protocol class): the gateway's own, which enforces the
         head limits of the current configuration while a head arrives, and the
         connection caps (:mod:`~pd_orchestrator.gateway.protocol`); connections to
         local port ``probe_port`` are the probe port's."""

@@ -1,12 +1,32 @@
-"""The HTTP/1.1 protocol the gateway serves on: uvicorn's httptools protocol with
-limits on the request head, on how long a connection may hold the gateway, and on
-how many connections are open, with its own refusals in the OpenAI error shape.
+"""The HTTP/1.1 protocol the gateway serves on: a connection parsed by httptools
+(llhttp), each request handed to the ASGI application, with limits on the request
+head, on how long a connection may hold the gateway, and on how many connections
+are open, and its own refusals in the OpenAI error shape.
 
-uvicorn's httptools protocol keeps whatever head a client sends (llhttp has no
+uvicorn runs the server (its sockets, lifespan, signals and shutdown) and calls
+:func:`limited_protocol`'s :class:`Listener` for each connection. The protocol is
+the gateway's own, not uvicorn's httptools protocol: it does per request and per
+chunk only what the gateway needs (docs/performance.md, "Thirteenth pass"), and it
+is compiled with the request path. What it does as uvicorn's protocol did: ASGI 3
+``http`` scopes (``method``, ``path`` percent-decoded, ``raw_path``,
+``query_string``, ``headers`` with lower-cased names, ``client``, ``server``,
+``scheme``, ``root_path``, ``state``); keep-alive for HTTP/1.1 unless the client or
+the answer says ``close``, none for HTTP/1.0; pipelined requests answered in order,
+one at a time, reading paused while one waits; ``Expect: 100-continue`` answered
+when the application first reads the body; request bodies of any framing (llhttp
+takes chunked ones apart), reading paused past 64 KiB unread; answers framed by
+their ``content-length``, or chunked when they give none (none for ``HEAD``, 204 and
+304), with the server's ``date`` header; header names and values an application
+sends checked for bytes that would split the head; writes paused while the
+client's socket buffer is full (an ASGI ``send`` waits); an ``Upgrade`` request
+served as plain HTTP and its connection closed after the answer (the gateway speaks
+no WebSocket); a 500 when the application fails before it answered, the connection
+closed when it fails after.
+
+The limits. Without them a server keeps whatever head a client sends (llhttp has no
 limit: a 50 MB header value is buffered whole before the application sees it),
-waits for a head or a body as long as the client likes, and takes every
-connection until the process runs out of file descriptors.
-:func:`limited_protocol` makes a subclass that:
+waits for a head or a body as long as the client likes, and takes every connection
+until the process runs out of file descriptors. The protocol:
 
 * counts the head as it arrives: the request line and each header (names plus
   values) against ``limits.max_header_bytes``, and headers against
@@ -19,8 +39,7 @@ connection until the process runs out of file descriptors.
   (from the end of the head to its last byte) -- 408 when the request was begun and
   nothing was answered yet; a connection that sent nothing is closed without a word,
   and one whose answer had begun is closed;
-* closes a connection idle between requests after ``limits.keepalive_timeout``
-  (uvicorn's keep-alive timer);
+* closes a connection idle between requests after ``limits.keepalive_timeout``;
 * holds at most ``limits.max_connections`` connections (default: half the
   process's open-file limit), and at most ``limits.max_connection_share`` of them
   from one peer address: a connection past either first closes the longest idle
@@ -34,42 +53,44 @@ connection until the process runs out of file descriptors.
   however many connections clients hold on the main port.
 
 The head timer of a pipelined request (one sent while the answer before it is
-still under way) starts when that answer has ended: uvicorn reads such a request
-only then, and its timer must not close the connection under the answer in front
-of it.
+still under way) starts when that answer has ended: such a request is read only
+then, and its timer must not close the connection under the answer in front of it.
 
 Each refusal closes the connection. A request the parser cannot read is answered
-400 (uvicorn's plain-text answer, rewritten). Every answer is
-``{"error": {"message", "type", "param", "code"}}``. The limits are read when a
-connection opens and at the start of each request, so a reload applies them to the
-next one.
+400 (or, when an answer is under way on the connection, the connection is closed).
+Every answer is ``{"error": {"message", "type", "param", "code"}}``. The limits are
+read when a connection opens and at the start of each request, so a reload applies
+them to the next one.
 
 What the protocol writes in one turn of the event loop leaves in one write
 (:class:`CorkedTransport`): a whole answer's head and body, a stream's head and
 first events, go out in one system call instead of one each (two socket writes per
 relayed request, one upstream and one to the client: the least there can be).
 
-The two timeouts share one timer per connection, armed lazily: a request moves a
+The timeouts share one timer per connection, armed lazily: a request moves a
 deadline (a float), and the timer, when it fires early, re-arms itself for the
 deadline it finds -- no timer is created or cancelled per request. A timer that
-finds its wait over, and uvicorn's keep-alive timer, close the connection only after
-one more read of its socket (:data:`LAST_LOOK`): an event loop held up for longer than
-a timeout runs its due timers before it reads, and a request a client sent in time
-would otherwise be cut by a reset.
+finds its wait over closes the connection only after one more read of its socket
+(:data:`LAST_LOOK`): an event loop held up for longer than a timeout runs its due
+timers before it reads, and a request a client sent in time would otherwise be cut
+by a reset.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
+import re
 import resource
-from collections import Counter
-from collections.abc import Callable
+import urllib.parse
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping
 from http import HTTPStatus
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
+import httptools
 import orjson
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from pd_orchestrator.config.settings import LimitsConfig
 from pd_orchestrator.openai.errors import error_body
@@ -84,6 +105,9 @@ __all__ = [
     "TOO_MANY_FROM_PEER",
     "CorkedTransport",
     "Disconnects",
+    "Exchange",
+    "HttpConnection",
+    "Listener",
     "count_accept_errors",
     "default_concurrent_choices",
     "default_max_connections",
@@ -102,9 +126,9 @@ LAST_LOOK = 0.001
 closed: an event loop that was held up runs its due timers before it reads what
 arrived meanwhile (uvloop's does), and would close a connection over a request sent
 in time."""
-_Waiting = Literal["request", "head", "body"]
+_Waiting = Literal["request", "head", "body", "idle"]
 """What a connection's deadline waits for: a first request (nothing sent yet), the
-rest of a head, the rest of a body."""
+rest of a head, the rest of a body, the next request (idle between two)."""
 
 
 CORK_BYTES = 1 << 16
@@ -118,8 +142,8 @@ class CorkedTransport:
     of it (``call_soon``); holding :data:`CORK_BYTES` or more flushes at once, and
     :meth:`close` flushes first, so nothing written is lost or reordered and nothing
     waits longer than the callbacks already due. Bytes written while the transport
-    is closing are dropped, as the transport drops them. Everything else is the
-    wrapped transport's.
+    is closing are dropped, as the transport drops them. Reading, closing and the
+    extra information are the wrapped transport's.
     """
 
     __slots__ = ("_held", "_loop", "_size", "transport")
@@ -166,8 +190,8 @@ class CorkedTransport:
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return self.transport.get_extra_info(name, default)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.transport, name)
+    def get_write_buffer_size(self) -> int:
+        return self.transport.get_write_buffer_size()
 
 
 DISCONNECTS = "pd_orchestrator.disconnects"
@@ -296,197 +320,588 @@ def default_concurrent_choices() -> int:
     return min(32, max(4, default_max_connections() // 32))
 
 
-def limited_protocol(
-    limits: Callable[[], LimitsConfig], probe_port: int | None = None
-) -> type[asyncio.Protocol]:
-    """An httptools protocol class that enforces the limits ``limits()`` gives;
-    connections to local port ``probe_port`` are the probe port's."""
-    default_cap = default_max_connections()
-    main, probes = _Held(), _Held()
+# -- the protocol ---------------------------------------------------------------------------------
+logger = logging.getLogger("uvicorn.error")  # where uvicorn's own protocol logged the same
 
-    class LimitedHttpToolsProtocol(HttpToolsProtocol):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.peer = ""
-            self._held: _Held | None = None
-            self._deferred: tuple[_Waiting, float] | None = None
-            self._in_head = True
-            self._unparsed = 0
-            self._head_bytes = 0
-            self._head_count = 0
-            self._refusal: tuple[int, str] | None = None
-            self._limits = limits()
-            self.timeout_keep_alive = self._limits.keepalive_timeout  # type: ignore[assignment]
-            self._waiting: _Waiting = "request"
-            self._deadline: float | None = None
-            self._timer: asyncio.TimerHandle | None = None
-            self._disconnects = Disconnects()
-            self._extensions: dict[str, dict[object, object]] = {
-                DISCONNECTS: {"connection": self._disconnects}
-            }
+HIGH_WATER: Final = 65536
+"""Bytes of request body held unread before reading from the socket pauses."""
+_BAD_NAME: Final = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')
+_BAD_VALUE: Final = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
+_CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
+_NOT_HTTP: Final = "the request is not valid HTTP/1.1"
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            corked = CorkedTransport(transport, self.loop)
-            super().connection_made(corked)  # type: ignore[arg-type]
-            self.peer = str(self.client[0]) if self.client else ""
-            probe = probe_port is not None and self.server is not None
-            probe = probe and self.server[1] == probe_port  # type: ignore[index]
-            held = probes if probe else main
-            cap = PROBE_CONNECTIONS if probe else (self._limits.max_connections or default_cap)
-            share = PROBE_CONNECTIONS if probe else self._limits.max_connection_share
-            refused = held.admit(self.peer, cap, max(1, math.ceil(cap * share)))
-            if refused is not None:
-                self._refuse(503, refused)
-                return
-            self._held = held
-            held.idle[self] = None
-            self._expect("request", self._limits.header_timeout)
 
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._deadline = None
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-            self._let_go()
-            super().connection_lost(exc)
-            self._disconnects.lost()
+def _status_line(status: int) -> bytes:
+    try:
+        phrase = HTTPStatus(status).phrase.encode()
+    except ValueError:
+        phrase = b""
+    return b"HTTP/1.1 %d %s\r\n" % (status, phrase)
 
-        def evict(self) -> None:
-            """Close this idle connection to make room for a new one."""
-            self._let_go()
+
+_STATUS_LINES: Final = {status: _status_line(status) for status in range(100, 600)}
+
+
+def _address(info: object) -> tuple[str, int] | None:
+    """A socket address as ASGI's ``client`` and ``server`` give it (None for a Unix
+    socket's path)."""
+    if isinstance(info, tuple) and len(info) >= 2:
+        return str(info[0]), int(info[1])
+    return None
+
+
+def _target(url: bytes, root_path: str) -> tuple[str, bytes, bytes]:
+    """``path`` (percent-decoded), ``raw_path`` and ``query_string`` of a request
+    target; an absolute or odd one is read by httptools (which refuses what is no URL)."""
+    if url[:1] == b"/" and b"#" not in url:
+        raw, _, query = url.partition(b"?")
+    else:
+        parsed = httptools.parse_url(url)
+        raw, query = parsed.path or b"", parsed.query or b""
+    path = raw.decode("ascii")
+    if "%" in path:
+        path = urllib.parse.unquote(path)
+    if root_path:
+        return root_path + path, root_path.encode("ascii") + raw, query
+    return path, raw, query
+
+
+class Listener:
+    """What the connections of one server share: the limits (``limits()``, read
+    anew at each connection and request), the probe port, the connections each port
+    holds. uvicorn calls it, as it would a protocol class, for each new connection."""
+
+    def __init__(self, limits: Callable[[], LimitsConfig], probe_port: int | None) -> None:
+        self.limits = limits
+        self.probe_port = probe_port
+        self.default_cap = default_max_connections()
+        self.main = _Held()
+        self.probes = _Held()
+        self._defaults_of: list[tuple[bytes, bytes]] | None = None
+        self._defaults = b""
+
+    def __call__(
+        self,
+        config: Any,
+        server_state: Any,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> HttpConnection:
+        return HttpConnection(self, config, server_state, app_state, _loop)
+
+    def defaults(self, current: list[tuple[bytes, bytes]]) -> bytes:
+        """The server's default headers (``date``, which uvicorn renews each second)
+        as head lines, encoded once per renewal."""
+        if current is not self._defaults_of:
+            self._defaults_of = current
+            self._defaults = b"".join(name + b": " + value + b"\r\n" for name, value in current)
+        return self._defaults
+
+
+class Exchange:
+    """One request on a connection and its answer: the ASGI ``receive`` and
+    ``send`` of the application's call."""
+
+    def __init__(
+        self,
+        connection: HttpConnection,
+        scope: dict[str, Any],
+        keep_alive: bool,
+        head_only: bool,
+        expect_100: bool,
+    ) -> None:
+        self.connection = connection
+        self.scope = scope
+        self.keep_alive = keep_alive
+        self.head_only = head_only
+        self.expect_100 = expect_100
+        self.body = bytearray()
+        self.more_body = True
+        self.ready = False  # body, its end, or the answer's end came since the last receive
+        self.waiter: asyncio.Future[None] | None = None
+        self.started = False
+        self.complete = False
+        self.disconnected = False
+        self.chunked = False
+        self.framed = False  # content-length or chunked chosen
+        self.length_left = 0
+
+    def wake(self) -> None:
+        """Something for :meth:`receive` to tell: let it go on."""
+        self.ready = True
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def receive(self) -> dict[str, Any]:
+        """ASGI ``receive``: the body read so far (``http.request``), else, once the
+        answer has ended or the client has gone, ``http.disconnect``."""
+        connection = self.connection
+        if self.expect_100:
+            self.expect_100 = False
+            if not connection.transport.is_closing():
+                connection.transport.write(_CONTINUE)
+        if not self.disconnected and not self.complete:
+            connection.resume_reading()
+            if not self.ready:
+                waiter = connection.loop.create_future()
+                self.waiter = waiter
+                await waiter
+            self.ready = False
+        if self.disconnected or self.complete:
+            return {"type": "http.disconnect"}
+        body = bytes(self.body)
+        self.body = bytearray()
+        return {"type": "http.request", "body": body, "more_body": self.more_body}
+
+    async def send(self, message: Mapping[str, Any]) -> None:
+        """ASGI ``send``: the answer's head, then its body; waits while the client's
+        socket buffer is full; nothing once the client has gone."""
+        connection = self.connection
+        if connection.write_paused and not self.disconnected:
+            await connection.drain()
+        if self.disconnected:
+            return
+        kind = message["type"]
+        if not self.started:
+            if kind != "http.response.start":
+                raise RuntimeError(f"expected 'http.response.start', got {kind!r}")
+            head = self._head(message["status"], message.get("headers", ()))
+            self.started = True  # a head refused above leaves the 500 to the protocol
+            self.expect_100 = False
+            connection.transport.write(head)
+        elif not self.complete:
+            if kind != "http.response.body":
+                raise RuntimeError(f"expected 'http.response.body', got {kind!r}")
+            self._body(message.get("body", b""), bool(message.get("more_body", False)))
+        else:
+            raise RuntimeError(f"unexpected {kind!r} after the answer ended")
+
+    def _head(self, status: int, headers: Iterable[Any]) -> bytes:
+        connection = self.connection
+        lines = [_STATUS_LINES.get(status) or _status_line(status)]
+        lines.append(connection.listener.defaults(connection.server_state.default_headers))
+        names: list[bytes] = []
+        values: list[bytes] = []
+        says_close = False
+        for name, value in headers:
+            name = name.lower()
+            if name == b"content-length" and not self.framed:
+                self.length_left = int(value.decode())
+                self.framed = True
+            elif name == b"transfer-encoding" and value.lower() == b"chunked":
+                self.length_left = 0
+                self.framed = self.chunked = True
+            elif name == b"connection" and b"close" in _tokens(value):
+                self.keep_alive = False
+                says_close = True
+            names.append(name)
+            values.append(value)
+            lines.append(name + b": " + value + b"\r\n")
+        # One search each over all names and all values: a byte that would split the head
+        if _BAD_NAME.search(b"".join(names)) is not None:
+            raise RuntimeError("invalid HTTP header name")
+        if _BAD_VALUE.search(b"".join(values)) is not None:
+            raise RuntimeError("invalid HTTP header value")
+        if not self.keep_alive and not says_close:
+            lines.append(b"connection: close\r\n")
+        if not self.framed and not self.head_only and status not in (204, 304):
+            self.framed = self.chunked = True
+            lines.append(b"transfer-encoding: chunked\r\n")
+        lines.append(b"\r\n")
+        return b"".join(lines)
+
+    def _body(self, body: bytes | bytearray | memoryview, more: bool) -> None:
+        transport = self.connection.transport
+        if self.head_only:
+            self.length_left = 0
+        elif self.chunked:
+            if body:
+                transport.write(b"".join((b"%x\r\n" % len(body), body, b"\r\n")))
+            if not more:
+                transport.write(b"0\r\n\r\n")
+        else:
+            if len(body) > self.length_left:
+                raise RuntimeError("the answer is longer than its content-length")
+            self.length_left -= len(body)
+            if body:
+                transport.write(body)
+        if more:
+            return
+        if self.length_left != 0:
+            raise RuntimeError("the answer is shorter than its content-length")
+        self.complete = True
+        self.wake()
+        if not self.keep_alive:
+            transport.close()
+        self.connection.answered()
+
+
+def _tokens(value: bytes) -> list[bytes]:
+    return [token.strip().lower() for token in value.split(b",")]
+
+
+class HttpConnection:
+    """One client connection (an asyncio protocol): parses requests as bytes
+    arrive, runs the application on each, enforces the limits (module docstring)."""
+
+    transport: CorkedTransport
+
+    def __init__(
+        self,
+        listener: Listener,
+        config: Any,
+        server_state: Any,
+        app_state: dict[str, Any],
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        if not config.loaded:
+            config.load()
+        self.listener = listener
+        self.app: Callable[..., Any] = config.loaded_app
+        self.root_path: str = config.root_path
+        self.loop = loop or asyncio.get_event_loop()
+        self.server_state = server_state
+        self.app_state = app_state
+        parser = httptools.HttpRequestParser(self)
+        parser.set_dangerous_leniencies(lenient_data_after_close=True)  # answer, then close
+        self.parser: httptools.HttpRequestParser | None = parser
+        self.server: tuple[str, int] | None = None
+        self.client: tuple[str, int] | None = None
+        self.scheme = "http"
+        self.peer = ""
+        self.held: _Held | None = None
+        self.limits = listener.limits()
+        self.deferred: tuple[_Waiting, float] | None = None
+        self.in_head = True
+        self.unparsed = 0
+        self.head_bytes = 0
+        self.head_count = 0
+        self.refusal: tuple[int, str] | None = None
+        self.waiting: _Waiting = "request"
+        self.deadline: float | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.disconnects = Disconnects()
+        self.extensions: dict[str, dict[object, object]] = {
+            DISCONNECTS: {"connection": self.disconnects}
+        }
+        self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.expect_100 = False
+        self.exchange: Exchange | None = None  # the newest request (its body arrives)
+        self.running: Exchange | None = None  # the one the application answers
+        self.pipeline: deque[Exchange] = deque()
+        self.read_paused = False
+        self.write_paused = False
+        self.drained: asyncio.Future[None] | None = None
+
+    # -- asyncio's protocol ------------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.server_state.connections.add(self)
+        self.transport = CorkedTransport(transport, self.loop)
+        self.server = _address(transport.get_extra_info("sockname"))
+        self.client = _address(transport.get_extra_info("peername"))
+        if transport.get_extra_info("sslcontext"):
+            self.scheme = "https"
+        self.peer = self.client[0] if self.client else ""
+        listener, limits = self.listener, self.limits
+        probe = listener.probe_port is not None and self.server is not None
+        probe = probe and self.server is not None and self.server[1] == listener.probe_port
+        held = listener.probes if probe else listener.main
+        cap = PROBE_CONNECTIONS if probe else (limits.max_connections or listener.default_cap)
+        share = PROBE_CONNECTIONS if probe else max(1, math.ceil(cap * limits.max_connection_share))
+        refused = held.admit(self.peer, cap, share)
+        if refused is not None:
+            self._refuse(503, refused)
+            return
+        self.held = held
+        held.idle[self] = None
+        self._expect("request", limits.header_timeout)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server_state.connections.discard(self)
+        self.deadline = None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self._let_go()
+        for exchange in (self.running, self.exchange):
+            if exchange is not None:
+                if not exchange.complete:
+                    exchange.disconnected = True
+                exchange.wake()
+        self.resume_writing()
+        if exc is None:
+            self.transport.close()
+        self.parser = None
+        self.exchange = self.running = None  # no cycle kept through the exchanges
+        self.pipeline.clear()
+        self.disconnects.lost()
+
+    def eof_received(self) -> bool | None:
+        return None
+
+    def data_received(self, data: bytes) -> None:
+        held = self.held
+        if held is not None:
+            held.idle.pop(self, None)
+        if self.in_head:
+            self.unparsed += len(data)
+        parser = self.parser
+        if parser is None:
+            return
+        try:
+            parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            exchange = self.exchange  # served as plain HTTP; nothing more is read
+            if exchange is not None:
+                exchange.keep_alive = False
+        except httptools.HttpParserError:
+            running = self.running
+            if running is not None and running.started and not running.complete:
+                self.transport.close()  # no refusal in the middle of an answer
+            else:
+                self._refuse(*(self.refusal or (400, _NOT_HTTP)))
+            return
+        limit = self.limits.max_header_bytes
+        if self.in_head and self.unparsed > 2 * limit and not self.transport.is_closing():
+            self._refuse(431, f"the request head exceeds {limit} bytes")
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        drained, self.drained = self.drained, None
+        if drained is not None and not drained.done():
+            drained.set_result(None)
+
+    async def drain(self) -> None:
+        """Wait until the client's socket buffer has room again (or it is gone)."""
+        if self.write_paused:
+            if self.drained is None:
+                self.drained = self.loop.create_future()
+            await self.drained
+
+    def resume_reading(self) -> None:
+        if self.read_paused:
+            self.read_paused = False
+            if not self.transport.is_closing():
+                self.transport.resume_reading()
+
+    def pause_reading(self) -> None:
+        if not self.read_paused:
+            self.read_paused = True
+            if not self.transport.is_closing():
+                self.transport.pause_reading()
+
+    # -- httptools' callbacks ----------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self.url = b""
+        self.headers = []
+        self.expect_100 = False
+        self.limits = limits = self.listener.limits()
+        self.head_bytes = self.head_count = 0
+        self.refusal = None
+        if self._answering():  # pipelined: its time starts when the answer ended
+            self.deferred = ("head", limits.header_timeout)
+        elif self.deadline is None or self.waiting == "idle":  # a later request: from now
+            self._expect("head", limits.header_timeout)
+        self.waiting = "head"
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url), 0)
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value), 1)
+        name = name.lower()
+        if name == b"expect" and value.lower() == b"100-continue":
+            self.expect_100 = True
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.in_head = False
+        url = self.url
+        if self.held is self.listener.probes and url.partition(b"?")[0] not in PROBE_PATHS:
+            self.refusal = (404, "the probe port answers /health, /ready and /metrics")
+            raise _HeadRefused
+        pipelined = self._answering()
+        parser = self.parser
+        assert parser is not None  # a callback of its own
+        version = parser.get_http_version()
+        method = parser.get_method().decode("ascii")
+        path, raw_path, query = _target(url, self.root_path)
+        scope: dict[str, Any] = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": version,
+            "server": self.server,
+            "client": self.client,
+            "scheme": self.scheme,
+            "root_path": self.root_path,
+            "headers": self.headers,
+            "state": self.app_state.copy(),
+            "method": method,
+            "path": path,
+            "raw_path": raw_path,
+            "query_string": query,
+            "extensions": self.extensions,
+        }
+        keep_alive = version != "1.0" and parser.should_keep_alive()
+        exchange = Exchange(self, scope, keep_alive, method == "HEAD", self.expect_100)
+        self.exchange = exchange
+        if pipelined:  # answered once the one in front has been
+            self.pause_reading()
+            self.pipeline.append(exchange)
+            self.deferred = ("body", self.limits.body_timeout)
+        else:
+            self._start(exchange)
+            self._expect("body", self.limits.body_timeout)
+
+    def on_body(self, body: bytes) -> None:
+        exchange = self.exchange
+        if exchange is None or exchange.complete:
+            return
+        exchange.body += body
+        if len(exchange.body) > HIGH_WATER:
+            self.pause_reading()
+        exchange.wake()
+
+    def on_message_complete(self) -> None:
+        self.in_head = True
+        self.unparsed = 0
+        self.deadline = None
+        self.deferred = None
+        exchange = self.exchange
+        if exchange is None or exchange.complete:
+            return
+        exchange.more_body = False
+        exchange.wake()
+
+    # -- the application ---------------------------------------------------------------
+    def _start(self, exchange: Exchange) -> None:
+        self.running = exchange
+        task = self.loop.create_task(self._run(exchange))
+        tasks = self.server_state.tasks
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    async def _run(self, exchange: Exchange) -> None:
+        try:
+            await self.app(exchange.scope, exchange.receive, exchange.send)
+        except BaseException as exc:  # the server's last word on a failed application
+            logger.error("Exception in ASGI application", exc_info=exc)
+            self._failed(exchange)
+            return
+        if not exchange.disconnected and not exchange.complete:
+            logger.error("the ASGI application returned without completing its answer")
+            self._failed(exchange)
+
+    def _failed(self, exchange: Exchange) -> None:
+        if not exchange.started and not self.transport.is_closing():
+            exchange.started = exchange.complete = True
+            self._refuse(500, "the gateway failed to answer the request")
+        else:
             self.transport.close()
 
-        def _let_go(self) -> None:
-            held, self._held = self._held, None
-            if held is not None:
-                held.idle.pop(self, None)
-                held.release(self.peer)
+    def answered(self) -> None:
+        """The running request's answer has ended: start the next one, or wait for it."""
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self.resume_reading()
+        deferred, self.deferred = self.deferred, None
+        pipelined = bool(self.pipeline)
+        if pipelined:
+            self._start(self.pipeline.popleft())
+        if deferred is not None:  # a request is half in: its own time starts now
+            self._expect(*deferred)
+        elif not pipelined:
+            self._expect("idle", self.limits.keepalive_timeout)
+            if self.held is not None:
+                self.held.idle[self] = None  # idle until its next byte
 
-        def data_received(self, data: bytes) -> None:
-            held = self._held
-            if held is not None:
-                held.idle.pop(self, None)
-            if self._in_head:
-                self._unparsed += len(data)
-            super().data_received(data)
-            limit = self._limits.max_header_bytes
-            if self._in_head and self._unparsed > 2 * limit and not self.transport.is_closing():
-                self._refuse(431, f"the request head exceeds {limit} bytes")
+    def shutdown(self) -> None:
+        """The server is shutting down: close now when idle, else after the answer."""
+        running = self.running
+        if running is None or running.complete:
+            self.transport.close()
+        else:
+            running.keep_alive = False
 
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self.scope["extensions"] = self._extensions
-            self._limits = limits()
-            self._head_bytes = self._head_count = 0
-            self._refusal = None
-            if self._answering():  # pipelined: its time starts when the answer ended
-                self._deferred = ("head", self._limits.header_timeout)
-            elif self._deadline is None:  # a later request: its head's time starts now
-                self._expect("head", self._limits.header_timeout)
-            self._waiting = "head"
+    def evict(self) -> None:
+        """Close this idle connection to make room for a new one."""
+        self._let_go()
+        self.transport.close()
 
-        def on_url(self, url: bytes) -> None:
-            self._count(len(url), 0)
-            if self._held is probes and url.split(b"?", 1)[0] not in PROBE_PATHS:
-                self._refusal = (404, "the probe port answers /health, /ready and /metrics")
-                raise _HeadRefused
-            super().on_url(url)
+    # -- limits ------------------------------------------------------------------------
+    def _let_go(self) -> None:
+        held, self.held = self.held, None
+        if held is not None:
+            held.idle.pop(self, None)
+            held.release(self.peer)
 
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self._count(len(name) + len(value), 1)
-            super().on_header(name, value)
+    def _answering(self) -> bool:
+        """An answer is under way on this connection (a request now is pipelined)."""
+        exchange = self.exchange
+        return exchange is not None and not exchange.complete
 
-        def on_headers_complete(self) -> None:
-            self._in_head = False
-            pipelined = self._answering()
-            super().on_headers_complete()
-            if pipelined:  # uvicorn reads its body once the answer before it ended
-                self._deferred = ("body", self._limits.body_timeout)
-            else:
-                self._expect("body", self._limits.body_timeout)
+    def _count(self, size: int, headers: int) -> None:
+        self.head_bytes += size
+        self.head_count += headers
+        limits = self.limits
+        if self.head_count > limits.max_headers:
+            self.refusal = (431, f"the request has more than {limits.max_headers} headers")
+        elif self.head_bytes > limits.max_header_bytes:
+            self.refusal = (431, f"the request head exceeds {limits.max_header_bytes} bytes")
+        if self.refusal is not None:
+            raise _HeadRefused  # the parser stops; data_received answers
 
-        def on_message_complete(self) -> None:
-            self._in_head = True
-            self._unparsed = 0
-            self._deadline = None
-            self._deferred = None
-            super().on_message_complete()
+    def _expect(self, waiting: _Waiting, seconds: float) -> None:
+        """Give what the connection waits for ``seconds`` from now."""
+        self.waiting = waiting
+        self.deadline = deadline = self.loop.time() + seconds
+        if self.timer is None:
+            self.timer = self.loop.call_at(deadline, self._check, False)
 
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if self.transport.is_closing():
-                return
-            deferred, self._deferred = self._deferred, None
-            if deferred is not None:  # a request is half in: no keep-alive wait
-                self._unset_keepalive_if_required()
-                self._expect(*deferred)
-            elif self.timeout_keep_alive_task is not None and self._held is not None:
-                self._held.idle[self] = None  # idle until its next byte
+    def _check(self, last: bool) -> None:
+        """The timer: re-armed for a deadline that moved; past it, one last look
+        (:data:`LAST_LOOK`) for bytes that arrived while the loop was held up, then
+        the wait timed out."""
+        self.timer = None
+        deadline = self.deadline
+        if deadline is None or self.transport.is_closing():
+            return
+        if self.loop.time() < deadline:
+            self.timer = self.loop.call_at(deadline, self._check, False)
+        elif not last:
+            self.timer = self.loop.call_later(LAST_LOOK, self._check, True)
+        else:
+            self._timed_out()
 
-        def _answering(self) -> bool:
-            """An answer is under way on this connection (a request now is pipelined)."""
-            cycle = self.cycle
-            return cycle is not None and not cycle.response_complete
-
-        def _count(self, size: int, headers: int) -> None:
-            self._head_bytes += size
-            self._head_count += headers
-            limits = self._limits
-            if self._head_count > limits.max_headers:
-                self._refusal = (431, f"the request has more than {limits.max_headers} headers")
-            elif self._head_bytes > limits.max_header_bytes:
-                self._refusal = (431, f"the request head exceeds {limits.max_header_bytes} bytes")
-            if self._refusal is not None:
-                raise _HeadRefused  # the parser stops; data_received answers
-
-        def _expect(self, waiting: _Waiting, seconds: float) -> None:
-            """Give what the connection waits for ``seconds`` from now."""
-            self._waiting = waiting
-            self._deadline = self.loop.time() + seconds
-            if self._timer is None:
-                self._timer = self.loop.call_at(self._deadline, self._check)
-
-        def _check(self, last: bool = False) -> None:
-            """The timer: re-armed for a deadline that moved; past it, one last look
-            (:data:`LAST_LOOK`) for bytes that arrived while the loop was held up, then
-            the wait timed out."""
-            self._timer = None
-            deadline = self._deadline
-            if deadline is None or self.transport.is_closing():
-                return
-            if self.loop.time() < deadline:
-                self._timer = self.loop.call_at(deadline, self._check)
-            elif not last:
-                self._timer = self.loop.call_later(LAST_LOOK, self._check, True)
-            else:
-                self._timed_out()
-
-        def timeout_keep_alive_handler(self) -> None:
-            """uvicorn's keep-alive timer: the idle connection is closed after one last
-            look (:data:`LAST_LOOK`) for a request that arrived while the loop was held
-            up (reading it cancels the close, as it cancels this timer)."""
-            close = super().timeout_keep_alive_handler
-            self.timeout_keep_alive_task = self.loop.call_later(LAST_LOOK, close)
-
-        def _timed_out(self) -> None:
-            """408 for a request begun and not answered yet; otherwise close quietly
-            (nothing was sent, or an answer is already under way)."""
-            cycle, limits = self.cycle, self._limits
-            if self._waiting == "head" and (cycle is None or cycle.response_complete):
-                self._refuse(408, f"the request head took more than {limits.header_timeout:g} s")
-            elif self._waiting == "body" and cycle is not None and not cycle.response_started:
-                cycle.disconnected = True  # the application's receive() tells it; sends drop
-                cycle.message_event.set()
-                self._refuse(408, f"the request body took more than {limits.body_timeout:g} s")
-            else:
-                self.transport.close()
-
-        def send_400_response(self, msg: str) -> None:
-            status, message = self._refusal or (400, "the request is not valid HTTP/1.1")
-            self._refuse(status, message)
-
-        def _refuse(self, status: int, message: str) -> None:
-            self.transport.write(error_bytes(status, message))
+    def _timed_out(self) -> None:
+        """408 for a request begun and not answered yet; otherwise close quietly
+        (nothing was sent, the connection was idle, or an answer is under way)."""
+        exchange, limits = self.exchange, self.limits
+        if self.waiting == "head" and (exchange is None or exchange.complete):
+            self._refuse(408, f"the request head took more than {limits.header_timeout:g} s")
+        elif self.waiting == "body" and exchange is not None and not exchange.started:
+            exchange.disconnected = True  # the application's receive() tells it; sends drop
+            exchange.wake()
+            self._refuse(408, f"the request body took more than {limits.body_timeout:g} s")
+        else:
             self.transport.close()
 
-    return LimitedHttpToolsProtocol
+    def _refuse(self, status: int, message: str) -> None:
+        self.transport.write(error_bytes(status, message))
+        self.transport.close()
+
+
+def limited_protocol(limits: Callable[[], LimitsConfig], probe_port: int | None = None) -> Listener:
+    """What uvicorn calls for each connection (its ``http`` protocol): the gateway's
+    protocol, enforcing the limits ``limits()`` gives; connections to local port
+    ``probe_port`` are the probe port's."""
+    return Listener(limits, probe_port)

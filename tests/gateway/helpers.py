@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
+import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import httpx
 import orjson
+import uvicorn
+import uvloop
+
+from pd_orchestrator.config.settings import LimitsConfig
+from pd_orchestrator.gateway.protocol import limited_protocol
 
 MODEL = "sim-model"
 
@@ -156,3 +165,45 @@ def read_answer(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
         assert chunk, "the connection closed in the middle of an answer"
         body += chunk
     return int(lines[0].split(" ", 2)[1]), headers, body
+
+
+class ThreadServer:
+    """The gateway's HTTP protocol (``limits``) serving ``app`` behind a real uvicorn
+    server on loopback, on a uvloop loop in a thread of this process: a test can
+    then reach into the loop (:attr:`loop`) while a plain socket talks to it.
+    ``options``: more of uvicorn's settings (``ssl_certfile``...)."""
+
+    def __init__(self, app: Any, limits: LimitsConfig, **options: Any) -> None:
+        protocol = limited_protocol(lambda: limits)
+        config = uvicorn.Config(
+            app,
+            http=protocol,  # type: ignore[arg-type]
+            lifespan="off",
+            log_level="critical",
+            **options,
+        )
+        self.server = uvicorn.Server(config)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.listener.getsockname()[1]
+        self.loop = uvloop.new_event_loop()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self.server.serve(sockets=[self.listener]))
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[Self]:
+        """Serve until the block ends, then stop the server and its thread."""
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert self.server.started
+        try:
+            yield self
+        finally:
+            self.server.should_exit = True
+            self.thread.join(20)
+            self.loop.close()
+            self.listener.close()

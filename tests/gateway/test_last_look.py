@@ -11,21 +11,17 @@ then fixed, not left to the scheduler."""
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import threading
 import time
 from collections.abc import Iterator
 
 import pytest
-import uvicorn
-import uvloop
 from starlette.types import Receive, Scope, Send
 
 from pd_orchestrator.config.settings import LimitsConfig
-from pd_orchestrator.gateway.protocol import limited_protocol
 
-from .helpers import read_answer
+from .helpers import ThreadServer, read_answer
 
 TIMEOUT = 0.3
 """The head and keep-alive timeouts: the loop is held for three times as long."""
@@ -40,22 +36,11 @@ async def _ok(scope: Scope, receive: Receive, send: Send) -> None:
     await send({"type": "http.response.body", "body": b"ok"})
 
 
-class _Served:
-    """The limited protocol serving :func:`_ok` on loopback, on a uvloop loop in a thread."""
+class _Served(ThreadServer):
+    """:func:`_ok` served with the head and keep-alive timeouts at :data:`TIMEOUT`."""
 
     def __init__(self) -> None:
-        limits = LimitsConfig(header_timeout=TIMEOUT, keepalive_timeout=TIMEOUT)
-        protocol = limited_protocol(lambda: limits)
-        config = uvicorn.Config(_ok, http=protocol, lifespan="off", log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.loop = uvloop.new_event_loop()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(self.server.serve(sockets=[self.listener]))
+        super().__init__(_ok, LimitsConfig(header_timeout=TIMEOUT, keepalive_timeout=TIMEOUT))
 
     def hold(self, sock: socket.socket, data: bytes) -> None:
         """Send ``data`` from within the loop's reading of its sockets (a reader's
@@ -82,17 +67,8 @@ class _Served:
 
 @pytest.fixture
 def served() -> Iterator[_Served]:
-    served = _Served()
-    served.thread.start()
-    deadline = time.monotonic() + 20
-    while not served.server.started and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert served.server.started
-    yield served
-    served.server.should_exit = True
-    served.thread.join(20)
-    served.loop.close()
-    served.listener.close()
+    with _Served().running() as served:
+        yield served
 
 
 @pytest.mark.parametrize("first", [b"", HEALTH], ids=["new-connection", "kept-alive"])
