@@ -681,9 +681,10 @@ class HttpConnection:
     async def drain(self) -> None:
         """Wait until the client's socket buffer has room again (or it is gone)."""
         if self.write_paused:
-            if self.drained is None:
-                self.drained = self.loop.create_future()
-            await self.drained
+            drained = self.drained
+            if drained is None or drained.done():  # one a cancelled sender left is no use
+                drained = self.drained = self.loop.create_future()
+            await drained
 
     def resume_reading(self) -> None:
         if self.read_paused:

@@ -6,6 +6,7 @@ plain socket, so every byte on the wire is the test's to check."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -18,10 +19,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import uvicorn
 from starlette.types import Receive, Scope, Send
+from uvicorn.server import ServerState
 
 from pd_orchestrator.config.settings import LimitsConfig
-from pd_orchestrator.gateway.protocol import HIGH_WATER
+from pd_orchestrator.gateway.protocol import HIGH_WATER, limited_protocol
 
 from .helpers import ThreadServer
 
@@ -303,3 +306,31 @@ def test_https_is_served_and_its_scheme_given(tmp_path: Path) -> None:
         ("/echo", 3, "https"),
         ("/echo/2", 4, "https"),
     ]
+
+
+async def _nothing(scope: Scope, receive: Receive, send: Send) -> None:
+    return None
+
+
+def test_a_sender_cancelled_while_writes_wait_leaves_the_next_one_waiting() -> None:
+    """A request cancelled while the client's buffer was full (its client went, the
+    drain ended it) must not leave the next request on the connection a cancelled
+    wait to fall through."""
+
+    async def run() -> list[str]:
+        loop = asyncio.get_running_loop()
+        config = uvicorn.Config(_nothing, lifespan="off")
+        connection = limited_protocol(lambda: LimitsConfig())(config, ServerState(), {}, loop)
+        connection.pause_writing()
+        first = asyncio.ensure_future(connection.drain())
+        await asyncio.sleep(0)
+        first.cancel()
+        await asyncio.sleep(0)
+        second = asyncio.ensure_future(connection.drain())
+        await asyncio.sleep(0)
+        waiting = "waiting" if not second.done() else "fell through"
+        connection.resume_writing()
+        await asyncio.wait_for(second, 5)
+        return [waiting, "cancelled" if first.cancelled() else "not cancelled"]
+
+    assert asyncio.run(run()) == ["waiting", "cancelled"]
