@@ -22,9 +22,12 @@ Everything started is stopped at the end, on errors and on Ctrl-C.
         [--gateway-config FILE] [--baseline DIR] [--compiled DIR] [--pin CPU] [--workers 1,2]
         [--json FILE]
 
-``--baseline DIR`` adds the gateway of another checkout (built there with ``make``)
-as the target ``gateway-baseline``, with the same config, and the ratios table sets
-this gateway against it: a change's before and after in one invocation.
+``--baseline DIR`` adds the gateway of another checkout (built there with ``make``),
+or of a build of another version (``pip install --target DIR``, as ``make compiled``
+builds ``.compiled``: the whole package, run on this interpreter with ``DIR`` first
+on its ``PYTHONPATH``), as the target ``gateway-baseline``, with the same config, and
+the ratios table sets this gateway against it: a change's before and after in one
+invocation.
 ``--compiled DIR`` adds this checkout's gateway on the compiled build in ``DIR``
 (``make compiled``: ``.compiled``, first on its ``PYTHONPATH``) as the target
 ``gateway-compiled``, set against the gateway the same way.
@@ -296,14 +299,13 @@ def start_gateway(
     ``PYTHONPATH``."""
     directory = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pdo-overhead-")))
     config = _gateway_config_file(backend_url, source, directory)
-    if checkout is not None:
+    executable = Path(sys.executable).with_name("pd-orchestrator")
+    if checkout is not None and (checkout / ".venv" / "bin" / "pd-orchestrator").exists():
         executable = checkout / ".venv" / "bin" / "pd-orchestrator"
-        if not executable.exists():
-            raise SystemExit(
-                f"--baseline {checkout}: no .venv/bin/pd-orchestrator (run make there)"
-            )
-    else:
-        executable = Path(sys.executable).with_name("pd-orchestrator")
+    elif checkout is not None and (checkout / "pd_orchestrator").is_dir():
+        compiled = checkout  # a build of another version: the whole package, run from there
+    elif checkout is not None:
+        raise SystemExit(f"--baseline {checkout}: neither a checkout with .venv nor a build")
     command = (
         [str(executable)] if executable.exists() else [sys.executable, "-m", "pd_orchestrator"]
     )
@@ -745,8 +747,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--baseline",
         type=Path,
         default=None,
-        help="another checkout (with its .venv, as make builds it) whose gateway runs as the "
-        "target gateway-baseline, with the same config: before and after in one invocation",
+        help="another checkout (with its .venv, as make builds it) or a build of another "
+        "version (pip install --target) whose gateway runs as the target gateway-baseline, "
+        "with the same config: before and after in one invocation",
     )
     parser.add_argument(
         "--compiled",
@@ -777,6 +780,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.targets = [t for t in TARGETS + FLOORS if t in args.targets]
     args.targets += [f"{WORKERS_PREFIX}{w}" for w in dict.fromkeys(args.workers) if w > 1]
     if args.baseline is not None:
+        venv = args.baseline / ".venv" / "bin" / "pd-orchestrator"
+        if not venv.exists() and not (args.baseline / "pd_orchestrator").is_dir():
+            parser.error(f"--baseline {args.baseline}: neither a checkout with .venv nor a build")
         args.targets.append(BASELINE)
     if args.compiled is not None:
         if not (args.compiled / "pd_orchestrator").is_dir():

@@ -325,6 +325,14 @@ def test_ratios_set_workers_against_one_and_cpu_against_the_peers(bench: ModuleT
     assert (workers.ratio, workers.goal) == (pytest.approx(1.9), ">= 1.8x")
 
 
+def test_a_baseline_is_a_checkout_or_a_build(bench: ModuleType, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):  # neither
+        bench.parse_args(["--baseline", str(tmp_path)])
+    (tmp_path / "pd_orchestrator").mkdir()  # a build of another version
+    args = bench.parse_args(["--targets", "direct,gateway", "--baseline", str(tmp_path)])
+    assert args.targets == ["direct", "gateway", "gateway-baseline"]
+
+
 def test_workers_add_their_targets(bench: ModuleType) -> None:
     args = bench.parse_args(["--targets", "direct,gateway", "--workers", "1,2,2,4"])
     assert args.targets == ["direct", "gateway", "gateway-w2", "gateway-w4"]
