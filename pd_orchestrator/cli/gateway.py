@@ -171,7 +171,8 @@ def serve_gateway(
         log_level="warning",
         log_config=None,
         timeout_graceful_shutdown=_CLOSE_SECONDS,  # after the gateway's own drain
-        http=cast("type[asyncio.Protocol]", gateway.http_protocol(probe_port)),  # called alike
+        # uvicorn calls the gateway's Listener per connection, as it would a protocol class
+        http=cast("type[asyncio.Protocol]", gateway.http_protocol(probe_port)),
         interface="asgi3",
         proxy_headers=False,
         server_header=False,
