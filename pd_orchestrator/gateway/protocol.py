@@ -607,8 +607,8 @@ class HttpConnection:
             self.scheme = "https"
         self.peer = self.client[0] if self.client else ""
         listener, limits = self.listener, self.limits
-        probe = listener.probe_port is not None and self.server is not None
-        probe = probe and self.server is not None and self.server[1] == listener.probe_port
+        server, port = self.server, listener.probe_port
+        probe = port is not None and server is not None and server[1] == port
         held = listener.probes if probe else listener.main
         cap = PROBE_CONNECTIONS if probe else (limits.max_connections or listener.default_cap)
         share = PROBE_CONNECTIONS if probe else max(1, math.ceil(cap * limits.max_connection_share))
