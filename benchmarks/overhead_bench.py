@@ -302,10 +302,8 @@ def start_gateway(
     executable = Path(sys.executable).with_name("pd-orchestrator")
     if checkout is not None and (checkout / ".venv" / "bin" / "pd-orchestrator").exists():
         executable = checkout / ".venv" / "bin" / "pd-orchestrator"
-    elif checkout is not None and (checkout / "pd_orchestrator").is_dir():
-        compiled = checkout  # a build of another version: the whole package, run from there
-    elif checkout is not None:
-        raise SystemExit(f"--baseline {checkout}: neither a checkout with .venv nor a build")
+    elif checkout is not None:  # a build of another version (parse_args checked it)
+        compiled = checkout  # the whole package, run from there
     command = (
         [str(executable)] if executable.exists() else [sys.executable, "-m", "pd_orchestrator"]
     )
