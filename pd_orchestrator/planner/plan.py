@@ -696,7 +696,6 @@ def _observe(
             prefill_cached=served.prefill_cached,
             prefill_seconds=served.prefill_seconds,
             streams=None if planned is None else planned.streams,
-            prefill_pool=None if served.prefiller is None else served.prefiller.pool,
         )
     )
 

@@ -210,8 +210,6 @@ class LatencyObservation:
     ``streams``: requests running at the serving decoder when the request was
     planned, itself not counted (None: unknown): the batch its ``itl`` was timed in,
     about.
-    ``prefill_pool``: of a P/D request, the pool of the prefiller that prefilled it
-    (None: unknown).
     """
 
     model: str
@@ -229,7 +227,6 @@ class LatencyObservation:
     prefill_cached: int | None = None
     prefill_seconds: float | None = None
     streams: int | None = None
-    prefill_pool: str | None = None
 
     def __post_init__(self) -> None:
         timed = (

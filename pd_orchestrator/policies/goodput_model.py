@@ -978,30 +978,19 @@ class GoodputModel:
                     )
                 else:
                     model.rate_remote = _learn_rate(model.rate_remote, rate, p.alpha)
-            self._learn_prefiller(observation, own, tokens - own)
         elif observation.cached_tokens is not None:
             cached = observation.cached_tokens
-            _learn_local(
-                model, tokens - cached, cached, ttft - 2 * p.hop,
-                alone=bool(observation.alone), alpha=p.alpha,
-            )  # fmt: skip
-
-    def _learn_prefiller(self, observation: LatencyObservation, own: int, held: int) -> None:
-        """A P/D request's prefill leg, timed from its send with the prefiller's cached
-        count known and nothing else at that prefiller, as a local sample of the
-        prefiller's pool: ``own`` tokens prefilled after ``held``. A dedicated prefill
-        pool serves no request whole, so without this it learns no local rate, and its
-        belief (a wrong profile, or the seeds) would price the TTFT target's cold
-        prefill alone (``ttft_scale``) to the end. A pool with a profile learns from
-        them too: a profile's rate leaves out the engine's per-step costs, which the
-        legs time."""
-        leg, pool = observation.prefill_seconds, observation.prefill_pool
-        if leg is None or pool is None or observation.prefill_cached is None:
-            return
-        model = self.pools.get(pool)
-        if model is not None and observation.alone:
-            seconds = leg - 2 * self.params.hop
-            _learn_local(model, own, held, seconds, alone=True, alpha=self.params.alpha)
+            seconds = ttft - 2 * p.hop
+            rate = _rate_sample(model, tokens - cached, cached, seconds)
+            if rate is not None:
+                model.measured = True
+                if observation.alone:
+                    sample = (tokens - cached, cached, seconds)
+                    model.learn_local(
+                        _learn_measured(model, model.rate_local, sample, model.alone_local)
+                    )
+                else:
+                    model.learn_local(_learn_rate(model.rate_local, rate, p.alpha))
 
     def _prefill_leg(self, observation: LatencyObservation, model: PoolModel, ttft: float) -> float:
         """Seconds a P/D request's prefill leg took, its two hops included: as timed from
@@ -1022,23 +1011,6 @@ class GoodputModel:
         if after is None or not tokens or self.params.transfer_tokens_per_s is not None:
             return
         model.handover.learn(tokens, after - 2 * self.params.hop, self.params.alpha)
-
-
-def _learn_local(
-    model: PoolModel, new: int, held: int, seconds: float, *, alone: bool, alpha: float
-) -> None:
-    """Learn ``model``'s local rate from ``new`` tokens prefilled after ``held`` cached
-    ones in ``seconds`` at one of its endpoints (``alone``: with nothing else there, a
-    measurement of the engine; else a bound, learnt by the mean)."""
-    rate = _rate_sample(model, new, held, seconds)
-    if rate is None:
-        return
-    model.measured = True
-    if alone:
-        sample = (new, held, seconds)
-        model.learn_local(_learn_measured(model, model.rate_local, sample, model.alone_local))
-    else:
-        model.learn_local(_learn_rate(model.rate_local, rate, alpha))
 
 
 def _rate_sample(model: PoolModel, new: int, held: int, seconds: float) -> float | None:

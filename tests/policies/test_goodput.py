@@ -581,51 +581,6 @@ def test_a_p_d_sample_learns_from_its_prefill_leg_when_timed() -> None:
     assert model.rate_remote == pytest.approx(15_000.0)
 
 
-def test_a_p_d_leg_timed_alone_is_a_local_sample_of_its_prefiller_s_pool() -> None:
-    # a dedicated prefill pool serves nothing whole: its legs are all it can learn from
-    policy = _policy()
-    pool = policy.model.pools["prefill"] = PoolModel(2 * RATE, 2 * RATE, free_tokens=0.0)
-
-    def leg(seconds: float, *, held: int | None = 0, alone: bool = True) -> None:
-        policy.observe(
-            LatencyObservation(
-                "m", "decode", 0.0, ttft=seconds + 0.05, prompt_tokens=9_000, remote=True,
-                prefill_cached=held, after_prefill=0.05, prefill_seconds=seconds,
-                alone=alone, queued=False, prefill_pool="prefill",
-            )
-        )  # fmt: skip
-
-    leg(0.9, held=None)  # what the prefiller held is not known: nothing learnt of it
-    leg(0.9, alone=False)  # beside other work: a bound, not the engine
-    assert pool.rate_local == 2 * RATE and not pool.measured
-    leg(0.9)  # 9,000 cold tokens in 0.9 s: 10k/s, half what the pool believed
-    assert pool.measured and pool.rate_local == pytest.approx(2 * RATE / 1.5)  # one step
-    for _ in range(3):
-        leg(0.9)
-    assert pool.rate_local == pytest.approx(RATE)
-    assert policy.model.pools["decode"].rate_local == RATE  # the decoder's is its own
-
-
-def test_a_prefiller_s_profile_twice_too_fast_is_corrected_by_its_legs() -> None:
-    policy = _policy()
-    profile = H200.profile
-    assert profile is not None
-    rate = 1 / profile.lin
-    pool = policy.model.pools["prefill"] = PoolModel(
-        2 * rate, 2 * rate, profile=profile, seed=2 * rate, attn=profile.attn, free_tokens=0.0
-    )
-    seconds = profile.prefill_seconds(9_000, 0)  # the engine runs at the profile's rate
-    for _ in range(4):
-        policy.observe(
-            LatencyObservation(
-                "m", "decode", 0.0, ttft=seconds + 0.05, prompt_tokens=9_000, remote=True,
-                prefill_cached=0, after_prefill=0.05, prefill_seconds=seconds,
-                alone=True, queued=False, prefill_pool="prefill",
-            )
-        )  # fmt: skip
-    assert pool.measured and pool.rate_local == pytest.approx(rate)
-
-
 def test_seeds_come_from_the_known_profile_else_the_parameter() -> None:
     h200 = _known_h200()
     assert seed_rate(h200, 1.0) == pytest.approx(1 / 29.5e-6)

@@ -126,13 +126,6 @@ def test_a_p_d_sample_is_alone_by_its_prefiller() -> None:
     assert _alone(Served(D_QUIET, 2.0, ttft=0.5, remote=True, prefiller=P_IDLE)) is None
 
 
-def test_a_p_d_sample_names_its_prefiller_s_pool() -> None:
-    prefiller = Endpoint("p9", "http://p9:1", Role.PREFILL, pool="prefill-mi325x")
-    served = Served(D_IDLE, 2.0, ttft=0.5, remote=True, prefiller=prefiller)
-    assert _observed(served).prefill_pool == "prefill-mi325x"
-    assert _observed(Served(D_IDLE, 2.0, ttft=0.5, remote=False)).prefill_pool is None
-
-
 def test_a_policy_that_observes_nothing_is_told_nothing() -> None:
     """No latency sample is built for a configuration whose policies learn none
     (``observes``): the default ``static`` policy's gateway skips it on every request."""
